@@ -1,0 +1,7 @@
+"""pdserve: a compact LLM serving engine built for prefill/decode disaggregation."""
+from .entrypoints.llm import LLM
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,128 @@
+"""`pdserve` command line: generate, chat, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _make_llm(a):
+    from . import LLM
+    return LLM(a.model, load_format=a.load_format, dtype=a.dtype, device=a.device, seed=a.seed,
+               block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+               num_kv_blocks=a.num_kv_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb)
+
+
+def _params(a):
+    from . import SamplingParams
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                          seed=a.sampling_seed)
+
+
+def _report(outs, elapsed):
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s]", file=sys.stderr)
+
+
+def cmd_generate(a) -> int:
+    llm = _make_llm(a)
+    params = _params(a)
+    t = time.perf_counter()
+    outs = llm.generate(a.prompts, params, use_tqdm=len(a.prompts) > 1)
+    elapsed = time.perf_counter() - t
+    for o in outs:
+        print(f"--- {o.prompt!r}\n{o.outputs[0].text}")
+    _report(outs, elapsed)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    llm = _make_llm(a)
+    params = _params(a)
+    history = [{"role": "system", "content": a.system}] if a.system else []
+    turns = [a.message] if a.message else None
+    while True:
+        if turns is not None:
+            if not turns:
+                return 0
+            user = turns.pop(0)
+            print(f"> {user}")
+        else:
+            try:
+                user = input("> ")
+            except EOFError:
+                return 0
+            if user.strip() in ("/exit", "/quit"):
+                return 0
+            if not user.strip():
+                continue
+        history.append({"role": "user", "content": user})
+        t = time.perf_counter()
+        out = llm.chat(history, params, use_tqdm=False)[0]
+        text = out.outputs[0].text
+        print(text)
+        _report([out], time.perf_counter() - t)
+        history.append({"role": "assistant", "content": text})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        sub = argv[1:2]
+        if sub == ["offline"]:
+            from .bench.offline import main as bench_offline
+            return bench_offline(argv[2:])
+        print("usage: pdserve bench offline [options]   (pdserve bench offline --help)",
+              file=sys.stderr)
+        return 2
+    p = argparse.ArgumentParser(prog="pdserve")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete one or more prompts")
+    g.add_argument("prompts", nargs="+")
+    _engine_args(g)
+    _sampling_args(g)
+    c = sub.add_parser("chat", help="chat with the model (interactive, or --message for one turn)")
+    c.add_argument("--message", action="append", help="a user turn (repeatable); omit for a REPL")
+    c.add_argument("--system", default=None)
+    _engine_args(c)
+    _sampling_args(c)
+    sub.add_parser("bench", help="benchmarks: pdserve bench offline --help")
+    a = p.parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

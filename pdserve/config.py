@@ -1,0 +1,58 @@
+"""EngineConfig: everything `LLM(...)` / the CLI accept, frozen and validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None            # HF folder, .gguf file, preset name; None = embedded SmolLM2
+    load_format: str = "auto"           # "auto" (weights from the files) or "dummy" (seeded random)
+    dtype: str = "auto"                 # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None    # explicit KV pool size; else from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0     # KV pool memory budget when num_kv_blocks is not given
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None    # default: the model's context length, capped by the pool
+    skip_tokenizer_init: bool = False
+    attention_backend: str = "torch"
+
+    def __post_init__(self):
+        def positive(name, allow_none=False):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        positive("num_kv_blocks", allow_none=True)
+        positive("max_model_len", allow_none=True)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"bad device {self.device!r}: {e}") from None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,240 @@
+"""LLMEngine: the engine-level API the offline LLM, the server, workers and the router drive.
+
+    add_request(id, prompt, params)  -> validates, tokenizes, queues (ValueError on bad input)
+    step()                           -> one forward; RequestOutputs of requests that advanced
+    abort_request(id)                -> frees everything the request holds
+    has_unfinished_requests()
+
+It owns tokenization, detokenization and stop conditions; the Scheduler owns batching and blocks;
+the ModelRunner owns tensors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..config import EngineConfig
+from ..loader.model_loader import load_model, load_tokenizer, resolve_source
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sampling_params import SamplingParams
+from ..worker.model_runner import ModelRunner, SampledToken
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+from .scheduler import Scheduler
+
+Prompt = str | dict | list[int]
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: Request
+    out: CompletionOutput
+    detok: IncrementalDetokenizer | None
+    reported_tokens: int = 0
+
+
+@dataclass(eq=False)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Seq]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.out.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = resolve_source(config.model)
+        device, dtype = config.torch_device, config.torch_dtype
+        self.model = load_model(source, config.load_format, dtype, device, config.attention_backend,
+                                config.seed)
+        self.model_config = mcfg = self.model.config
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
+
+        attn = self.model.layers[0].self_attn
+        bytes_per_block = (2 * mcfg.num_layers * attn.num_kv_heads * attn.head_dim
+                           * config.block_size * dtype.itemsize)
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool "
+                             f"({num_blocks} blocks x {config.block_size} = {capacity} tokens)")
+        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"length {mcfg.max_position_embeddings}")
+        self.num_kv_blocks = num_blocks
+
+        if self.tokenizer is not None:
+            self.eos_token_ids = tuple(sorted(self.tokenizer.stop_token_ids))
+        else:
+            eos = mcfg.eos_token_id
+            self.eos_token_ids = tuple(eos) if isinstance(eos, tuple) else (
+                () if eos is None else (eos,))
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, dtype, device,
+                                  config.seed, self.eos_token_ids)
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True); "
+                                 "pass {'prompt_token_ids': [...]}")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        else:
+            ids = prompt
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        return None, list(ids)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(room for at least one generated token is needed)")
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            req = Request(f"{request_id}#{i}", ids, params, seed, self.max_model_len)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                               tuple(params.stop or ()))
+            seqs.append(_Seq(req, CompletionOutput(i, "", [], [] if params.logprobs is not None
+                                                   else None), detok))
+        first = seqs[0].req
+        for s in seqs[1:]:
+            s.req.status = RequestStatus.FORK_PENDING
+            first.siblings.append(s.req)
+        group = _Group(request_id, text, ids, params, seqs,
+                       {"arrival": arrival_time or time.monotonic()})
+        self.scheduler.add(first)
+        self._groups[request_id] = group
+        for s in seqs:
+            self._seq_group[s.req.request_id] = group
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for s in group.seqs:
+                self.scheduler.finish(s.req, RequestStatus.FINISHED_ABORTED)
+                self._seq_group.pop(s.req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched)
+        advanced = self.scheduler.update({k: v.token_id for k, v in sampled.items()})
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for req in advanced:
+            group = self._seq_group[req.request_id]
+            seq = next(s for s in group.seqs if s.req is req)
+            self._append(group, seq, sampled[req.request_id])
+            group.metrics.setdefault("first_token", now)
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            outputs.append(self._make_output(group, now))
+        return outputs
+
+    def _append(self, group: _Group, seq: _Seq, tok: SampledToken) -> None:
+        req, out, p = seq.req, seq.out, group.params
+        out.token_ids.append(tok.token_id)
+        if out.logprobs is not None:
+            out.logprobs.append(self._logprob_entry(tok))
+        stop_str = seq.detok.add(tok.token_id) if seq.detok is not None else None
+        n_out = len(req.output_token_ids)
+        status, reason = None, None
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok.token_id in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif tok.token_id in p.stop_token_ids:
+                status, reason = RequestStatus.FINISHED_STOPPED, tok.token_id
+            elif stop_str is not None:
+                status, reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            out.finish_reason, out.stop_reason = status.value, reason
+            self.scheduler.finish(req, status)
+
+    def _logprob_entry(self, tok: SampledToken) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        for rank, (tid, lp) in enumerate(tok.top or (), start=1):
+            entry[tid] = Logprob(lp, rank, self._token_text(tid))
+        if tok.token_id not in entry:
+            # rank of the sampled token among all tokens: unknown beyond the top-k; report k + 1
+            entry[tok.token_id] = Logprob(tok.logprob, len(entry) + 1, self._token_text(tok.token_id))
+        return entry
+
+    def _token_text(self, tid: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([tid], False)
+
+    def _make_output(self, group: _Group, now: float) -> RequestOutput:
+        finished = group.finished
+        if finished:
+            group.metrics["finished"] = now
+            del self._groups[group.request_id]
+            for s in group.seqs:
+                self._seq_group.pop(s.req.request_id, None)
+        outs = []
+        for s in group.seqs:
+            o = s.out
+            o.new_token_ids = o.token_ids[s.reported_tokens:]
+            s.reported_tokens = len(o.token_ids)
+            if s.detok is not None:
+                o.new_text = s.detok.take_new_text(o.finished)
+                o.text = s.detok.text if o.finished else s.detok.text[: s.detok.reported]
+            outs.append(CompletionOutput(o.index, o.text, list(o.token_ids),
+                                         None if o.logprobs is None else list(o.logprobs),
+                                         o.finish_reason, o.stop_reason, o.new_token_ids, o.new_text))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
+                             dict(group.metrics))
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

@@ -1,0 +1,54 @@
+"""Request: one sequence the scheduler runs. A user request with n > 1 becomes n Requests; the
+first computes the prompt, the others fork from it when its prefill completes."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"          # in the waiting queue (new or preempted)
+    RUNNING = "running"
+    FORK_PENDING = "fork_pending"  # n > 1 sibling waiting for the first sequence's prefill
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    seed: int | None = None                 # this sequence's sampling seed (None: engine's RNG)
+    max_model_len: int = 1 << 30            # prompt + output never exceeds this
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0            # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    siblings: list["Request"] = field(default_factory=list)  # FORK_PENDING sequences forked from this one
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

@@ -1,0 +1,211 @@
+"""Scheduler: continuous batching under a per-step token budget.
+
+There is no prefill or decode phase: each request has `num_computed_tokens` that catch up to
+`num_tokens` (prompt + output). A step gives every running request, oldest first, up to its
+missing tokens (one for a decode, a chunk of a long prompt otherwise) while the token budget
+lasts, then admits waiting requests first-come-first-served. One forward runs the whole mix.
+When the pool is short, the newest running request is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed later (same tokens, since its outputs are kept).
+
+Pure Python; the model runner only sees the SchedulerOutput.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import BlockCopy, KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once per sequence, the first time it is scheduled (the runner keeps sampling state)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: object
+    seed: int | None
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]      # tokens fed this step
+    start_pos: int            # position of token_ids[0] (= cached tokens)
+    block_table: list[int]
+    sample: bool              # True when this chunk reaches the end of the sequence
+
+
+@dataclass(frozen=True)
+class Fork:
+    request_id: str           # the new sibling
+    parent_id: str            # samples from the parent's last-position logits
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)   # since the last step: runner drops state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_runner: set[str] = set()
+        self._finished_since_step: list[str] = []
+        self._last: tuple[list[tuple[Request, int]], list[Request]] = ([], [])
+        self.num_preemptions = 0  # total, for metrics and tests
+
+    # ---- admission and removal ------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a sequence (with any FORK_PENDING siblings attached to req.siblings)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        for s in req.siblings:
+            self.requests[s.request_id] = s
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a sequence (and its unforked siblings) for good, freeing its blocks."""
+        for r in [req, *req.siblings]:
+            if r.status.finished:
+                continue
+            if r.status is RequestStatus.RUNNING:
+                self.running.remove(r)
+            elif r.status is RequestStatus.WAITING:
+                self.waiting.remove(r)
+            r.status = status
+            self.kv.free(r.request_id)
+            del self.requests[r.request_id]
+            if r.request_id in self._known_to_runner:
+                self._known_to_runner.discard(r.request_id)
+                self._finished_since_step.append(r.request_id)
+        req.siblings = []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _num_seq_slots_used(self) -> int:
+        return sum(1 + len(r.siblings) for r in self.running)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self.max_num_batched_tokens
+        picked: list[tuple[Request, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
+            while copies is None:  # pool short: preempt the newest until this one fits
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+                copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
+            if copies is None:
+                break
+            out.block_copies.extend(copies)
+            picked.append((req, n))
+            budget -= n
+            i += 1
+
+        # Admit new work only when nothing was preempted (it would just be preempted again).
+        while self.waiting and budget > 0 and not out.preempted_ids:
+            req = self.waiting[0]
+            if self._num_seq_slots_used() + 1 + len(req.siblings) > self.max_num_seqs:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.block_copies.extend(copies)
+            picked.append((req, n))
+            budget -= n
+
+        forked: list[Request] = []
+        for req, n in picked:
+            end = req.num_computed_tokens + n
+            if req.request_id not in self._known_to_runner:
+                self._known_to_runner.add(req.request_id)
+                out.new_requests.append(self._new_data(req))
+            out.chunks.append(ScheduledChunk(
+                req.request_id, req.token_slice(req.num_computed_tokens, end),
+                req.num_computed_tokens, list(self.kv.block_tables[req.request_id]),
+                sample=end == req.num_tokens))
+            if end == req.num_tokens and req.siblings:
+                for s in req.siblings:
+                    self.kv.fork(req.request_id, s.request_id)
+                    s.status = RequestStatus.RUNNING
+                    self.running.append(s)
+                    self._known_to_runner.add(s.request_id)
+                    out.new_requests.append(self._new_data(s))
+                    out.forks.append(Fork(s.request_id, req.request_id))
+                    forked.append(s)
+                req.siblings = []
+        self._last = (picked, forked)
+        return out
+
+    @staticmethod
+    def _new_data(req: Request) -> NewRequestData:
+        return NewRequestData(req.request_id, req.prompt_token_ids, req.params, req.seed,
+                              list(req.output_token_ids))
+
+    def update(self, sampled: dict[str, int]) -> list[Request]:
+        """Apply the last step's results. Returns the sequences that got a new token."""
+        picked, forked = self._last
+        self._last = ([], [])
+        got: list[Request] = []
+        for req, n in picked:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted later in the same schedule() call
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.output_token_ids.append(sampled[req.request_id])
+                got.append(req)
+        for s in forked:
+            s.num_computed_tokens = s.num_prompt_tokens
+            s.output_token_ids.append(sampled[s.request_id])
+            got.append(s)
+        return got
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        held = set(self.kv.block_tables)
+        assert held <= {r.request_id for r in self.running}, \
+            f"block tables held by non-running requests: {held - {r.request_id for r in self.running}}"
+        assert self._num_seq_slots_used() <= self.max_num_seqs

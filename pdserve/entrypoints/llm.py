@@ -1,0 +1,83 @@
+"""LLM: the offline batch API (vLLM-compatible shapes) over LLMEngine."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from ..config import EngineConfig
+from ..engine.llm_engine import LLMEngine, Prompt
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+
+class LLM:
+    """LLM(model=None, **engine_args): model is an HF folder, a .gguf file or a preset name
+    (with load_format="dummy"); None loads the embedded SmolLM2-135M-Instruct. Engine args are
+    EngineConfig's fields (dtype, device, block_size, max_num_seqs, max_num_batched_tokens,
+    max_model_len, seed, num_kv_blocks, kv_cache_memory_gb, load_format, skip_tokenizer_init)."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)  # a bad prompt rejects the whole call, nothing half-run
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (this LLM was built with skip_tokenizer_init)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt, tokenize=True)}
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, n_out = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    n_out += sum(len(o.new_token_ids) for o in out.outputs)
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s",
+                                    refresh=False)
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,113 @@
+"""From a model spec (folder, .gguf, preset, or nothing) to a model with weights and a tokenizer.
+
+    spec                       config from              weights from             tokenizer from
+    None                       embedded SmolLM2 GGUF    the GGUF                 GGUF metadata
+    path/to/x.gguf             GGUF metadata            the GGUF                 GGUF metadata
+    HF folder                  config.json              *.safetensors / dummy    tokenizer.json
+    preset name (dummy only)   models/presets.py        dummy                    none
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..attention.base import get_backend
+from ..models.config import ModelConfig
+from ..models.llama import LlamaForCausalLM
+from ..models.presets import PRESETS
+from .default_model import default_gguf_path
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str                   # "gguf" | "hf" | "preset"
+    path: str | None
+    hf_config: dict
+
+
+def resolve_source(spec: str | None) -> ModelSource:
+    if spec is None:
+        spec = default_gguf_path()
+    spec = os.fspath(spec)
+    if spec in PRESETS:
+        return ModelSource("preset", None, dict(PRESETS[spec]))
+    if spec.endswith(".gguf") or os.path.isfile(spec):
+        from .gguf_loader import load_gguf
+        return ModelSource("gguf", spec, load_gguf(spec).config)
+    if os.path.isdir(spec):
+        cfg_path = os.path.join(spec, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model folder {spec!r} has no config.json")
+        try:
+            with open(cfg_path) as f:
+                return ModelSource("hf", spec, json.load(f))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    raise ValueError(f"model {spec!r} is neither a file, a folder nor a preset "
+                     f"(presets: {', '.join(sorted(PRESETS))})")
+
+
+def _safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model folder {folder!r} has no *.safetensors weights "
+                         "(use load_format='dummy' for random weights)")
+    for fname in files:
+        try:
+            with safe_open(os.path.join(folder, fname), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"cannot read {fname}: {e}") from None
+
+
+def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights, drawn per full (unsharded) parameter in a fixed order, so any
+    sharding of the same model sees the same values. Norms are 1, everything else N(0, 0.02)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+
+
+def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
+               attention_backend: str, seed: int) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_hf(source.hf_config)
+    if source.kind == "preset" and load_format != "dummy":
+        raise ValueError("a preset name has no weights here; pass load_format='dummy'")
+    backend = get_backend(attention_backend)
+    model = LlamaForCausalLM(cfg, backend)
+    if load_format == "dummy":
+        dummy_weights(model, seed)
+    else:
+        if source.kind == "gguf":
+            from .gguf_loader import load_gguf
+            weights = load_gguf(source.path).tensors()
+        else:
+            weights = _safetensors_weights(source.path)
+        loaded = model.load_weights(weights)
+        expected = {n for n, _ in model.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+    model.to(device)
+    for p in model.parameters():  # parameters only: the RoPE table stays float32
+        p.data = p.data.to(dtype)
+    return model.eval()
+
+
+def load_tokenizer(source: ModelSource):
+    from .tokenizer import Tokenizer
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf_file(source.path)
+    if source.kind == "hf":
+        return Tokenizer.from_hf_dir(source.path)
+    raise ValueError("a preset has no tokenizer; pass skip_tokenizer_init=True and token-id prompts")

@@ -1,0 +1,42 @@
+"""User-facing results (vLLM-compatible shapes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int                      # 1 = most likely token
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # What this step added (streaming): the tokens and the text not yet reported.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (s)

@@ -1,0 +1,145 @@
+"""User-facing sampling parameters (vLLM / OpenAI compatible subset).
+
+A frozen dataclass validated on construction: every bad value raises ``ValueError`` whose message
+names the field and the offending value. Normalisations done in ``__post_init__``:
+
+* ``top_k=None`` -> ``-1`` (disabled);
+* ``stop`` (None, str or list of str) -> ``tuple[str, ...]`` (empty when None);
+* ``stop_token_ids`` (None or list of int) -> ``tuple[int, ...]`` (empty when None);
+* ints passed as floats where a float is expected are converted to ``float``.
+
+Turning a batch of these into tensors happens in exactly one place:
+``pdserve.layers.sampler.SamplingBatch.build``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+# Temperatures below this are treated as greedy (argmax) sampling.
+GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen dataclass: normalise through object.__setattr__
+
+        def bad(field: str, value, why: str):
+            raise ValueError(f"{field} {why}, got {value!r}")
+
+        # ---- integers -------------------------------------------------------------------------
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", self.n, "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        top_k = -1 if self.top_k is None else self.top_k
+        if not _is_int(top_k) or top_k == 0 or top_k < -1:
+            bad("top_k", self.top_k, "must be -1/None (disabled) or an integer >= 1")
+        set_(self, "top_k", top_k)
+        if self.logprobs is not None and (
+                not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", self.seed, "must be None or an integer")
+
+        # ---- floats (comparisons written so that NaN fails them) ------------------------------
+        def number(field: str) -> float:
+            v = getattr(self, field)
+            if not _is_number(v):
+                bad(field, v, "must be a number")
+            v = float(v)
+            set_(self, field, v)
+            return v
+
+        t = number("temperature")
+        if not (0.0 <= t < math.inf):
+            bad("temperature", self.temperature, "must be a finite number >= 0")
+        p = number("top_p")
+        if not (0.0 < p <= 1.0):
+            bad("top_p", self.top_p, "must be in (0, 1]")
+        mp = number("min_p")
+        if not (0.0 <= mp <= 1.0):
+            bad("min_p", self.min_p, "must be in [0, 1]")
+        rp = number("repetition_penalty")
+        if not (0.0 < rp < math.inf):
+            bad("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
+        for field in ("presence_penalty", "frequency_penalty"):
+            v = number(field)
+            if not (-2.0 <= v <= 2.0):
+                bad(field, getattr(self, field), "must be in [-2, 2]")
+
+        # ---- stop strings / stop token ids ----------------------------------------------------
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        else:
+            bad("stop", self.stop, "must be None, a string or a list of strings")
+        for s in stop:
+            if not isinstance(s, str):
+                bad("stop", self.stop, "entries must be strings")
+            if not s:
+                bad("stop", self.stop, "entries must be non-empty strings")
+        set_(self, "stop", stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, (list, tuple)):
+            ids = tuple(ids)
+        else:
+            bad("stop_token_ids", self.stop_token_ids, "must be None or a list of integers")
+        for i in ids:
+            if not _is_int(i) or i < 0:
+                bad("stop_token_ids", self.stop_token_ids, "entries must be integers >= 0")
+        set_(self, "stop_token_ids", ids)
+
+        for field in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, getattr(self, field), "must be a bool")
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        """Greedy (argmax) decoding: temperature 0, or so small it is treated as 0."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalty(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

@@ -1,0 +1,15 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

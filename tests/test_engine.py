@@ -1,0 +1,137 @@
+"""Engine-level behaviour on a tiny random Qwen2: seeds, n > 1, stops, logprobs, streaming,
+abort, preemption; check_integrity after every scenario."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+
+from .utils import paged_logits, save_tiny_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "qwen2"
+    save_tiny_hf_model(d, "qwen2")
+    return str(d)
+
+
+def make_llm(model_dir, **kw):
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 4)
+    return LLM(model_dir, skip_tokenizer_init=True, **kw)
+
+
+def ids(*prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+PROMPTS = [[7, 8, 9], [100, 101, 102, 103, 104, 105], [5] * 13, [250, 3], [11, 12, 13, 14, 15],
+           [300, 299, 298, 297], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [77]]
+
+
+def test_seeded_sampling_same_alone_and_in_any_batch(model_dir):
+    llm = make_llm(model_dir)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12,
+                        ignore_eos=True)
+    alone = llm.generate(ids(PROMPTS[1]), sp, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+             sp, SamplingParams(temperature=0.7, seed=9, max_tokens=5, ignore_eos=True,
+                                presence_penalty=0.5)] * 2
+    outs = llm.generate(ids(*[PROMPTS[1]] * 8), mixed, use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone
+    assert outs[6].outputs[0].token_ids == alone
+    unseeded = llm.generate(ids(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=12,
+                                                            ignore_eos=True), use_tqdm=False)
+    assert len(unseeded[0].outputs[0].token_ids) == 12
+    llm.llm_engine.check_integrity()
+
+
+def test_greedy_batch_invariance_with_chunking_and_preemption(model_dir):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [make_llm(model_dir).generate(ids(p), sp, use_tqdm=False)[0].outputs[0].token_ids
+           for p in PROMPTS]
+    llm = make_llm(model_dir, num_kv_blocks=24, max_num_batched_tokens=6, max_model_len=64)
+    outs = llm.generate(ids(*PROMPTS), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    llm.llm_engine.check_integrity()
+    assert llm.llm_engine.kv.num_free_blocks() == 24
+
+
+def test_n_shares_prompt_blocks(model_dir):
+    llm = make_llm(model_dir)
+    eng = llm.llm_engine
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    eng.add_request("x", {"prompt_token_ids": PROMPTS[6]}, sp)  # 17 tokens: 5 blocks of 4
+    eng.step()
+    tables = [eng.kv.block_tables[f"x#{i}"] for i in range(3)]
+    assert tables[0][:4] == tables[1][:4] == tables[2][:4]
+    assert all(eng.kv.pool.ref_counts[b] == 3 for b in tables[0][:4])
+    eng.check_integrity()
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        eng.check_integrity()
+    (out,) = outs
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 6 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # different seeds per sample
+    assert eng.kv.num_free_blocks() == 256
+
+
+def test_stop_token_ids_max_tokens_and_finish_reasons(model_dir):
+    llm = make_llm(model_dir)
+    greedy = llm.generate(ids(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=10,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+    toks = greedy.outputs[0].token_ids
+    assert greedy.outputs[0].finish_reason == "length" and len(toks) == 10
+    stop_tok = toks[4]
+    out = llm.generate(ids(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                       stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    o = out.outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop_tok
+    assert o.token_ids == toks[: toks.index(stop_tok) + 1]
+
+
+def test_logprobs_match_reference(model_dir):
+    llm = make_llm(model_dir)
+    p = PROMPTS[1]
+    out = llm.generate(ids(p), SamplingParams(temperature=0, max_tokens=3, logprobs=4,
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    full = p + out.token_ids
+    ref = torch.log_softmax(paged_logits(llm.llm_engine, full).double(), -1)
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(p) - 1 + i]
+        top = torch.topk(row, 4)
+        assert list(entry)[:4] == top.indices.tolist()
+        for rank, (tid, lp) in enumerate(entry.items(), start=1):
+            assert abs(lp.logprob - row[tid].item()) < 1e-4
+            assert lp.rank == rank
+        assert tok in entry and tok == top.indices[0].item()
+
+
+def test_streaming_deltas_and_abort(model_dir):
+    llm = make_llm(model_dir)
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:4]):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    streamed: dict[str, list[int]] = {}
+    final = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            streamed.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 3:
+            eng.abort_request("r2")
+        eng.check_integrity()
+    assert set(final) == {"r0", "r1", "r3"}
+    for rid, toks in final.items():
+        assert streamed[rid] == toks and len(toks) == 8
+    assert eng.kv.num_free_blocks() == 256
+    eng.abort_request("no-such-request")  # unknown ids are ignored

@@ -1,0 +1,88 @@
+"""The embedded SmolLM2-135M-Instruct GGUF end to end, against HF transformers loading the same
+file with gguf_file= (it dequantizes and un-permutes on its own): logits, greedy generation,
+batch invariance under chunked prefill and preemption, stop strings, chat."""
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.loader.default_model import default_gguf_path  # noqa: E402
+
+from .utils import paged_logits  # noqa: E402
+
+TEXTS = ["The capital of France is", "def fibonacci(n):", "In 1969, 3 astronauts flew to",
+         "Les fleurs du jardin sont"]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    path = default_gguf_path()
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+def test_logits_match_hf(hf, llm):
+    tok = llm.get_tokenizer()
+    for text in TEXTS:
+        ids = tok.encode(text)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].double()
+        ours = paged_logits(llm.llm_engine, ids).double()
+        err = ((ours - ref).norm() / ref.norm()).item()
+        assert err < 1e-4, (text, err)
+
+
+def test_greedy_matches_hf_generate(hf, llm):
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True)
+               for t in ("What is the capital of France?", "Write a haiku about rain.")]
+    prompts.append(tok.encode(TEXTS[1]))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            # eos_token_id=-1: never stop and never ban EOS (ignore_eos semantics); HF's
+            # min_new_tokens would instead ban EOS and change the greedy path.
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=-1, pad_token_id=0)
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
+
+
+def test_batch_invariance_with_chunked_prefill_and_preemption():
+    prompts = [f"Question {i}: tell me about {topic}." for i, topic in enumerate(
+        ["the sea", "mountains", "cats", "rivers", "the moon", "bread", "trains", "music", "snow"])]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    big = LLM(num_kv_blocks=256)
+    alone = [big.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    small = LLM(num_kv_blocks=12, block_size=8, max_num_batched_tokens=16, max_model_len=96)
+    outs = small.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    eng = small.llm_engine
+    assert eng.scheduler.num_preemptions > 0
+    eng.check_integrity()
+    assert eng.kv.num_free_blocks() == 12
+
+
+def test_stop_string_cut_and_chat(llm):
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], sp,
+                   use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text
+    word = "Paris"
+    cut = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=40, stop=[word]),
+                   use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == word
+    assert cut.text == out.text[: out.text.index(word)]
+    assert word not in cut.text

@@ -1,0 +1,52 @@
+"""Test helpers: run the engine's model over a token sequence through the paged KV cache."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.attention.metadata import forward_context
+from pdserve.engine.scheduler import ScheduledChunk
+
+
+@torch.inference_mode()
+def paged_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits [len(ids), V] for every position, computed in prefill chunks of `chunk` tokens that
+    attend to the cached context of the previous chunks (None: one chunk)."""
+    kv, runner, model = engine.kv, engine.runner, engine.model
+    rid = "__probe__"
+    chunk = chunk or len(ids)
+    out = []
+    try:
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            assert kv.allocate_slots(rid, start, len(piece)) is not None
+            c = ScheduledChunk(rid, piece, start, list(kv.block_tables[rid]), True)
+            meta, inp, pos = runner._prepare([c])
+            with forward_context(meta):
+                hidden = model(inp, pos)
+            out.append(model.compute_logits(hidden))
+    finally:
+        kv.free(rid)
+    return torch.cat(out)
+
+
+def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0):
+    """A small random HF model saved as safetensors: Qwen2 (QKV bias, untied) or Llama (tied).
+    Returns the transformers model (eval, fp32)."""
+    import transformers
+    torch.manual_seed(seed)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=0, bos_token_id=1)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=False)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common, rope_theta=5e5, tie_word_embeddings=True, head_dim=16)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # biases are zero and norms one at init: make them count
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(path)
+    return model
