@@ -1,0 +1,127 @@
+"""Bad input raises ValueError saying what is wrong, and the engine keeps serving."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+
+from .utils import save_tiny_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "qwen2"
+    save_tiny_hf_model(d, "qwen2")
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
+               max_model_len=32)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": list(range(40))}, "max_model_len"),
+    ({"prompt_token_ids": [1, 2, 99999]}, "vocabulary"),
+    ({"prompt_token_ids": ["a"]}, "integers"),
+    ({"nothing": 1}, "prompt_token_ids"),
+    ("text without a tokenizer", "tokenizer"),
+])
+def test_bad_prompts_rejected_and_engine_keeps_serving(llm, prompt, match):
+    good = {"prompt_token_ids": [3, 4, 5]}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([good, prompt], sp, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([good], sp, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.llm_engine.check_integrity()
+    assert llm.llm_engine.kv.num_free_blocks() == 64
+
+
+def test_empty_string_prompt_with_tokenizer():
+    llm = LLM(num_kv_blocks=16)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(num_kv_blocks=4, block_size=4, max_model_len=64)
+
+
+def test_missing_and_corrupt_model_files(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="neither a file"):
+        LLM(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError):
+        LLM(str(tmp_path / "missing.gguf"))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(ValueError):
+        LLM(str(junk))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="JSON"):
+        LLM(str(bad))
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    (trunc / "config.json").write_text((model_dir / "config.json").read_text())
+    data = (model_dir / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError):
+        LLM(str(trunc), skip_tokenizer_init=True)
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(empty), skip_tokenizer_init=True)
+
+
+def test_unknown_architecture(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                               "model_type": "gpt2", "n_embd": 64}))
+    with pytest.raises(ValueError, match="unknown architecture"):
+        LLM(str(d), load_format="dummy", skip_tokenizer_init=True)
+
+
+def test_bad_engine_args():
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(block_size=0)
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(load_format="pickle")
+    with pytest.raises(ValueError, match="preset"):
+        LLM("qwen2.5-7b")  # a preset has no weights without load_format="dummy"
+
+
+def test_dummy_config_folder_takes_token_ids(tmp_path, model_dir):
+    d = tmp_path / "cfgonly"
+    d.mkdir()
+    (d / "config.json").write_text((model_dir / "config.json").read_text())
+    llm = LLM(str(d), load_format="dummy", skip_tokenizer_init=True, num_kv_blocks=32)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm2 = LLM("smollm2-135m", load_format="dummy", skip_tokenizer_init=True, num_kv_blocks=16)
+    p1 = next(llm.llm_engine.model.parameters())
+    assert p1.abs().sum() > 0
+    assert llm2.llm_engine.model_config.num_layers == 30
