@@ -69,7 +69,7 @@ def cmd_chat(a) -> int:
     llm = _make_llm(a)
     params = _params(a)
     history = [{"role": "system", "content": a.system}] if a.system else []
-    turns = [a.message] if a.message else None
+    turns = list(a.message) if a.message else None
     while True:
         if turns is not None:
             if not turns:

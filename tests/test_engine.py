@@ -135,3 +135,20 @@ def test_streaming_deltas_and_abort(model_dir):
         assert streamed[rid] == toks and len(toks) == 8
     assert eng.kv.num_free_blocks() == 256
     eng.abort_request("no-such-request")  # unknown ids are ignored
+
+
+def test_bad_request_mid_flight_leaves_others_running(model_dir):
+    llm = make_llm(model_dir, max_model_len=64)
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng.add_request("a", {"prompt_token_ids": PROMPTS[0]}, sp)
+    eng.step()
+    with pytest.raises(ValueError):
+        eng.add_request("b", {"prompt_token_ids": list(range(100))}, sp)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("a", {"prompt_token_ids": PROMPTS[1]}, sp)
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["a"] and len(done[0].outputs[0].token_ids) == 6
+    eng.check_integrity()

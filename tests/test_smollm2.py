@@ -86,3 +86,15 @@ def test_stop_string_cut_and_chat(llm):
     assert cut.finish_reason == "stop" and cut.stop_reason == word
     assert cut.text == out.text[: out.text.index(word)]
     assert word not in cut.text
+
+
+def test_cli_generate_and_chat(capsys):
+    from pdserve.cli import main
+    assert main(["generate", "The capital of France is", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert "The capital of France is" in out.out and "tokens/s" in out.err
+    assert main(["chat", "--message", "Hi!", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert "> Hi!" in out.out and "tokens/s" in out.err
+    assert main(["generate", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
