@@ -19,10 +19,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
     """K and V of one sequence's first `length` tokens: [length, Hkv, D] each."""
     block_size = kv_cache.shape[2]
-    blocks = block_table[: -(-length // block_size)]
-    k = kv_cache[0, blocks].flatten(0, 1)[:length]
-    v = kv_cache[1, blocks].flatten(0, 1)[:length]
-    return k, v
+    kv = gather_blocks(kv_cache, block_table[: -(-length // block_size)])
+    return kv[0].flatten(0, 1)[:length], kv[1].flatten(0, 1)[:length]
+
+
+def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """K and V of the given blocks in one copy: [2, *blocks.shape, block_size, Hkv, D].
+    (index_select is several times faster than advanced indexing for this on CPU.)"""
+    out = kv_cache.index_select(1, blocks.reshape(-1))
+    return out.view(2, *blocks.shape, *kv_cache.shape[2:])
 
 
 @register_backend
@@ -48,8 +53,8 @@ class TorchPagedAttention(AttentionBackend):
         block_size = kv_cache.shape[2]
         max_len = max(meta.seq_lens[:nd])
         blocks = meta.block_tables[:nd, : -(-max_len // block_size)]
-        k = kv_cache[0, blocks].flatten(1, 2)  # [nd, L, Hkv, D]
-        v = kv_cache[1, blocks].flatten(1, 2)
+        kv = gather_blocks(kv_cache, blocks)
+        k, v = kv[0].flatten(1, 2), kv[1].flatten(1, 2)  # [nd, L, Hkv, D]
         pos = torch.arange(k.shape[1], device=q.device)
         mask = (pos[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
