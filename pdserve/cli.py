@@ -19,7 +19,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +41,9 @@ def _make_llm(a):
     return LLM(a.model, load_format=a.load_format, dtype=a.dtype, device=a.device, seed=a.seed,
                block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-               num_kv_blocks=a.num_kv_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb)
+               num_kv_blocks=a.num_kv_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
+               gpu_memory_utilization=a.gpu_memory_utilization,
+               attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)
 
 
 def _params(a):
@@ -101,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["offline"]:
             from .bench.offline import main as bench_offline
             return bench_offline(argv[2:])
-        print("usage: pdserve bench offline [options]   (pdserve bench offline --help)",
+        if sub == ["latency"]:
+            from .bench.latency import main as bench_latency
+            return bench_latency(argv[2:])
+        print("usage: pdserve bench {offline,latency} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     p = argparse.ArgumentParser(prog="pdserve")

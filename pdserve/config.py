@@ -18,12 +18,15 @@ class EngineConfig:
     seed: int = 0
     block_size: int = 16
     num_kv_blocks: int | None = None    # explicit KV pool size; else from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0     # KV pool memory budget when num_kv_blocks is not given
+    kv_cache_memory_gb: float | None = None  # KV pool budget (CPU default 1 GiB)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory for weights + KV pool
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_model_len: int | None = None    # default: the model's context length, capped by the pool
     skip_tokenizer_init: bool = False
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"     # "auto": triton on CUDA, torch on CPU
+    enforce_eager: bool = False         # CUDA: no CUDA graphs
+    cuda_graph_max_batch: int = 512     # largest captured decode batch (capped by max_num_seqs)
 
     def __post_init__(self):
         def positive(name, allow_none=False):
@@ -40,8 +43,14 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not self.kv_cache_memory_gb > 0:
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be auto, torch or triton, got "
+                             f"{self.attention_backend!r}")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:
@@ -50,6 +59,17 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend == "auto":
+            return "triton" if self.torch_device.type == "cuda" else "torch"
+        return self.attention_backend
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return (self.torch_device.type == "cuda" and not self.enforce_eager
+                and self.resolved_attention_backend == "triton")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# Triton kernels run under Triton's interpreter where there is no GPU; it must be chosen before
+# triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.attention.metadata import forward_context
 from pdserve.engine.scheduler import ScheduledChunk
 
 
@@ -20,9 +19,7 @@ def paged_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tens
             piece = ids[start:start + chunk]
             assert kv.allocate_slots(rid, start, len(piece)) is not None
             c = ScheduledChunk(rid, piece, start, list(kv.block_tables[rid]), True)
-            meta, inp, pos = runner._prepare([c])
-            with forward_context(meta):
-                hidden = model(inp, pos)
+            hidden, _ = runner._forward([c])
             out.append(model.compute_logits(hidden))
     finally:
         kv.free(rid)

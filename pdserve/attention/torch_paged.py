@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..layers.rotary import apply_rope
 from .base import AttentionBackend, register_backend
 from .metadata import AttentionMetadata
 
@@ -14,13 +15,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
     _, _, _, hkv, d = kv_cache.shape
     kv_cache[0].view(-1, hkv, d).index_copy_(0, slots, k)
     kv_cache[1].view(-1, hkv, d).index_copy_(0, slots, v)
-
-
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
-    """K and V of one sequence's first `length` tokens: [length, Hkv, D] each."""
-    block_size = kv_cache.shape[2]
-    kv = gather_blocks(kv_cache, block_table[: -(-length // block_size)])
-    return kv[0].flatten(0, 1)[:length], kv[1].flatten(0, 1)[:length]
 
 
 def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -34,32 +28,30 @@ def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, positions, cos_sin, kv_cache, meta: AttentionMetadata, scale):
+        q, k = apply_rope(q, k, positions, cos_sin)
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
-        qsl, lens = meta.query_start_loc, meta.seq_lens
-        for i in range(nd, len(lens)):
-            s, e = qsl[i], qsl[i + 1]
-            kk, vv = gather_kv(kv_cache, meta.block_tables[i], lens[i])
-            out[s:e] = _attend(q[s:e], kk, vv, lens[i] - (e - s), scale)
-        return out
-
-    @staticmethod
-    def _decode(q, kv_cache, meta: AttentionMetadata, scale: float):
-        nd = meta.num_decodes
         block_size = kv_cache.shape[2]
-        max_len = max(meta.seq_lens[:nd])
-        blocks = meta.block_tables[:nd, : -(-max_len // block_size)]
-        kv = gather_blocks(kv_cache, blocks)
-        k, v = kv[0].flatten(1, 2), kv[1].flatten(1, 2)  # [nd, L, Hkv, D]
-        pos = torch.arange(k.shape[1], device=q.device)
-        mask = (pos[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+        lens = meta.seq_lens_host
+        if nd:
+            blocks = meta.block_tables[:nd, : -(-max(lens[:nd]) // block_size)]
+            kv = gather_blocks(kv_cache, blocks)
+            kk, vv = kv[0].flatten(1, 2), kv[1].flatten(1, 2)  # [nd, L, Hkv, D]
+            pos = torch.arange(kk.shape[1], device=q.device)
+            mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kk.transpose(1, 2),
+                                               vv.transpose(1, 2), attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+            out[:nd] = o.squeeze(2)
+        qsl = meta.query_start_loc_host
+        for i in range(nd, len(lens)):
+            s, e, n = qsl[i], qsl[i + 1], lens[i]
+            kv = gather_blocks(kv_cache, meta.block_tables[i, : -(-n // block_size)])
+            kk, vv = kv[0].flatten(0, 1)[:n], kv[1].flatten(0, 1)[:n]
+            out[s:e] = _attend(q[s:e], kk, vv, n - (e - s), scale)
+        return out
 
 
 def _attend(q, k, v, ctx: int, scale: float):

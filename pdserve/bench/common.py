@@ -81,6 +81,9 @@ def git_info() -> dict[str, Any]:
     differs from HEAD or an untracked file sits inside the pdserve package (code that ran but is
     not in the commit); untracked files elsewhere (results, scratch) do not count. Read-only git
     calls, run in the folder that holds the pdserve package."""
+    if os.environ.get("PDSERVE_GIT_COMMIT"):  # runs on a copied tree without .git (the device)
+        return {"git_commit": os.environ["PDSERVE_GIT_COMMIT"],
+                "git_dirty": os.environ.get("PDSERVE_GIT_DIRTY", "0") == "1"}
     commit = _git("rev-parse", "--verify", "-q", "HEAD")
     if not commit:
         return {"git_commit": "uncommitted", "git_dirty": True}

@@ -11,6 +11,8 @@ the ModelRunner owns tensors.
 from __future__ import annotations
 
 import time
+
+import torch
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -54,16 +56,15 @@ class LLMEngine:
         self.config = config
         source = resolve_source(config.model)
         device, dtype = config.torch_device, config.torch_dtype
-        self.model = load_model(source, config.load_format, dtype, device, config.attention_backend,
-                                config.seed)
+        self.model = load_model(source, config.load_format, dtype, device,
+                                config.resolved_attention_backend, config.seed)
         self.model_config = mcfg = self.model.config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
 
         attn = self.model.layers[0].self_attn
         bytes_per_block = (2 * mcfg.num_layers * attn.num_kv_heads * attn.head_dim
                            * config.block_size * dtype.itemsize)
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
+        num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // bytes_per_block)
         capacity = num_blocks * config.block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool "
@@ -82,10 +83,23 @@ class LLMEngine:
                 () if eos is None else (eos,))
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, dtype, device,
-                                  config.seed, self.eos_token_ids)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, dtype, device, config.seed,
+            self.eos_token_ids, self.max_model_len,
+            min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0)
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
+
+    def _kv_budget_bytes(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory_gb is not None:
+            return int(cfg.kv_cache_memory_gb * (1 << 30))
+        if cfg.torch_device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(cfg.torch_device)
+            used = total - free
+            # Leave room for activations and CUDA graphs: they are not in the budget yet.
+            return max(0, int(total * cfg.gpu_memory_utilization) - used - (2 << 30))
+        return 1 << 30
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:

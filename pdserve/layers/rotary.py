@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half / NeoX pairing, as HF Llama and Qwen2 use), with the
-config's theta and the `linear` and `llama3` frequency scalings."""
+config's theta and the `linear` and `llama3` frequency scalings. The module only owns the cos|sin
+table; the attention backend applies it (fused with the KV store on GPU)."""
 from __future__ import annotations
 
 import math
@@ -42,10 +43,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, Hkv, D]; returns rotated copies in the input dtype."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+    """q: [T, H, D], k: [T, Hkv, D]; returns rotated copies in the input dtype."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -66,16 +66,34 @@ def _safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read {fname}: {e}") from None
 
 
-def dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Seeded random weights, drawn per full (unsharded) parameter in a fixed order, so any
-    sharding of the same model sees the same values. Norms are 1, everything else N(0, 0.02)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights as an HF-named checkpoint: every tensor drawn whole (unsharded), in a
+    fixed order, on `device`, so any sharding of the same model sees the same values. Norms are
+    1, everything else N(0, 0.02)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
+    for n in range(cfg.num_layers):
+        pre = f"model.layers.{n}."
+        shapes.append((pre + "input_layernorm.weight", (h,)))
+        for proj, rows in (("q", cfg.num_heads * d), ("k", cfg.num_kv_heads * d),
+                           ("v", cfg.num_kv_heads * d)):
+            shapes.append((pre + f"self_attn.{proj}_proj.weight", (rows, h)))
+            if cfg.attention_bias:
+                shapes.append((pre + f"self_attn.{proj}_proj.bias", (rows,)))
+        shapes += [(pre + "self_attn.o_proj.weight", (h, cfg.num_heads * d)),
+                   (pre + "post_attention_layernorm.weight", (h,)),
+                   (pre + "mlp.gate_proj.weight", (i, h)), (pre + "mlp.up_proj.weight", (i, h)),
+                   (pre + "mlp.down_proj.weight", (h, i))]
+    shapes.append(("model.norm.weight", (h,)))
+    if not cfg.tie_word_embeddings:
+        shapes.append(("lm_head.weight", (cfg.vocab_size, h)))
+    for name, shape in shapes:
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, device=device)
+        else:
+            yield name, torch.randn(shape, generator=gen, device=device).mul_(0.02)
 
 
 def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
@@ -84,23 +102,26 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if source.kind == "preset" and load_format != "dummy":
         raise ValueError("a preset name has no weights here; pass load_format='dummy'")
     backend = get_backend(attention_backend)
-    model = LlamaForCausalLM(cfg, backend)
+    # Parameters are created in their final dtype on their final device (the RoPE table makes
+    # itself float32); checkpoint tensors are cast and sharded by each parameter's loader.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, backend)
+    finally:
+        torch.set_default_dtype(old)
     if load_format == "dummy":
-        dummy_weights(model, seed)
+        weights = dummy_checkpoint(cfg, seed, device)
+    elif source.kind == "gguf":
+        from .gguf_loader import load_gguf
+        weights = load_gguf(source.path).tensors()
     else:
-        if source.kind == "gguf":
-            from .gguf_loader import load_gguf
-            weights = load_gguf(source.path).tensors()
-        else:
-            weights = _safetensors_weights(source.path)
-        loaded = model.load_weights(weights)
-        expected = {n for n, _ in model.named_parameters()}
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
-    model.to(device)
-    for p in model.parameters():  # parameters only: the RoPE table stays float32
-        p.data = p.data.to(dtype)
+        weights = _safetensors_weights(source.path)
+    loaded = model.load_weights(weights)
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
     return model.eval()
 
 

@@ -39,10 +39,11 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
              self.num_kv_heads * self.head_dim], dim=-1)
-        q, k = self.rotary(positions, q.view(t, self.num_heads, self.head_dim),
-                           k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)
+        o = self.backend.forward(q.view(t, self.num_heads, self.head_dim),
+                                 k.view(t, self.num_kv_heads, self.head_dim),
+                                 v.view(t, self.num_kv_heads, self.head_dim), positions,
+                                 self.rotary.cos_sin, self.kv_cache, get_attention_metadata(),
+                                 self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -138,6 +139,6 @@ class LlamaForCausalLM(nn.Module):
                                          f"expected {tuple(param.shape)}")
                     param.data.copy_(tensor)
                 else:
-                    loader(param, tensor.to(param.dtype), shard)
+                    loader(param, tensor, shard)
             loaded.add(name)
         return loaded

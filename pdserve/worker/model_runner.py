@@ -18,6 +18,7 @@ import torch
 from ..attention.metadata import AttentionMetadata, forward_context
 from ..engine.scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, SamplingBatch
+from .cuda_graph import CUDAGraphRunner
 
 
 class SampledToken(NamedTuple):
@@ -37,7 +38,8 @@ class _SeqState:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()):
+                 device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = (),
+                 max_model_len: int = 4096, cuda_graph_max_batch: int = 0):
         cfg = model.config
         self.model = model
         self.device = device
@@ -45,11 +47,26 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = eos_token_ids
         attn = model.layers[0].self_attn
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, attn.num_kv_heads,
-                                    attn.head_dim, dtype=kv_dtype, device=device)
+        # One block beyond the pool: the scratch block. Padding rows (CUDA-graph buckets) write
+        # and read only there, so no slot id ever needs a "none" sentinel.
+        self.scratch_block = num_blocks
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks + 1, block_size,
+                                    attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.seqs: dict[str, _SeqState] = {}
+        self.graphs = None
+        if cuda_graph_max_batch > 0:
+            self.graphs = CUDAGraphRunner(model, cuda_graph_max_batch,
+                                          -(-max_model_len // block_size), max_model_len,
+                                          self.scratch_block, block_size, device)
+            self.graphs.capture()
+
+    def release(self) -> None:
+        """Free the CUDA graphs (before the cache or a process group they captured goes away)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def _add(self, data) -> None:
         gen = None
@@ -69,16 +86,14 @@ class ModelRunner:
         for src, dst in out.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-        # Decode rows (one token) first: the attention backend batches them.
+        # Decode rows (one token) first: attention backends batch them.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
-        meta, input_ids, positions = self._prepare(chunks)
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        hidden, qsl = self._forward(chunks)
 
         rows: dict[str, int] = {}
         for i, c in enumerate(chunks):
             if c.sample:
-                rows[c.request_id] = meta.query_start_loc[i + 1] - 1
+                rows[c.request_id] = qsl[i + 1] - 1
         for f in out.forks:
             rows[f.request_id] = rows[f.parent_id]
         if not rows:
@@ -107,27 +122,48 @@ class ModelRunner:
             result[rid] = SampledToken(tokens[j], lp[j] if k is not None else None, top)
         return result
 
-    def _prepare(self, chunks):
-        bs = self.block_size
-        qsl = [0]
-        seq_lens, toks, pos = [], [], []
-        for c in chunks:
-            n = len(c.token_ids)
-            toks.extend(c.token_ids)
-            pos.extend(range(c.start_pos, c.start_pos + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(c.start_pos + n)
-        max_blocks = max(len(c.block_table) for c in chunks)
-        tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table))
-                               for c in chunks], dtype=torch.long)
-        positions = torch.tensor(pos, dtype=torch.long)
-        row = torch.repeat_interleave(torch.arange(len(chunks)),
-                                      torch.tensor([len(c.token_ids) for c in chunks]))
-        slots = tables[row, positions // bs] * bs + positions % bs
-        num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
+    def _forward(self, chunks) -> tuple[torch.Tensor, list[int]]:
+        """Runs the model over the batch; returns hidden states and query_start_loc (host)."""
+        n = len(chunks)
+        decode_only = all(len(c.token_ids) == 1 for c in chunks)
+        bs = self.graphs.bucket(n) if (self.graphs is not None and decode_only) else None
+        host = self._host_inputs(chunks, bs or n)
+        qsl = host["query_start_loc"].tolist()
+        if bs is not None:
+            return self.graphs.run(host, n, bs), qsl
         dev = self.device
+        seq_lens = host["seq_lens"].tolist()
         meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), query_start_loc=qsl, seq_lens=seq_lens,
-            block_tables=tables.to(dev), num_decodes=num_decodes,
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=dev))
-        return meta, torch.tensor(toks, dtype=torch.long, device=dev), positions.to(dev)
+            slot_mapping=host["slot_mapping"].to(dev, non_blocking=True),
+            query_start_loc=host["query_start_loc"].to(dev, non_blocking=True),
+            seq_lens=host["seq_lens"].to(dev, non_blocking=True),
+            block_tables=host["block_tables"].to(dev, non_blocking=True),
+            max_query_len=max(len(c.token_ids) for c in chunks), max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for c in chunks if len(c.token_ids) == 1),
+            query_start_loc_host=qsl, seq_lens_host=seq_lens)
+        with forward_context(meta):
+            hidden = self.model(host["input_ids"].to(dev, non_blocking=True),
+                                host["positions"].to(dev, non_blocking=True))
+        return hidden, qsl
+
+    def _host_inputs(self, chunks, rows: int) -> dict[str, torch.Tensor]:
+        """Host tensors for the batch, padded to `rows` sequences of one token each that write
+        into and attend to the scratch block only."""
+        bs = self.block_size
+        lens = [len(c.token_ids) for c in chunks]
+        pad = rows - len(chunks)
+        toks = [t for c in chunks for t in c.token_ids] + [0] * pad
+        starts = torch.tensor([c.start_pos for c in chunks] + [0] * pad, dtype=torch.long)
+        q_lens = torch.tensor(lens + [1] * pad, dtype=torch.long)
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = torch.full((rows, max_blocks), self.scratch_block, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+        row = torch.repeat_interleave(torch.arange(rows), q_lens)
+        qsl = torch.zeros(rows + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        positions = starts[row] + torch.arange(len(toks)) - qsl[:-1].long()[row]
+        slots = tables[row, positions // bs].long() * bs + positions % bs
+        return {"input_ids": torch.tensor(toks, dtype=torch.long), "positions": positions,
+                "slot_mapping": slots, "query_start_loc": qsl,
+                "seq_lens": (starts + q_lens).to(torch.int32), "block_tables": tables}

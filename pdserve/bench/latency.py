@@ -1,0 +1,139 @@
+"""`pdserve bench latency`: decode step time at fixed batch size and context, beside the
+roofline measured in the same run.
+
+For each (batch, context): `batch` requests with `context`-token random prompts are prefilled,
+then the engine decodes; each `LLMEngine.step()` (schedule + forward + sample + detokenize-free
+bookkeeping) is timed with a device sync and the median over `--steps` steps is reported.
+
+Roofline: the bytes a decode step must read (all weights once, plus every sequence's KV cache)
+divided by the bandwidth of a large device-to-device copy measured here (bytes read + written
+per second). Weights-only floor is reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .common import git_info, hardware_info, random_prompts, write_result
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes moved (read + written) per second by a large device-to-device copy."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 256 << 20)
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(llm, batch: int, context: int, steps: int, warmup: int, seed: int) -> dict[str, Any]:
+    from pdserve import SamplingParams
+    eng = llm.llm_engine
+    device = eng.config.torch_device
+    prompts = random_prompts(batch, context, context + 1, eng.model_config.vocab_size, seed)
+    sp = SamplingParams(temperature=0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    ids = [f"lat-{batch}-{context}-{i}" for i in range(batch)]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    while any(not r.output_token_ids for r in eng.scheduler.requests.values()):
+        eng.step()  # prefill (chunked) until every sequence has its first token
+    for _ in range(warmup):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        eng.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    eng.abort_request(ids)
+    running = len(eng.scheduler.running)
+    return {"step_ms": statistics.median(times) * 1e3, "step_ms_p10": _pct(times, 10) * 1e3,
+            "step_ms_p90": _pct(times, 90) * 1e3, "steps": steps, "running_after": running}
+
+
+def _pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * p / 100))]
+
+
+def run(args) -> dict[str, Any]:
+    from pdserve import LLM
+    device = torch.device(args.device)
+    results = []
+    bw = copy_bandwidth(device)
+    for model in args.models:
+        sizes = sorted({1, *args.batch_sizes})
+        max_ctx = max(args.context, args.batch1_context)
+        llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                  skip_tokenizer_init=True, max_num_seqs=max(sizes),
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=max_ctx + args.steps + args.warmup + 8,
+                  enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+        eng = llm.llm_engine
+        params = {id(p): p for p in eng.model.parameters()}.values()
+        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        attn = eng.model.layers[0].self_attn
+        kv_per_token = (2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
+                        * eng.runner.kv_cache.element_size())
+        for bs in sizes:
+            ctx = args.batch1_context if bs == 1 else args.context
+            r = measure(llm, bs, ctx, args.steps, args.warmup, args.seed)
+            kv_bytes = bs * (ctx + args.warmup + args.steps // 2) * kv_per_token
+            entry = {"model": model, "batch_size": bs, "context": ctx, **r,
+                     "roofline_ms": (weight_bytes + kv_bytes) / bw * 1e3,
+                     "weights_only_roofline_ms": weight_bytes / bw * 1e3,
+                     "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
+            entry["x_roofline"] = entry["step_ms"] / entry["roofline_ms"]
+            results.append(entry)
+            print(f"{model:>14} bs={bs:<4} ctx={ctx:<5} step {r['step_ms']:8.3f} ms   roofline "
+                  f"{entry['roofline_ms']:7.3f} ms   x{entry['x_roofline']:.2f}", flush=True)
+        eng.runner.release()
+        del llm, eng
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"benchmark": "latency", "copy_bandwidth_bytes_per_s": bw, "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench latency")
+    p.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--context", type=int, default=1024, help="context of batch > 1 runs")
+    p.add_argument("--batch1-context", type=int, default=128, help="context of the batch-1 run")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    payload = run(args)
+    payload.update(command=["pdserve", "bench", "latency", *(argv if argv is not None else sys.argv[3:])],
+                   config=vars(args), hardware=hardware_info(), **git_info())
+    out = args.output or f"bench/results/decode-latency-{torch.device(args.device).type}.json"
+    print("wrote", write_result(out, payload))
+    return 0
