@@ -26,7 +26,7 @@ def paged_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tens
     return torch.cat(out)
 
 
-def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0):
+def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0, **overrides):
     """A small random HF model saved as safetensors: Qwen2 (QKV bias, untied) or Llama (tied).
     Returns the transformers model (eval, fp32)."""
     import transformers
@@ -34,6 +34,7 @@ def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0):
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=0, bos_token_id=1)
+    common.update(overrides)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=False)
         model = transformers.Qwen2ForCausalLM(cfg)

@@ -61,11 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--kv-cache-memory-gb", type=float, default=None)
     e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer (and no detokenization) in pdserve; implied for presets")
     e.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (both sides)")
     q = p.add_argument_group("peer")
-    q.add_argument("--peer", default="hf", choices=["hf", "none"])
+    q.add_argument("--peer", default="hf", choices=["hf", "hf-cb", "none"],
+                   help="hf: transformers generate (padded batches); hf-cb: transformers "
+                        "generate_batch (continuous batching, paged attention; GPU)")
     q.add_argument("--peer-batch-size", type=int, default=32)
     q.add_argument("--peer-seq-prompts", type=int, default=8,
                    help="also time HF generate one prompt at a time (batch 1) on this many of "
@@ -136,11 +140,13 @@ def _pdserve_to_hf_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _hf_from_pdserve_weights(hf_config: dict, model, dtype: torch.dtype):
+def _hf_from_pdserve_weights(hf_config: dict, model, dtype: torch.dtype, attn: str | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
     d = {k: v for k, v in hf_config.items() if k not in ("model_type", "quantization_config")}
     config = AutoConfig.for_model(hf_config.get("model_type", "llama"), **d)
-    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    kw = {"attn_implementation": attn} if attn else {}
+    with torch.device(next(model.parameters()).device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, **kw)
     state = _pdserve_to_hf_state(model)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("inv_freq")
@@ -173,7 +179,12 @@ def build_peer(args, source, llm, dtype: torch.dtype) -> tuple[Any, str]:
     """The HF model for the peer and where its weights came from."""
     from transformers import AutoModelForCausalLM
     if args.load_format == "dummy":
-        return (_hf_from_pdserve_weights(source.hf_config, llm.llm_engine.model, dtype),
+        attn = None
+        if args.peer == "hf-cb":
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            attn = next((a for a in ("paged|sdpa", "sdpa_paged", "paged_attention")
+                         if a in ALL_ATTENTION_FUNCTIONS), "paged|sdpa")
+        return (_hf_from_pdserve_weights(source.hf_config, llm.llm_engine.model, dtype, attn),
                 "pdserve dummy weights copied into the HF model")
     if source.kind == "gguf":
         folder, name = os.path.split(os.path.abspath(source.path))
@@ -224,18 +235,34 @@ def _matmul_floor(model, prompts: list[list[int]], output_len: int) -> dict[str,
     tokens = n_in + len(prompts) * output_len
     flops = 2.0 * weights * tokens
     cfg = model.config
-    x = torch.randn(min(len(prompts), 64), cfg.hidden_size)
-    w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size)
+    p0 = next(model.parameters())
+    x = torch.randn(min(len(prompts), 64), cfg.hidden_size, device=p0.device, dtype=p0.dtype)
+    w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size, device=p0.device, dtype=p0.dtype)
     for _ in range(3):
         torch.nn.functional.linear(x, w)
     reps = 30
+    _sync(p0.device)
     t0 = time.perf_counter()
     for _ in range(reps):
         torch.nn.functional.linear(x, w)
+    _sync(p0.device)
     rate = 2.0 * x.shape[0] * w.numel() * reps / (time.perf_counter() - t0)
     floor_s = flops / rate
     return {"linear_flops": flops, "gemm_flops_per_s": rate, "gemm_shape": [x.shape[0], *w.shape],
             "floor_s": floor_s, "floor_output_tok_per_s": len(prompts) * output_len / floor_s}
+
+
+def hf_generate_batch(model, prompts: list[list[int]], output_len: int, pad_id: int
+                      ) -> list[list[int]]:
+    """transformers' continuous-batching generate_batch, greedy, no EOS stopping."""
+    from transformers import GenerationConfig
+    cfg = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
+                           pad_token_id=pad_id)
+    with torch.inference_mode():
+        outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    ordered = [outs[k] for k in sorted(outs, key=lambda k: int(str(k).rsplit("_", 1)[-1])
+                                       if str(k).rsplit("_", 1)[-1].isdigit() else str(k))]
+    return [list(o.generated_tokens) for o in ordered]
 
 
 def _match(a: list[list[int]], b: list[list[int]], k: int) -> tuple[float, float, list[dict]]:
@@ -266,7 +293,8 @@ def run(args) -> dict[str, Any]:
     engine_args: dict[str, Any] = dict(
         load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        skip_tokenizer_init=skip_tok)
+        skip_tokenizer_init=skip_tok, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager)
     if args.kv_cache_memory_gb is not None:
         engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     if args.num_kv_blocks is not None:
@@ -319,7 +347,7 @@ def run(args) -> dict[str, Any]:
     payload: dict[str, Any] = {"results": result, "peer": None, "speedup": None,
                                "greedy_match_fraction": None,
                                "floor": _matmul_floor(llm.llm_engine.model, prompts, args.output_len)}
-    if args.peer == "hf":
+    if args.peer in ("hf", "hf-cb"):
         import transformers
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
@@ -327,8 +355,11 @@ def run(args) -> dict[str, Any]:
         _log("loading the HF peer")
         t0 = time.perf_counter()
         hf, weights_from = build_peer(args, source, llm, dtype)
+        llm.llm_engine.runner.release()
         del llm, outs
         gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         hf = hf.to(device).eval()
         # ignore_eos semantics: no stopping at EOS (pdserve does not mask it either)
         hf.generation_config.eos_token_id = None
@@ -339,13 +370,19 @@ def run(args) -> dict[str, Any]:
         pad = pad if isinstance(pad, int) else 0
         hf_load_s = time.perf_counter() - t0
         bs = max(1, args.peer_batch_size)
+        if args.peer == "hf-cb":
+            def peer_run(ps, n):
+                return hf_generate_batch(hf, ps, n, pad)
+        else:
+            def peer_run(ps, n):
+                return hf_generate(hf, ps, n, bs, pad, device)
         _log("HF warm-up")
-        hf_generate(hf, [x[:16] for x in prompts[:2]], 4, bs, pad, device)
+        peer_run([x[:16] for x in prompts[:2]], 4)
         _sync(device)
-        _log(f"HF generate, batch size {bs}")
+        _log(f"HF {args.peer}, batch size {bs}")
         with CpuUsage() as hf_cpu:
             t0 = time.perf_counter()
-            hf_tokens = hf_generate(hf, prompts, args.output_len, bs, pad, device)
+            hf_tokens = peer_run(prompts, args.output_len)
             _sync(device)
             hf_elapsed = time.perf_counter() - t0
         hf_out = sum(len(t) for t in hf_tokens)
@@ -353,7 +390,7 @@ def run(args) -> dict[str, Any]:
         k = min(MATCH_PREFIX, args.output_len)
         frac, full, mismatches = _match(pd_tokens, hf_tokens, k)
         payload["peer"] = {
-            "name": PEER_NAME,
+            "name": PEER_NAME if args.peer == "hf" else "hf-transformers-generate_batch",
             "version": transformers.__version__,
             "output_tok_per_s": hf_out / hf_elapsed,
             "total_tok_per_s": (n_in + hf_out) / hf_elapsed,
@@ -366,7 +403,7 @@ def run(args) -> dict[str, Any]:
             "cpu_usage": hf_cpu.result(),
         }
         payload["speedup"] = result["output_tok_per_s"] / payload["peer"]["output_tok_per_s"]
-        if args.peer_seq_prompts > 0:
+        if args.peer_seq_prompts > 0 and args.peer == "hf":
             m = min(args.peer_seq_prompts, len(prompts))
             _log(f"HF generate, batch size 1, {m} prompts")
             with CpuUsage() as seq_cpu:

@@ -276,7 +276,8 @@ def _apply_top_k_top_p(x: Tensor, top_k: Tensor | None, top_p: Tensor) -> Tensor
 # =================================================================================================
 class SamplerOutput(NamedTuple):
     token_ids: Tensor                 # [B] int64
-    logprobs: Tensor                  # [B] float32, raw logprob of the sampled token
+    logprobs: Tensor | None           # [B] float32, raw logprob of the sampled token (None
+                                      # when no row asked for logprobs)
     topk_ids: Tensor | None           # [B, K] int64, K = min(max_num_logprobs, V); None if None
     topk_logprobs: Tensor | None      # [B, K] float32, descending
 
@@ -295,7 +296,9 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match the batch "
                              f"({batch.batch_size}, {batch.vocab_size})")
         logits = logits.float()                                 # may alias: no in-place on it
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # Raw logprobs cost a pass over [B, V]: only when some row asked for them.
+        want_logprobs = batch.max_num_logprobs is not None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         x = apply_penalties(apply_token_bans(logits, batch), batch)
 
@@ -307,9 +310,9 @@ class Sampler:
             token_ids = sampled if batch.all_random else torch.where(
                 batch.greedy_mask, greedy_ids, sampled)
 
-        token_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        topk_ids = topk_logprobs = None
-        if batch.max_num_logprobs is not None:
+        token_logprobs = topk_ids = topk_logprobs = None
+        if want_logprobs:
+            token_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
             k = min(batch.max_num_logprobs, batch.vocab_size)
             topk_logprobs, topk_ids = raw_logprobs.topk(k, dim=-1)
         return SamplerOutput(token_ids, token_logprobs, topk_ids, topk_logprobs)

@@ -99,8 +99,12 @@ class ModelRunner:
         if not rows:
             return {}
         ids = list(rows)
-        logits = self.model.compute_logits(
-            hidden[torch.tensor(list(rows.values()), device=self.device)])
+        where = list(rows.values())
+        if where == list(range(len(where))):  # decode batches: rows already in place
+            picked = hidden[: len(where)]
+        else:
+            picked = hidden[torch.tensor(where, device=self.device)]
+        logits = self.model.compute_logits(picked)
         seqs = [self.seqs[r] for r in ids]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],

@@ -1,0 +1,192 @@
+"""GPU micro-benchmarks for the Triton kernels (not tests: they need CUDA and report numbers).
+
+    python -m pdserve.kernels.bench         # decode table vs copy bandwidth, prefill TFLOP/s
+    python -m pdserve.kernels.bench --tune  # also sweep DECODE_CONFIG / PREFILL_CONFIG variants
+
+Target (issue): decode attention reads K/V at >= 80% of the device-to-device copy bandwidth once
+the KV read is >= 256 MB.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def _median_ms(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 50, warmup: int = 5,
+                   device: str = "cuda") -> float:
+    """GB/s of a device-to-device copy of nbytes, counting bytes read + bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), iters, warmup)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def bench_decode(batch: int, context: int, H: int, Hkv: int, D: int, BS: int,
+                 dtype: torch.dtype = torch.bfloat16, *, iters: int = 100, warmup: int = 20,
+                 num_kv_splits: int | None = None, decode_config: dict | None = None,
+                 cuda_graph: bool = True, copy_bytes: int = 1 << 30, seed: int = 0) -> dict:
+    """Time one decode step of paged attention (batch sequences, each `context` tokens long with
+    its last token as the query) and compare its K/V read rate with the device copy bandwidth.
+
+    Returns time_us (median of `iters` CUDA-event timed eager calls after `warmup`), graph_time_us
+    (same, replaying a CUDA graph of one call: no launch overhead; None if capture failed, with the
+    error in graph_error), kv_bytes (K and V bytes the step must read), kv_gbps (kv_bytes / the
+    better of the two times), copy_gbps (bytes read + written / time of a copy_bytes d2d copy,
+    measured in this call) and frac_of_copy = kv_gbps / copy_gbps."""
+    from . import paged_attention as pa
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    blocks_per_seq = -(-context // BS)
+    nb = batch * blocks_per_seq
+    kv = torch.randn(2, nb, BS, Hkv, D, dtype=dtype, device=dev)
+    block_tables = torch.randperm(nb, generator=g).view(batch, blocks_per_seq).to(
+        dev, torch.int32)
+    q = torch.randn(batch, H, D, dtype=dtype, device=dev)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    scale = D ** -0.5
+
+    def step():
+        pa._paged_attention(q, kv[0], kv[1], block_tables, seq_lens, qsl, scale, max_query_len=1,
+                            max_seq_len=context, out=out, num_kv_splits=num_kv_splits,
+                            decode_config=decode_config)
+
+    ms = _median_ms(step, iters, warmup)
+    graph_ms, graph_error = None, None
+    if cuda_graph:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()  # compile/warm outside capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph_ms = _median_ms(graph.replay, iters, warmup)
+        except Exception as e:  # report, don't hide the eager number
+            graph_error = f"{type(e).__name__}: {e}"
+    elem = torch.tensor([], dtype=dtype).element_size()
+    kv_bytes = 2 * batch * context * Hkv * D * elem
+    best_ms = min(ms, graph_ms) if graph_ms is not None else ms
+    kv_gbps = kv_bytes / (best_ms * 1e-3) / 1e9
+    copy_gbps = copy_bandwidth(copy_bytes)
+    splits = num_kv_splits or pa.default_num_kv_splits(batch * Hkv, context,
+                                                       pa._num_sms(dev))
+    return dict(batch=batch, context=context, H=H, Hkv=Hkv, D=D, BS=BS, dtype=str(dtype),
+                num_kv_splits=splits, decode_config={**pa.DECODE_CONFIG, **(decode_config or {})},
+                time_us=ms * 1e3, graph_time_us=None if graph_ms is None else graph_ms * 1e3,
+                graph_error=graph_error, kv_bytes=kv_bytes, kv_gbps=kv_gbps,
+                copy_gbps=copy_gbps, frac_of_copy=kv_gbps / copy_gbps)
+
+
+def bench_prefill(num_seqs: int, chunk: int, context: int, H: int, Hkv: int, D: int, BS: int,
+                  dtype: torch.dtype = torch.bfloat16, *, num_decodes: int = 0,
+                  decode_context: int = 0, iters: int = 30, warmup: int = 5,
+                  prefill_config: dict | None = None, seed: int = 0) -> dict:
+    """Time one mixed step: num_seqs prefill chunks of `chunk` new tokens over `context` cached
+    tokens each (plus num_decodes decode rows over decode_context), eager, CUDA-event median.
+    Reports time_us and the attention FLOP rate (4 * H * D per (query, visible key) pair)."""
+    from . import paged_attention as pa
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens = [decode_context + 1] * num_decodes + [context + chunk] * num_seqs
+    q_lens = [1] * num_decodes + [chunk] * num_seqs
+    blocks = [-(-n // BS) for n in lens]
+    nb = sum(blocks)
+    kv = torch.randn(2, nb, BS, Hkv, D, dtype=dtype, device=dev)
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        bt[i, :n] = perm[used:used + n].int()
+        used += n
+    T = sum(q_lens)
+    q = torch.randn(T, H, D, dtype=dtype, device=dev)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                       device=dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    bt = bt.to(dev)
+    out = torch.empty_like(q)
+
+    def step():
+        pa._paged_attention(q, kv[0], kv[1], bt, seq_lens, qsl, D ** -0.5,
+                            max_query_len=max(q_lens), max_seq_len=max(lens), out=out,
+                            prefill_config=prefill_config)
+
+    ms = _median_ms(step, iters, warmup)
+    pairs = num_seqs * (chunk * context + chunk * (chunk + 1) // 2) + num_decodes * (
+        decode_context + 1)
+    flops = 4 * H * D * pairs
+    return dict(num_seqs=num_seqs, chunk=chunk, context=context, num_decodes=num_decodes,
+                H=H, Hkv=Hkv, D=D, BS=BS, dtype=str(dtype), time_us=ms * 1e3,
+                tflops=flops / (ms * 1e-3) / 1e12,
+                prefill_config={**pa.PREFILL_CONFIG, **(prefill_config or {})})
+
+
+def _row(r: dict) -> str:
+    gt = "-" if r["graph_time_us"] is None else f"{r['graph_time_us']:9.1f}"
+    return (f"{r['batch']:5d} {r['context']:6d} {r['H']:3d}/{r['Hkv']:<2d} {r['D']:4d} "
+            f"{r['num_kv_splits']:3d} {r['kv_bytes'] / 1e6:9.1f} {r['time_us']:9.1f} {gt:>9} "
+            f"{r['kv_gbps']:8.0f} {r['copy_gbps']:8.0f} {100 * r['frac_of_copy']:6.1f}%")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tune", action="store_true", help="sweep tile / stage / warp variants")
+    ap.add_argument("--bs", type=int, default=16)
+    args = ap.parse_args(argv)
+    head = (f"{'batch':>5} {'ctx':>6} {'H/Hkv':>6} {'D':>4} {'spl':>3} {'KV MB':>9} "
+            f"{'eager us':>9} {'graph us':>9} {'KV GB/s':>8} {'copyGB/s':>8} {'%copy':>7}")
+    print(head)
+    for H, Hkv in ((12, 2), (28, 4)):
+        for batch, ctx in ((1, 8192), (8, 8192), (64, 1024), (64, 8192), (128, 4096),
+                           (256, 2048), (16, 32768)):
+            r = bench_decode(batch, ctx, H, Hkv, 128, args.bs)
+            print(_row(r), r["graph_error"] or "", flush=True)
+    print(f"\n{'seqs':>4} {'chunk':>5} {'ctx':>6} {'dec':>4} {'H/Hkv':>6} {'us':>9} {'TFLOP/s':>8}")
+    for H, Hkv in ((12, 2), (28, 4)):
+        for seqs, chunk, ctx, dec in ((1, 512, 0, 0), (1, 512, 8192, 0), (4, 512, 4096, 0),
+                                      (2, 512, 2048, 64), (1, 4096, 0, 0)):
+            r = bench_prefill(seqs, chunk, ctx, H, Hkv, 128, args.bs, num_decodes=dec,
+                              decode_context=4096)
+            print(f"{seqs:4d} {chunk:5d} {ctx:6d} {dec:4d} {H:3d}/{Hkv:<2d} {r['time_us']:9.1f} "
+                  f"{r['tflops']:8.1f}", flush=True)
+    if args.tune:
+        for cfg in ({"block_n": 32, "num_stages": 3}, {"block_n": 32, "num_stages": 4},
+                    {"block_n": 64, "num_stages": 2}, {"block_n": 64, "num_stages": 4},
+                    {"block_n": 128, "num_stages": 2, "num_warps": 8},
+                    {"block_n": 64, "num_stages": 3, "num_warps": 8}):
+            for batch, ctx in ((64, 8192), (8, 8192)):
+                r = bench_decode(batch, ctx, 28, 4, 128, args.bs, decode_config=cfg)
+                print(_row(r), cfg, flush=True)
+        for cfg in ({"block_n": 64, "num_stages": 2}, {"block_n": 64, "num_stages": 3},
+                    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
+                    {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 3}):
+            r = bench_prefill(1, 512, 8192, 28, 4, 128, args.bs, prefill_config=cfg)
+            print(f"prefill 1x512 over 8192, 28/4: {r['time_us']:9.1f} us "
+                  f"{r['tflops']:6.1f} TFLOP/s", cfg, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
+# Stages: info, tests, latency-quick, latency, offline. Logs and JSON go to $OUT.
+set -u
+export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+          python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
+    tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
+    latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
+    latency) python3 -m pdserve bench latency --output "$OUT/decode-latency-h200.json";;
+    offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;
+    *) echo "unknown stage $stage";;
+  esac
+done
