@@ -12,6 +12,7 @@ per second). Weights-only floor is reported too.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -71,6 +72,16 @@ def measure(llm, batch: int, context: int, steps: int, warmup: int, seed: int) -
             "step_ms_p90": _pct(times, 90) * 1e3, "steps": steps, "running_after": running}
 
 
+def _model_bytes(eng) -> tuple[int, int]:
+    """Weight bytes a step reads (tied weights once) and KV-cache bytes per token."""
+    params = {id(p): p for p in eng.model.parameters()}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    attn = eng.model.layers[0].self_attn
+    kv_per_token = (2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
+                    * eng.runner.kv_cache.element_size())
+    return weight_bytes, kv_per_token
+
+
 def _pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(len(s) * p / 100))]
@@ -90,11 +101,7 @@ def run(args) -> dict[str, Any]:
                   max_model_len=max_ctx + args.steps + args.warmup + 8,
                   enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
         eng = llm.llm_engine
-        params = {id(p): p for p in eng.model.parameters()}.values()
-        weight_bytes = sum(p.numel() * p.element_size() for p in params)
-        attn = eng.model.layers[0].self_attn
-        kv_per_token = (2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
-                        * eng.runner.kv_cache.element_size())
+        weight_bytes, kv_per_token = _model_bytes(eng)
         for bs in sizes:
             ctx = args.batch1_context if bs == 1 else args.context
             r = measure(llm, bs, ctx, args.steps, args.warmup, args.seed)
@@ -109,6 +116,7 @@ def run(args) -> dict[str, Any]:
                   f"{entry['roofline_ms']:7.3f} ms   x{entry['x_roofline']:.2f}", flush=True)
         eng.runner.release()
         del llm, eng
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"benchmark": "latency", "copy_bandwidth_bytes_per_s": bw, "results": results}
