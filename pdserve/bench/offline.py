@@ -258,7 +258,9 @@ def hf_generate_batch(model, prompts: list[list[int]], output_len: int, pad_id: 
     from transformers import GenerationConfig
     cfg = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
                            pad_token_id=pad_id)
-    with torch.inference_mode():
+    # No inference_mode here: generate_batch updates its tensors from a background thread,
+    # which may not touch inference tensors.
+    with torch.no_grad():
         outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
     ordered = [outs[k] for k in sorted(outs, key=lambda k: int(str(k).rsplit("_", 1)[-1])
                                        if str(k).rsplit("_", 1)[-1].isdigit() else str(k))]
@@ -402,6 +404,8 @@ def run(args) -> dict[str, Any]:
             "attn_implementation": getattr(hf.config, "_attn_implementation", None),
             "cpu_usage": hf_cpu.result(),
         }
+        if hf_out == 0:
+            raise RuntimeError("the peer produced no tokens; see its log above")
         payload["speedup"] = result["output_tok_per_s"] / payload["peer"]["output_tok_per_s"]
         if args.peer_seq_prompts > 0 and args.peer == "hf":
             m = min(args.peer_seq_prompts, len(prompts))
