@@ -134,7 +134,7 @@ class ModelRunner:
         host = self._host_inputs(chunks, bs or n)
         qsl = host["query_start_loc"].tolist()
         if bs is not None:
-            return self.graphs.run(host, n, bs), qsl
+            return self.graphs.run(host, n, bs, max(c.start_pos for c in chunks) + 1), qsl
         dev = self.device
         seq_lens = host["seq_lens"].tolist()
         meta = AttentionMetadata(
