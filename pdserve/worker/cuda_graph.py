@@ -28,12 +28,26 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 @dataclass
 class GraphBuffers:
+    """Views into two packed device tensors, so a step uploads its inputs in two copies:
+    tokens [3, max_batch] int64 = (input_ids, positions, slot_mapping) and
+    meta [max_batch + max_batch * max_blocks] int32 = (seq_lens, block_tables row-major)."""
+    tokens: torch.Tensor
+    meta: torch.Tensor
     input_ids: torch.Tensor        # [max_batch] int64
     positions: torch.Tensor        # [max_batch] int64
     slot_mapping: torch.Tensor     # [max_batch] int64
-    block_tables: torch.Tensor     # [max_batch, max_blocks_per_seq] int32
     seq_lens: torch.Tensor         # [max_batch] int32
+    block_tables: torch.Tensor     # [max_batch, max_blocks_per_seq] int32
     query_start_loc: torch.Tensor  # [max_batch + 1] int32, fixed 0..max_batch (one token per row)
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_blocks: int, device, pin: bool) -> "GraphBuffers":
+        tokens = torch.zeros(3, max_batch, dtype=torch.long, device=device, pin_memory=pin)
+        meta = torch.zeros(max_batch * (1 + max_blocks), dtype=torch.int32, device=device,
+                           pin_memory=pin)
+        return cls(tokens, meta, tokens[0], tokens[1], tokens[2], meta[:max_batch],
+                   meta[max_batch:].view(max_batch, max_blocks),
+                   torch.arange(max_batch + 1, dtype=torch.int32, device=device))
 
 
 class CUDAGraphRunner:
@@ -44,15 +58,19 @@ class CUDAGraphRunner:
         self.max_batch = self.sizes[-1]
         self.tiers = sorted({min(SHORT_CONTEXT, max_seq_len), max_seq_len})
         self.scratch_slot = scratch_block * block_size
+        self.block_size = block_size
         n = self.max_batch
-        self.buffers = GraphBuffers(
-            input_ids=torch.zeros(n, dtype=torch.long, device=device),
-            positions=torch.zeros(n, dtype=torch.long, device=device),
-            slot_mapping=torch.full((n,), self.scratch_slot, dtype=torch.long, device=device),
-            block_tables=torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32,
-                                    device=device),
-            seq_lens=torch.ones(n, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device))
+        self.max_blocks = max_blocks_per_seq
+        self.scratch_block = scratch_block
+        self.buffers = GraphBuffers.allocate(n, max_blocks_per_seq, device, pin=False)
+        # Pinned host twin: a step fills it with numpy and uploads it asynchronously.
+        self.staging = GraphBuffers.allocate(n, max_blocks_per_seq, "cpu", pin=True)
+        self.np_tokens = self.staging.tokens.numpy()
+        self.np_seq_lens = self.staging.seq_lens.numpy()
+        self.np_tables = self.staging.block_tables.numpy()
+        self.buffers.slot_mapping.fill_(self.scratch_slot)
+        self.buffers.block_tables.fill_(scratch_block)
+        self.buffers.seq_lens.fill_(1)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
@@ -88,21 +106,33 @@ class CUDAGraphRunner:
                 self.graphs[tier, bs] = g
         torch.cuda.synchronize()
 
-    def run(self, host: dict[str, torch.Tensor], batch: int, bs: int, max_seq_len: int
-            ) -> torch.Tensor:
-        """host: padded host tensors for `bs` rows (input_ids, positions, slot_mapping, seq_lens,
-        block_tables [bs, nb]). Returns hidden states [batch, hidden] (a view into graph memory,
-        valid until the next replay)."""
-        b = self.buffers
-        b.input_ids[:bs].copy_(host["input_ids"], non_blocking=True)
-        b.positions[:bs].copy_(host["positions"], non_blocking=True)
-        b.slot_mapping[:bs].copy_(host["slot_mapping"], non_blocking=True)
-        b.seq_lens[:bs].copy_(host["seq_lens"], non_blocking=True)
-        nb = host["block_tables"].shape[1]
-        b.block_tables[:bs, :nb].copy_(host["block_tables"], non_blocking=True)
-        key = (self.tier(max_seq_len), bs)
+    def run(self, chunks, bs: int) -> torch.Tensor:
+        """Replays the graph for `chunks` (decode rows, one token each) padded to `bs` rows.
+        Returns hidden states [len(chunks), hidden] (graph memory, valid until the next replay)."""
+        n = len(chunks)
+        tok, lens, tables = self.np_tokens, self.np_seq_lens, self.np_tables
+        max_len = 1
+        for i, c in enumerate(chunks):
+            pos = c.start_pos
+            tok[0, i] = c.token_ids[0]
+            tok[1, i] = pos
+            tables[i, : len(c.block_table)] = c.block_table
+            tok[2, i] = c.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+            lens[i] = pos + 1
+            max_len = max(max_len, pos + 1)
+        # padding rows: write to and attend to the scratch slot only
+        tok[0, n:bs] = 0
+        tok[1, n:bs] = 0
+        tok[2, n:bs] = self.scratch_slot
+        lens[n:bs] = 1
+        tables[n:bs, 0] = self.scratch_block
+        b, st = self.buffers, self.staging
+        b.tokens[:, :bs].copy_(st.tokens[:, :bs], non_blocking=True)
+        end = self.max_batch + bs * self.max_blocks
+        b.meta[:end].copy_(st.meta[:end], non_blocking=True)
+        key = (self.tier(max_len), bs)
         self.graphs[key].replay()
-        return self.outputs[key][:batch]
+        return self.outputs[key][:n]
 
     def release(self) -> None:
         """Drop the graphs before the process group or the cache they reference goes away."""

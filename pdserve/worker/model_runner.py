@@ -131,10 +131,10 @@ class ModelRunner:
         n = len(chunks)
         decode_only = all(len(c.token_ids) == 1 for c in chunks)
         bs = self.graphs.bucket(n) if (self.graphs is not None and decode_only) else None
-        host = self._host_inputs(chunks, bs or n)
-        qsl = host["query_start_loc"].tolist()
         if bs is not None:
-            return self.graphs.run(host, n, bs, max(c.start_pos for c in chunks) + 1), qsl
+            return self.graphs.run(chunks, bs), list(range(n + 1))
+        host = self._host_inputs(chunks, n)
+        qsl = host["query_start_loc"].tolist()
         dev = self.device
         seq_lens = host["seq_lens"].tolist()
         meta = AttentionMetadata(
@@ -151,8 +151,8 @@ class ModelRunner:
         return hidden, qsl
 
     def _host_inputs(self, chunks, rows: int) -> dict[str, torch.Tensor]:
-        """Host tensors for the batch, padded to `rows` sequences of one token each that write
-        into and attend to the scratch block only."""
+        """Host tensors for an eager forward (padded to `rows` sequences of one token each that
+        write into and attend to the scratch block only, when rows > len(chunks))."""
         bs = self.block_size
         lens = [len(c.token_ids) for c in chunks]
         pad = rows - len(chunks)
