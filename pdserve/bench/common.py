@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 from typing import Any, Iterable
 
 import numpy as np
+import torch
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,8 +42,6 @@ def _mem_total_gb() -> float | None:
 def hardware_info() -> dict[str, Any]:
     """CPU model, cores, memory, torch version and threads, GPU name when there is one, and the
     load average at the time of the call (other processes skew CPU numbers)."""
-    import torch
-
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -176,3 +176,28 @@ class CpuUsage:
                        other_cpu_s=round(other, 3),
                        other_load=round(other / self.wall_s, 3) if self.wall_s > 0 else None)
         return out
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes moved (read + written) per second by a large device-to-device copy (the roofline's
+    bandwidth), median of `reps` copies after warm-up."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        nbytes = min(nbytes, 256 << 20)
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -20,30 +20,7 @@ from typing import Any
 
 import torch
 
-from .common import git_info, hardware_info, random_prompts, write_result
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Bytes moved (read + written) per second by a large device-to-device copy."""
-    if device.type != "cuda":
-        nbytes = min(nbytes, 256 << 20)
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * src.element_size() / statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .common import copy_bandwidth, git_info, hardware_info, random_prompts, sync, write_result
 
 
 def measure(llm, batch: int, context: int, steps: int, warmup: int, seed: int) -> dict[str, Any]:
@@ -61,10 +38,10 @@ def measure(llm, batch: int, context: int, steps: int, warmup: int, seed: int) -
         eng.step()
     times = []
     for _ in range(steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         eng.step()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     eng.abort_request(ids)
     running = len(eng.scheduler.running)

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ._checks import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._checks import check_like, require
 
 
 @triton.jit
@@ -32,31 +33,22 @@ def _silu_and_mul_kernel(
     tl.store(o_ptr + t * so_t + cols * so_n, y.to(o_ptr.dtype.element_ty), mask=m)
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, 2I] (any strides) -> silu(gate) * up, [T, I] in x's dtype (new contiguous tensor
     unless `out` is given)."""
-    _check(isinstance(x, torch.Tensor), f"silu_and_mul: x must be a torch.Tensor, "
+    require(isinstance(x, torch.Tensor), f"silu_and_mul: x must be a torch.Tensor, "
                                         f"got {type(x).__name__}")
-    _check(x.dim() == 2, f"silu_and_mul: x must be [T, 2I], got shape {tuple(x.shape)}")
+    require(x.dim() == 2, f"silu_and_mul: x must be [T, 2I], got shape {tuple(x.shape)}")
     t, n2 = x.shape
-    _check(n2 > 0 and n2 % 2 == 0,
+    require(n2 > 0 and n2 % 2 == 0,
            f"silu_and_mul: last dim must be even and > 0 ([gate | up]), got {n2}")
-    _check(x.dtype in _FLOAT_DTYPES,
+    require(x.dtype in _FLOAT_DTYPES,
            f"silu_and_mul: x dtype must be one of {_FLOAT_DTYPES}, got {x.dtype}")
     inter = n2 // 2
     if out is None:
         out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     else:
-        _check(isinstance(out, torch.Tensor), "silu_and_mul: out must be a torch.Tensor")
-        _check(tuple(out.shape) == (t, inter),
-               f"silu_and_mul: out must be [T={t}, I={inter}], got shape {tuple(out.shape)}")
-        _check(out.dtype == x.dtype, f"silu_and_mul: out dtype {out.dtype} != x dtype {x.dtype}")
-        _check(out.device == x.device, f"silu_and_mul: out is on {out.device}, x on {x.device}")
+        check_like("silu_and_mul", "out", out, (t, inter), x)
     if t > 0:
         block = min(1024, triton.next_power_of_2(inter))
         num_warps = max(1, min(4, block // 256))   # 8 elements (16 B of bf16) per thread

@@ -31,11 +31,8 @@ def _median_ms(fn, iters: int, warmup: int) -> float:
 def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 50, warmup: int = 5,
                    device: str = "cuda") -> float:
     """GB/s of a device-to-device copy of nbytes, counting bytes read + bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    src.random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src), iters, warmup)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    from ..bench.common import copy_bandwidth as bytes_per_s
+    return bytes_per_s(device, nbytes, iters) / 1e9
 
 
 def bench_decode(batch: int, context: int, H: int, Hkv: int, D: int, BS: int,

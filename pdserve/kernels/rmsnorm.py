@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ._checks import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._checks import check_like, require
 
 
 @triton.jit
@@ -48,11 +49,6 @@ def _rms_norm_kernel(
     tl.store(o_ptr + r2 * so_t + c2 * so_n, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def _launch_config(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS per program, num_warps). A row stays whole in registers; small rows are
     packed several to a program so that each program moves at least ~2K elements."""
@@ -71,35 +67,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     With residual [T, N]: residual <- x + residual (in place), returns (norm(residual) * weight,
     residual). `out` ([T, N], x's dtype) receives the normed result if given; it may alias x."""
     for name, tns in (("x", x), ("weight", weight)):
-        _check(isinstance(tns, torch.Tensor),
+        require(isinstance(tns, torch.Tensor),
                f"rms_norm: {name} must be a torch.Tensor, got {type(tns).__name__}")
-    _check(x.dim() == 2, f"rms_norm: x must be [T, N], got shape {tuple(x.shape)}")
+    require(x.dim() == 2, f"rms_norm: x must be [T, N], got shape {tuple(x.shape)}")
     t, n = x.shape
-    _check(n > 0, "rms_norm: hidden size N must be > 0")
-    _check(x.dtype in _FLOAT_DTYPES, f"rms_norm: x dtype must be one of {_FLOAT_DTYPES}, "
+    require(n > 0, "rms_norm: hidden size N must be > 0")
+    require(x.dtype in _FLOAT_DTYPES, f"rms_norm: x dtype must be one of {_FLOAT_DTYPES}, "
                                      f"got {x.dtype}")
-    _check(weight.dim() == 1 and weight.shape[0] == n,
+    require(weight.dim() == 1 and weight.shape[0] == n,
            f"rms_norm: weight must be [N={n}], got shape {tuple(weight.shape)}")
-    _check(weight.dtype == x.dtype, f"rms_norm: weight dtype {weight.dtype} != x dtype {x.dtype}")
-    _check(weight.device == x.device, f"rms_norm: weight is on {weight.device}, x on {x.device}")
-    _check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0,
+    require(weight.dtype == x.dtype, f"rms_norm: weight dtype {weight.dtype} != x dtype {x.dtype}")
+    require(weight.device == x.device, f"rms_norm: weight is on {weight.device}, x on {x.device}")
+    require(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0,
            f"rms_norm: eps must be a non-negative float, got {eps!r}")
     if residual is not None:
-        _check(isinstance(residual, torch.Tensor), "rms_norm: residual must be a torch.Tensor")
-        _check(tuple(residual.shape) == (t, n),
-               f"rms_norm: residual must be [T={t}, N={n}], got shape {tuple(residual.shape)}")
-        _check(residual.dtype == x.dtype,
-               f"rms_norm: residual dtype {residual.dtype} != x dtype {x.dtype}")
-        _check(residual.device == x.device,
-               f"rms_norm: residual is on {residual.device}, x on {x.device}")
+        check_like("rms_norm", "residual", residual, (t, n), x)
     if out is None:
         out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     else:
-        _check(isinstance(out, torch.Tensor), "rms_norm: out must be a torch.Tensor")
-        _check(tuple(out.shape) == (t, n),
-               f"rms_norm: out must be [T={t}, N={n}], got shape {tuple(out.shape)}")
-        _check(out.dtype == x.dtype, f"rms_norm: out dtype {out.dtype} != x dtype {x.dtype}")
-        _check(out.device == x.device, f"rms_norm: out is on {out.device}, x on {x.device}")
+        check_like("rms_norm", "out", out, (t, n), x)
     if t > 0:
         block_n, rows, num_warps = _launch_config(n)
         r = residual if residual is not None else x      # dummy pointer when unused

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ._checks import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._checks import require
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
@@ -86,68 +87,63 @@ def _rope_store_kernel(
     tl.store(vc_base + (dd + HALF) * svc_d, v2.to(vc_ptr.dtype.element_ty), mask=mk)
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def _validate(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out):
     tensors = dict(q=q, k=k, v=v, positions=positions, cos_sin=cos_sin, k_cache=k_cache,
                    v_cache=v_cache, slot_mapping=slot_mapping)
     for name, x in tensors.items():
-        _check(isinstance(x, torch.Tensor), f"rope_and_store_kv: {name} must be a torch.Tensor, "
+        require(isinstance(x, torch.Tensor), f"rope_and_store_kv: {name} must be a torch.Tensor, "
                                             f"got {type(x).__name__}")
-    _check(q.dim() == 3, f"rope_and_store_kv: q must be [T, H, D], got shape {tuple(q.shape)}")
+    require(q.dim() == 3, f"rope_and_store_kv: q must be [T, H, D], got shape {tuple(q.shape)}")
     t, h, d = q.shape
-    _check(d % 2 == 0 and d > 0, f"rope_and_store_kv: head_dim must be even and > 0, got {d}")
-    _check(k.dim() == 3 and k.shape[0] == t and k.shape[2] == d,
+    require(d % 2 == 0 and d > 0, f"rope_and_store_kv: head_dim must be even and > 0, got {d}")
+    require(k.dim() == 3 and k.shape[0] == t and k.shape[2] == d,
            f"rope_and_store_kv: k must be [T={t}, Hkv, D={d}], got shape {tuple(k.shape)}")
     hkv = k.shape[1]
-    _check(hkv > 0 and h > 0, f"rope_and_store_kv: need at least one head (H={h}, Hkv={hkv})")
-    _check(tuple(v.shape) == tuple(k.shape),
+    require(hkv > 0 and h > 0, f"rope_and_store_kv: need at least one head (H={h}, Hkv={hkv})")
+    require(tuple(v.shape) == tuple(k.shape),
            f"rope_and_store_kv: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    _check(q.dtype in _FLOAT_DTYPES, f"rope_and_store_kv: q dtype must be one of "
+    require(q.dtype in _FLOAT_DTYPES, f"rope_and_store_kv: q dtype must be one of "
                                      f"{_FLOAT_DTYPES}, got {q.dtype}")
-    _check(k.dtype == q.dtype and v.dtype == q.dtype,
+    require(k.dtype == q.dtype and v.dtype == q.dtype,
            f"rope_and_store_kv: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check(positions.dim() == 1 and positions.shape[0] == t,
+    require(positions.dim() == 1 and positions.shape[0] == t,
            f"rope_and_store_kv: positions must be [T={t}], got shape {tuple(positions.shape)}")
-    _check(positions.dtype in _INDEX_DTYPES,
+    require(positions.dtype in _INDEX_DTYPES,
            f"rope_and_store_kv: positions must be int64 or int32, got {positions.dtype}")
-    _check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == t,
+    require(slot_mapping.dim() == 1 and slot_mapping.shape[0] == t,
            f"rope_and_store_kv: slot_mapping must be [T={t}], got shape "
            f"{tuple(slot_mapping.shape)}")
-    _check(slot_mapping.dtype in _INDEX_DTYPES,
+    require(slot_mapping.dtype in _INDEX_DTYPES,
            f"rope_and_store_kv: slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
-    _check(cos_sin.dim() == 2 and cos_sin.shape[1] == d and cos_sin.shape[0] > 0,
+    require(cos_sin.dim() == 2 and cos_sin.shape[1] == d and cos_sin.shape[0] > 0,
            f"rope_and_store_kv: cos_sin must be [max_pos, D={d}], got shape "
            f"{tuple(cos_sin.shape)}")
-    _check(cos_sin.dtype == torch.float32,
+    require(cos_sin.dtype == torch.float32,
            f"rope_and_store_kv: cos_sin must be float32, got {cos_sin.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(c.dim() == 4 and c.shape[2] == hkv and c.shape[3] == d and c.shape[0] > 0
+        require(c.dim() == 4 and c.shape[2] == hkv and c.shape[3] == d and c.shape[0] > 0
                and c.shape[1] > 0,
                f"rope_and_store_kv: {name} must be [NB, BS, Hkv={hkv}, D={d}], got shape "
                f"{tuple(c.shape)}")
-        _check(c.dtype in _FLOAT_DTYPES,
+        require(c.dtype in _FLOAT_DTYPES,
                f"rope_and_store_kv: {name} dtype must be one of {_FLOAT_DTYPES}, got {c.dtype}")
-    _check(tuple(k_cache.shape) == tuple(v_cache.shape),
+    require(tuple(k_cache.shape) == tuple(v_cache.shape),
            f"rope_and_store_kv: k_cache {tuple(k_cache.shape)} and v_cache "
            f"{tuple(v_cache.shape)} differ in shape")
-    _check(k_cache.dtype == v_cache.dtype,
+    require(k_cache.dtype == v_cache.dtype,
            f"rope_and_store_kv: k_cache and v_cache dtypes differ ({k_cache.dtype}, "
            f"{v_cache.dtype})")
     if q_out is not None:
-        _check(isinstance(q_out, torch.Tensor), "rope_and_store_kv: q_out must be a torch.Tensor")
-        _check(tuple(q_out.shape) == tuple(q.shape),
+        require(isinstance(q_out, torch.Tensor), "rope_and_store_kv: q_out must be a torch.Tensor")
+        require(tuple(q_out.shape) == tuple(q.shape),
                f"rope_and_store_kv: q_out must have q's shape {tuple(q.shape)}, got "
                f"{tuple(q_out.shape)}")
-        _check(q_out.dtype == q.dtype,
+        require(q_out.dtype == q.dtype,
                f"rope_and_store_kv: q_out dtype must be {q.dtype}, got {q_out.dtype}")
         tensors["q_out"] = q_out
     dev = q.device
     for name, x in tensors.items():
-        _check(x.device == dev, f"rope_and_store_kv: {name} is on {x.device}, q on {dev}")
+        require(x.device == dev, f"rope_and_store_kv: {name} is on {x.device}, q on {dev}")
 
 
 def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
