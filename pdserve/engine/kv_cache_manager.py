@@ -44,6 +44,11 @@ class KVCacheManager:
         nothing changed)."""
         table = self.block_tables.setdefault(request_id, [])
         end = num_computed + num_new
+        # Fast path (every decode step): the writes fit in the last block, which nobody shares.
+        if (table and end <= len(table) * self.block_size
+                and num_computed >= (len(table) - 1) * self.block_size
+                and self.pool.ref_counts[table[-1]] == 1):
+            return []
         cow = self._shared_in_range(table, num_computed, end)
         grow = max(0, self.blocks_for(end) - len(table))
         if grow + len(cow) > self.pool.num_free_blocks:

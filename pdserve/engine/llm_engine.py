@@ -44,11 +44,13 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[_Seq]
+    final_only: bool = False          # report only when finished (offline batches)
     metrics: dict[str, float] = field(default_factory=dict)
+    num_unfinished: int = 0
 
     @property
     def finished(self) -> bool:
-        return all(s.out.finished for s in self.seqs)
+        return self.num_unfinished == 0
 
 
 class LLMEngine:
@@ -88,7 +90,7 @@ class LLMEngine:
             self.eos_token_ids, self.max_model_len,
             min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0)
         self._groups: dict[str, _Group] = {}
-        self._seq_group: dict[str, _Group] = {}
+        self._seq_group: dict[str, tuple[_Group, _Seq]] = {}
 
     def _kv_budget_bytes(self) -> int:
         cfg = self.config
@@ -129,7 +131,9 @@ class LLMEngine:
         return None, list(ids)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, final_only: bool = False) -> None:
+        """Queue a request. final_only: step() reports it once, when it finishes, instead of
+        after every token (what an offline batch wants; streaming leaves it False)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -155,12 +159,12 @@ class LLMEngine:
         for s in seqs[1:]:
             s.req.status = RequestStatus.FORK_PENDING
             first.siblings.append(s.req)
-        group = _Group(request_id, text, ids, params, seqs,
-                       {"arrival": arrival_time or time.monotonic()})
+        group = _Group(request_id, text, ids, params, seqs, final_only,
+                       {"arrival": arrival_time or time.monotonic()}, num_unfinished=len(seqs))
         self.scheduler.add(first)
         self._groups[request_id] = group
         for s in seqs:
-            self._seq_group[s.req.request_id] = group
+            self._seq_group[s.req.request_id] = (group, s)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -186,15 +190,13 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for req in advanced:
-            group = self._seq_group[req.request_id]
-            seq = next(s for s in group.seqs if s.req is req)
+            group, seq = self._seq_group[req.request_id]
             self._append(group, seq, sampled[req.request_id])
-            group.metrics.setdefault("first_token", now)
-            touched[group.request_id] = group
-        outputs = []
-        for group in touched.values():
-            outputs.append(self._make_output(group, now))
-        return outputs
+            if "first_token" not in group.metrics:
+                group.metrics["first_token"] = now
+            if not group.final_only or group.finished:
+                touched[group.request_id] = group
+        return [self._make_output(group, now) for group in touched.values()]
 
     def _append(self, group: _Group, seq: _Seq, tok: SampledToken) -> None:
         req, out, p = seq.req, seq.out, group.params
@@ -216,6 +218,7 @@ class LLMEngine:
         if status is not None:
             out.finish_reason, out.stop_reason = status.value, reason
             self.scheduler.finish(req, status)
+            group.num_unfinished -= 1
 
     def _logprob_entry(self, tok: SampledToken) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}

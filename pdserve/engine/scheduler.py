@@ -33,7 +33,7 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]      # tokens fed this step
     start_pos: int            # position of token_ids[0] (= cached tokens)
-    block_table: list[int]
+    block_table: list[int]    # the live table: valid until the next schedule()
     sample: bool              # True when this chunk reaches the end of the sequence
 
 
@@ -163,9 +163,10 @@ class Scheduler:
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
                 out.new_requests.append(self._new_data(req))
+            # The block table is passed by reference: the runner reads it within this step.
             out.chunks.append(ScheduledChunk(
                 req.request_id, req.token_slice(req.num_computed_tokens, end),
-                req.num_computed_tokens, list(self.kv.block_tables[req.request_id]),
+                req.num_computed_tokens, self.kv.block_tables[req.request_id],
                 sample=end == req.num_tokens))
             if end == req.num_tokens and req.siblings:
                 for s in req.siblings:

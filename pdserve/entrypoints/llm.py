@@ -46,7 +46,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, final_only=True)
                 ids.append(rid)
         except ValueError:
             engine.abort_request(ids)  # a bad prompt rejects the whole call, nothing half-run
@@ -71,13 +71,12 @@ class LLM:
         start, n_out = time.perf_counter(), 0
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    n_out += sum(len(o.new_token_ids) for o in out.outputs)
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-                bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s",
-                                    refresh=False)
+                for out in engine.step():  # final_only: each request reports once, finished
+                    n_out += sum(len(o.token_ids) for o in out.outputs)
+                    done[out.request_id] = out
+                    bar.update(1)
+                    bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s",
+                                        refresh=False)
         finally:
             bar.close()
         return [done[i] for i in ids]
