@@ -37,9 +37,14 @@ class Request:
     siblings: list["Request"] = field(default_factory=list)  # FORK_PENDING sequences forked from this one
     num_preemptions: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    num_tokens: int = 0                     # prompt + output; kept by append_output (hot path)
+
+    def __post_init__(self):
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.num_tokens += 1
 
     @property
     def num_prompt_tokens(self) -> int:

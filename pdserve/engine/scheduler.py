@@ -196,11 +196,11 @@ class Scheduler:
                 continue  # preempted later in the same schedule() call
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
-                req.output_token_ids.append(sampled[req.request_id])
+                req.append_output(sampled[req.request_id])
                 got.append(req)
         for s in forked:
             s.num_computed_tokens = s.num_prompt_tokens
-            s.output_token_ids.append(sampled[s.request_id])
+            s.append_output(sampled[s.request_id])
             got.append(s)
         return got
 

@@ -47,7 +47,8 @@ _TINY = torch.finfo(torch.float32).tiny
 class SamplingBatch:
     """Per-step sampling state of a batch of B rows over a vocabulary of V tokens.
 
-    Greedy rows get neutral random-path values (temperature 1, top_k V, top_p 1, min_p 0) so that
+    In the all-greedy fast path (no penalties, bans or logprobs) the tensor fields are None: only
+    an argmax reads the batch. Otherwise greedy rows get neutral random-path values (temperature 1, top_k V, top_p 1, min_p 0) so that
     the ``any_*`` flags describe only the rows that actually sample, and no division by zero happens
     on the (discarded) random path of a greedy row.
     """
@@ -110,6 +111,17 @@ class SamplingBatch:
             if len(seq) != B:
                 raise ValueError(f"{name} has {len(seq)} rows, expected {B} (one per params)")
         device = torch.device(device)
+
+        if all(p.greedy and p.logprobs is None and p.min_tokens == 0 and not p.has_penalty
+               for p in params):
+            # Fast path (plain greedy decoding): nothing but an argmax will read the batch.
+            return cls(temperature=None, top_k=None, top_p=None, min_p=None, presence=None,
+                       frequency=None, repetition=None, greedy_mask=None, all_greedy=True,
+                       all_random=False, any_penalty=False, any_repetition=False,
+                       any_freq_presence=False, any_top_k=False, any_top_p=False,
+                       any_min_p=False, max_top_k=V, generators=list(generators),
+                       output_counts=None, prompt_mask=None, banned_mask=None,
+                       max_num_logprobs=None, vocab_size=V)
 
         greedy = [p.greedy for p in params]
         temps, top_ks, top_ps, min_ps = [], [], [], []
