@@ -10,7 +10,7 @@ request's KV (P/D disaggregation) is moving its block ids' slices layer by layer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -33,7 +33,6 @@ class _SeqState:
     output_token_ids: list[int]
     params: object
     generator: torch.Generator | None
-    extra: dict = field(default_factory=dict)
 
 
 class ModelRunner:
