@@ -50,13 +50,13 @@ def test_bf16_logits_close_to_fp32_reference(hf_dir, eager):
             assert err <= 2e-2, (len(ids), chunk, err)
 
 
-@pytest.mark.parametrize("eager", [True, False])
-def test_fp32_greedy_matches_hf_mixed_batch(hf_dir, eager):
+@pytest.mark.parametrize("backend, eager", [("triton", True), ("triton", False), ("torch", True)])
+def test_fp32_greedy_matches_hf_mixed_batch(hf_dir, backend, eager):
     d, hf = hf_dir
     prompts = _prompts(12, 5, 300, seed=1)
     # small token budget: long prompts are chunked while earlier ones decode in the same forward
     llm = LLM(str(d), device="cuda", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=1024,
-              max_num_batched_tokens=96, enforce_eager=eager)
+              max_num_batched_tokens=96, enforce_eager=eager, attention_backend=backend)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     hf32 = hf.float()
