@@ -246,6 +246,8 @@ def _paged_attn_stage1(
     # Block ids are fetched one tile ahead into registers, so the K/V gathers of a tile depend on
     # a loop-carried value rather than on a load of the same iteration (lets the software
     # pipeliner keep K/V loads in flight across iterations).
+    # Two loops that differ only in the constexpr MASKED flag: tiles wholly below the causal
+    # diagonal compile without any mask arithmetic.
     blk = _load_block_ids(bt_row_ptr, lo, hi, offs_n, stride_btn, BS)
     for start in range(lo, full_end, BLOCK_N):
         blk_next = _load_block_ids(bt_row_ptr, start + BLOCK_N, hi, offs_n, stride_btn, BS)
