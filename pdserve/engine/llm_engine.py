@@ -153,8 +153,10 @@ class LLMEngine:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                tuple(params.stop or ()))
-            seqs.append(_Seq(req, CompletionOutput(i, "", [], [] if params.logprobs is not None
-                                                   else None), detok))
+            # token_ids is the request's own output list: the scheduler appends, nobody copies.
+            seqs.append(_Seq(req, CompletionOutput(i, "", req.output_token_ids,
+                                                   [] if params.logprobs is not None else None),
+                             detok))
         first = seqs[0].req
         for s in seqs[1:]:
             s.req.status = RequestStatus.FORK_PENDING
@@ -199,8 +201,7 @@ class LLMEngine:
         return [self._make_output(group, now) for group in touched.values()]
 
     def _append(self, group: _Group, seq: _Seq, tok: SampledToken) -> None:
-        req, out, p = seq.req, seq.out, group.params
-        out.token_ids.append(tok.token_id)
+        req, out, p = seq.req, seq.out, group.params  # the scheduler already appended the token
         if out.logprobs is not None:
             out.logprobs.append(self._logprob_entry(tok))
         stop_str = seq.detok.add(tok.token_id) if seq.detok is not None else None
