@@ -23,6 +23,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes")
+    g.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"],
+                   help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > 1)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +47,9 @@ def _make_llm(a):
                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                num_kv_blocks=a.num_kv_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
                gpu_memory_utilization=a.gpu_memory_utilization,
-               attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)
+               attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+               tensor_parallel_size=a.tensor_parallel_size,
+               distributed_executor_backend=a.distributed_executor_backend)
 
 
 def _params(a):
@@ -59,7 +65,11 @@ def _report(outs, elapsed):
 
 
 def cmd_generate(a) -> int:
-    llm = _make_llm(a)
+    with _make_llm(a) as llm:
+        return _generate(llm, a)
+
+
+def _generate(llm, a) -> int:
     params = _params(a)
     t = time.perf_counter()
     outs = llm.generate(a.prompts, params, use_tqdm=len(a.prompts) > 1)
@@ -71,7 +81,11 @@ def cmd_generate(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    llm = _make_llm(a)
+    with _make_llm(a) as llm:
+        return _chat(llm, a)
+
+
+def _chat(llm, a) -> int:
     params = _params(a)
     history = [{"role": "system", "content": a.system}] if a.system else []
     turns = list(a.message) if a.message else None
@@ -109,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["latency"]:
             from .bench.latency import main as bench_latency
             return bench_latency(argv[2:])
-        print("usage: pdserve bench {offline,latency} [options]   (pdserve bench offline --help)",
+        if sub == ["tp"]:
+            from .bench.tp import main as bench_tp
+            return bench_tp(argv[2:])
+        print("usage: pdserve bench {offline,latency,tp} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     p = argparse.ArgumentParser(prog="pdserve")

@@ -27,6 +27,10 @@ class EngineConfig:
     attention_backend: str = "auto"     # "auto": triton on CUDA, torch on CPU
     enforce_eager: bool = False         # CUDA: no CUDA graphs
     cuda_graph_max_batch: int = 512     # largest captured decode batch (capped by max_num_seqs)
+    tensor_parallel_size: int = 1       # ranks per worker (NCCL on CUDA, gloo on CPU)
+    # "uni": the engine runs in the caller's process (tp 1 only); "mp": in worker processes the
+    # caller talks to over messages; "auto": uni for tp 1, mp otherwise.
+    distributed_executor_backend: str = "auto"
 
     def __post_init__(self):
         def positive(name, allow_none=False):
@@ -35,7 +39,7 @@ class EngineConfig:
                 return
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             positive(name)
         positive("num_kv_blocks", allow_none=True)
         positive("max_model_len", allow_none=True)
@@ -51,6 +55,12 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")
+        if self.distributed_executor_backend not in ("auto", "uni", "mp"):
+            raise ValueError("distributed_executor_backend must be auto, uni or mp, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs worker processes "
+                             "(distributed_executor_backend 'mp' or 'auto')")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:
@@ -59,6 +69,19 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend == "auto":
+            return "uni" if self.tensor_parallel_size == 1 else "mp"
+        return self.distributed_executor_backend
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of TP rank `rank`: on CUDA, consecutive GPUs from the configured one."""
+        d = self.torch_device
+        if d.type != "cuda":
+            return d
+        return torch.device("cuda", (d.index or 0) + rank)
 
     @property
     def resolved_attention_backend(self) -> str:

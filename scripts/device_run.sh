@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
-# Stages: info, tests, latency-quick, latency, offline. Logs and JSON go to $OUT.
+# Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, offline,
+# tp-tests, tp (two GPUs). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -14,6 +15,10 @@ for stage in "$@"; do
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --output "$OUT/decode-latency-h200.json";;
     offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;
+    wheels) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+            export PYTHONPATH="/tmp/site:$PYTHONPATH";;
+    tp-tests) python3 -m pytest -q -m gpu tests/test_gpu_tp.py tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tp-tests.log" | tail -40;;
+    tp) python3 -m pdserve bench tp --models qwen2.5-7b --tp-sizes 1 2 --batch-sizes 1 8 --output "$OUT/tp-h200x2.json" 2>&1 | grep -v "^Processed" | tee "$OUT/tp.log" | tail -20;;
     *) echo "unknown stage $stage";;
   esac
 done

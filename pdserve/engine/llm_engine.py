@@ -14,19 +14,31 @@ import time
 
 import torch
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..config import EngineConfig
+from ..layers.parallel_state import get_tp_group
 from ..loader.model_loader import load_model, load_tokenizer, resolve_source
+from ..models.config import ModelConfig
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..worker.model_runner import ModelRunner, SampledToken
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | dict | list[int]
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """One request for add_requests() (and, over messages, for a worker process)."""
+    request_id: str
+    prompt: Any                      # str, {"prompt_token_ids": [...]} / {"prompt": str}, list[int]
+    params: SamplingParams
+    final_only: bool = False
+    arrival_time: float | None = None
 
 
 @dataclass(eq=False)
@@ -53,55 +65,83 @@ class _Group:
         return self.num_unfinished == 0
 
 
+def plan_kv_pool(config: EngineConfig, model) -> tuple[int, int]:
+    """(num_blocks, max_model_len) for this model and budget. Under TP every rank calls it and the
+    smallest budget wins, so all ranks build the same pool."""
+    mcfg = model.config
+    attn = model.layers[0].self_attn
+    bytes_per_block = (2 * mcfg.num_layers * attn.num_kv_heads * attn.head_dim
+                       * config.block_size * config.torch_dtype.itemsize)
+    if config.num_kv_blocks:
+        num_blocks = config.num_kv_blocks
+    else:
+        budget = torch.tensor([_kv_budget_bytes(config)], dtype=torch.int64,
+                              device=config.torch_device)
+        get_tp_group().all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
+        num_blocks = max(1, int(budget.item()) // bytes_per_block)
+    capacity = num_blocks * config.block_size
+    if config.max_model_len is not None and config.max_model_len > capacity:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool "
+                         f"({num_blocks} blocks x {config.block_size} = {capacity} tokens)")
+    max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
+    if max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
+                         f"length {mcfg.max_position_embeddings}")
+    return num_blocks, max_model_len
+
+
+def _kv_budget_bytes(cfg: EngineConfig) -> int:
+    if cfg.kv_cache_memory_gb is not None:
+        return int(cfg.kv_cache_memory_gb * (1 << 30))
+    if cfg.torch_device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(cfg.torch_device)
+        used = total - free
+        # Leave room for activations and CUDA graphs: they are not in the budget yet.
+        return max(0, int(total * cfg.gpu_memory_utilization) - used - (2 << 30))
+    return 1 << 30
+
+
+def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
+                       ) -> tuple[ModelRunner, int, int]:
+    """Loads this rank's shard of the model and builds its runner and KV pool (every TP rank
+    runs this; the tp group must be initialised first). Returns (runner, num_blocks,
+    max_model_len)."""
+    source = resolve_source(config.model)
+    device, dtype = config.torch_device, config.torch_dtype
+    model = load_model(source, config.load_format, dtype, device,
+                       config.resolved_attention_backend, config.seed)
+    num_blocks, max_model_len = plan_kv_pool(config, model)
+    runner = ModelRunner(
+        model, num_blocks, config.block_size, dtype, device, config.seed, eos_token_ids,
+        max_model_len,
+        min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0,
+        is_driver=get_tp_group().is_driver)
+    return runner, num_blocks, max_model_len
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """on_schedule: called with every SchedulerOutput before this process runs it (a TP driver
+    sends it to the other ranks there)."""
+
+    def __init__(self, config: EngineConfig,
+                 on_schedule: Callable[[SchedulerOutput], None] | None = None):
         self.config = config
         source = resolve_source(config.model)
-        device, dtype = config.torch_device, config.torch_dtype
-        self.model = load_model(source, config.load_format, dtype, device,
-                                config.resolved_attention_backend, config.seed)
-        self.model_config = mcfg = self.model.config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
-
-        attn = self.model.layers[0].self_attn
-        bytes_per_block = (2 * mcfg.num_layers * attn.num_kv_heads * attn.head_dim
-                           * config.block_size * dtype.itemsize)
-        num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // bytes_per_block)
-        capacity = num_blocks * config.block_size
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool "
-                             f"({num_blocks} blocks x {config.block_size} = {capacity} tokens)")
-        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
-                             f"length {mcfg.max_position_embeddings}")
-        self.num_kv_blocks = num_blocks
-
         if self.tokenizer is not None:
-            self.eos_token_ids = tuple(sorted(self.tokenizer.stop_token_ids))
+            eos_ids = tuple(sorted(self.tokenizer.stop_token_ids))
         else:
-            eos = mcfg.eos_token_id
-            self.eos_token_ids = tuple(eos) if isinstance(eos, tuple) else (
-                () if eos is None else (eos,))
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+            eos = ModelConfig.from_hf(source.hf_config).eos_token_id
+            eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+        self.eos_token_ids = eos_ids
+        self.runner, self.num_kv_blocks, self.max_model_len = build_model_runner(config, eos_ids)
+        self.model = self.runner.model
+        self.model_config = self.model.config
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, dtype, device, config.seed,
-            self.eos_token_ids, self.max_model_len,
-            min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0)
+        self._on_schedule = on_schedule
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, tuple[_Group, _Seq]] = {}
-
-    def _kv_budget_bytes(self) -> int:
-        cfg = self.config
-        if cfg.kv_cache_memory_gb is not None:
-            return int(cfg.kv_cache_memory_gb * (1 << 30))
-        if cfg.torch_device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(cfg.torch_device)
-            used = total - free
-            # Leave room for activations and CUDA graphs: they are not in the budget yet.
-            return max(0, int(total * cfg.gpu_memory_utilization) - used - (2 << 30))
-        return 1 << 30
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -168,6 +208,18 @@ class LLMEngine:
         for s in seqs:
             self._seq_group[s.req.request_id] = (group, s)
 
+    def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
+        """Queues each request; returns, per request, None or why it was rejected (the others
+        are queued regardless)."""
+        errors: list[str | None] = []
+        for r in requests:
+            try:
+                self.add_request(r.request_id, r.prompt, r.params, r.arrival_time, r.final_only)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        return errors
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
@@ -187,6 +239,8 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self._on_schedule is not None:
+            self._on_schedule(sched)
         sampled = self.runner.execute(sched)
         advanced = self.scheduler.update({k: v.token_id for k, v in sampled.items()})
         now = time.monotonic()

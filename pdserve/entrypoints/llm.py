@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
-from ..engine.llm_engine import LLMEngine, Prompt
+from ..engine.llm_engine import AddRequest, LLMEngine, Prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
@@ -17,14 +17,36 @@ class LLM:
     """LLM(model=None, **engine_args): model is an HF folder, a .gguf file or a preset name
     (with load_format="dummy"); None loads the embedded SmolLM2-135M-Instruct. Engine args are
     EngineConfig's fields (dtype, device, block_size, max_num_seqs, max_num_batched_tokens,
-    max_model_len, seed, num_kv_blocks, kv_cache_memory_gb, load_format, skip_tokenizer_init)."""
+    max_model_len, seed, num_kv_blocks, kv_cache_memory_gb, load_format, skip_tokenizer_init,
+    tensor_parallel_size, distributed_executor_backend, ...).
+
+    With tensor_parallel_size > 1 (or distributed_executor_backend="mp") the engine runs in
+    worker processes and llm_engine is an EngineClient with the same request API; call
+    shutdown() (or use `with LLM(...) as llm:`) to stop them, else they stop at exit."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        if config.executor_backend == "mp":
+            from ..worker.client import EngineClient
+            self.llm_engine = EngineClient(config)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stops worker processes (a no-op for an in-process engine)."""
+        stop = getattr(self.llm_engine, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -41,17 +63,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
         engine = self.llm_engine
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p, final_only=True)
-                ids.append(rid)
-        except ValueError:
-            engine.abort_request(ids)  # a bad prompt rejects the whole call, nothing half-run
-            raise
-        return self._run(ids, use_tqdm)
+        reqs = [AddRequest(str(next(self._ids)), prompt, p, final_only=True)
+                for prompt, p in zip(prompts, params)]
+        errors = engine.add_requests(reqs)
+        bad = next((e for e in errors if e is not None), None)
+        if bad is not None:
+            # a bad prompt rejects the whole call, nothing half-run
+            engine.abort_request([r.request_id for r, e in zip(reqs, errors) if e is None])
+            raise ValueError(bad)
+        return self._run([r.request_id for r in reqs], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

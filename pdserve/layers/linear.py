@@ -4,6 +4,10 @@ Each parameter carries its own `weight_loader(param, loaded, shard_id=None)`: th
 generic (it hands every checkpoint tensor to the parameter it belongs to) and the sharding rule
 lives with the layer. With tp size 1 the rules reduce to plain copies.
 
+A checkpoint tensor handed to a loader is a torch.Tensor or anything with `.shape`, `.narrow()`
+and `[:]` that reads lazily (the safetensors reader): a rank then reads only the rows or columns
+it keeps.
+
 Fused layouts (rows of the output dimension, per rank):
     QKVParallelLinear:          [ q heads of this rank | k heads | v heads ]
     MergedColumnParallelLinear: [ gate shard | up shard ]
@@ -23,7 +27,13 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def materialize(loaded) -> torch.Tensor:
+    """The whole checkpoint tensor (reads it when it is lazy)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def _copy(param: torch.Tensor, loaded) -> None:
+    loaded = materialize(loaded)
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter "
                          f"shape {tuple(param.shape)}")
@@ -149,10 +159,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocabulary shard, gathered to the full vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
-        if self.tp.size > 1:
-            import torch.distributed as dist
-            parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
-            dist.all_gather(parts, logits, group=self.tp.group)
-            logits = torch.cat(parts, -1)
+        logits = self.tp.all_gather(F.linear(hidden, self.weight), -1)
         return logits[..., : self.vocab_size]

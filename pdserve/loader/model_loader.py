@@ -51,7 +51,27 @@ def resolve_source(spec: str | None) -> ModelSource:
                      f"(presets: {', '.join(sorted(PRESETS))})")
 
 
-def _safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+class _LazyTensor:
+    """A safetensors tensor not read yet: a TP rank's weight loader narrows it first and reads
+    only its shard (valid while the file is open, i.e. during the loader call)."""
+
+    def __init__(self, sl):
+        self._sl = sl
+        self.shape = torch.Size(sl.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        idx = [slice(None)] * len(self.shape)
+        idx[dim] = slice(start, start + length)
+        return self._sl[tuple(idx)]
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self._sl[idx]
+
+
+def _safetensors_weights(folder: str) -> Iterator[tuple[str, "_LazyTensor"]]:
     from safetensors import SafetensorError, safe_open
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
@@ -61,7 +81,7 @@ def _safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(os.path.join(folder, fname), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, _LazyTensor(f.get_slice(name))
         except SafetensorError as e:
             raise ValueError(f"cannot read {fname}: {e}") from None
 

@@ -80,6 +80,20 @@ class ModelConfig:
         except KeyError as e:
             raise ValueError(f"model config is missing the field {e.args[0]!r}") from None
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """ValueError unless this model splits over `tp` ranks: query heads and MLP columns divide
+        evenly; KV heads divide too, or (tp > KV heads) each KV head is replicated on tp / kv ranks."""
+        if self.num_heads % tp:
+            raise ValueError(f"the model's {self.num_heads} attention heads do not split over "
+                             f"tensor_parallel_size {tp} (it must divide the head count)")
+        kv = self.num_kv_heads
+        if (kv % tp) if kv >= tp else (tp % kv):
+            raise ValueError(f"the model's {kv} KV heads do not split over tensor_parallel_size "
+                             f"{tp} (one must divide the other)")
+        if self.intermediate_size % tp:
+            raise ValueError(f"intermediate_size {self.intermediate_size} does not split over "
+                             f"tensor_parallel_size {tp}")
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache elements per token over all layers (multiply by the dtype size)."""

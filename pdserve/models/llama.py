@@ -11,7 +11,7 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..attention.metadata import get_attention_metadata
 from ..layers.activation import SiluAndMul
-from ..layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from ..layers.linear import (MergedColumnParallelLinear, materialize, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, VocabParallelEmbedding)
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -134,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
+                    tensor = materialize(tensor)
                     if param.shape != tensor.shape:
                         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(param.shape)}")

@@ -38,8 +38,12 @@ class _SeqState:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = (),
-                 max_model_len: int = 4096, cuda_graph_max_batch: int = 0):
+                 max_model_len: int = 4096, cuda_graph_max_batch: int = 0,
+                 is_driver: bool = True):
         cfg = model.config
+        # Under TP every rank runs the forward and the logits gather; only the driver (rank 0)
+        # samples, and the others learn the tokens from its next SchedulerOutput.
+        self.is_driver = is_driver
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -78,8 +82,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         for rid in out.finished_ids:
             self.seqs.pop(rid, None)
-        for data in out.new_requests:
-            self._add(data)
+        if self.is_driver:
+            for data in out.new_requests:
+                self._add(data)
         if out.is_empty:
             return {}
         for src, dst in out.block_copies:
@@ -104,6 +109,8 @@ class ModelRunner:
         else:
             picked = hidden[torch.tensor(where, device=self.device)]
         logits = self.model.compute_logits(picked)
+        if not self.is_driver:
+            return {}
         seqs = [self.seqs[r] for r in ids]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],

@@ -1,0 +1,202 @@
+"""`pdserve bench tp`: decode step time at TP=1 and TP=N through worker processes, and the
+all-reduce latency of one decode step's message, measured in the same run.
+
+Step time: `batch` streaming requests are prefilled, then the worker sends one Outputs message per
+engine step; the client records when each arrives and reports the median gap over `--steps` steps
+(the engine's step as a client sees it: schedule + broadcast to the other ranks + forward +
+sample). TP=1 runs through the same worker process path, so the two are comparable.
+
+All-reduce: one process per GPU (NCCL), a tensor of batch x hidden elements in the model dtype,
+timed eagerly and replayed from a CUDA graph of 100 all-reduces (how the decode graph runs them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from .common import copy_bandwidth, git_info, hardware_info, random_prompts, write_result
+
+
+def measure_stream(llm, batch: int, context: int, steps: int, warmup: int, seed: int
+                   ) -> dict[str, Any]:
+    from pdserve import SamplingParams
+    from pdserve.engine.llm_engine import AddRequest
+    client = llm.llm_engine
+    prompts = random_prompts(batch, context, context + 1, client.info.vocab_size, seed)
+    sp = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True)
+    ids = [f"tp-{batch}-{context}-{i}" for i in range(batch)]
+    errors = client.add_requests([AddRequest(r, {"prompt_token_ids": p}, sp)
+                                  for r, p in zip(ids, prompts)])
+    assert errors == [None] * batch, errors
+    started: set[str] = set()
+    while len(started) < batch:  # prefill until every sequence has its first token
+        started.update(o.request_id for o in client.step())
+    arrivals = []
+    while len(arrivals) < warmup + steps + 1:
+        outs = client.step()
+        if outs:
+            arrivals.append(time.perf_counter())
+    client.abort_request(ids)
+    gaps = [b - a for a, b in zip(arrivals[warmup:], arrivals[warmup + 1:])]
+    gaps.sort()
+    return {"step_ms": statistics.median(gaps) * 1e3,
+            "step_ms_p10": gaps[len(gaps) // 10] * 1e3,
+            "step_ms_p90": gaps[len(gaps) * 9 // 10] * 1e3, "steps": len(gaps)}
+
+
+# ---- all-reduce microbenchmark (one process per rank) ------------------------------------------
+def _allreduce_rank(rank: int, world: int, init: str, numels: list[int], dtype: str,
+                    out_path: str) -> None:
+    import torch.distributed as dist
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=dev)
+    dt = getattr(torch, dtype)
+    results = []
+    for n in numels:
+        x = torch.ones(n, dtype=dt, device=dev)
+        for _ in range(20):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        ok = bool(torch.all(x == float(world ** 20)).item()) if n else True
+        iters = 200
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        eager_us = (time.perf_counter() - t0) / iters * 1e6
+        y = torch.zeros(n, dtype=dt, device=dev)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            dist.all_reduce(y)  # warm the communicator on this stream
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            for _ in range(100):
+                dist.all_reduce(y)
+        g.replay()
+        torch.cuda.synchronize()
+        dist.barrier()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+        graph_us = (time.perf_counter() - t0) / (reps * 100) * 1e6
+        results.append({"numel": n, "bytes": n * x.element_size(), "dtype": dtype,
+                        "eager_us": eager_us, "graph_us": graph_us, "sum_correct": ok})
+        del g
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def allreduce_latency(world: int, numels: list[int], dtype: str) -> list[dict[str, Any]]:
+    from ..worker.client import _free_port
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "allreduce.json")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        args = [json.dumps(numels), dtype, out, init, str(world)]
+        procs = [subprocess.Popen([sys.executable, "-m", "pdserve.bench.tp", "--allreduce-rank",
+                                   str(r), *args]) for r in range(world)]
+        codes = [p.wait(600) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"all-reduce ranks exited with {codes}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def run(args) -> dict[str, Any]:
+    from pdserve import LLM
+    from pdserve.models.config import ModelConfig
+    from pdserve.models.presets import PRESETS
+    device = torch.device(args.device)
+    bw = copy_bandwidth(device)
+    results = []
+    allreduce = {}
+    for model in args.models:
+        mcfg = ModelConfig.from_hf(dict(PRESETS[model])) if model in PRESETS else None
+        for tp in args.tp_sizes:
+            llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                      skip_tokenizer_init=True, max_num_seqs=max(args.batch_sizes),
+                      max_model_len=args.context + args.steps + args.warmup + 16,
+                      tensor_parallel_size=tp, distributed_executor_backend="mp",
+                      enforce_eager=args.enforce_eager,
+                      gpu_memory_utilization=args.gpu_memory_utilization)
+            info = llm.llm_engine.info
+            for bs in args.batch_sizes:
+                r = measure_stream(llm, bs, args.context, args.steps, args.warmup, args.seed)
+                kv = bs * (args.context + args.warmup + args.steps // 2) * info.kv_bytes_per_token_per_rank
+                entry = {"model": model, "tp": tp, "batch_size": bs, "context": args.context, **r,
+                         "weight_bytes_per_rank": info.weight_bytes_per_rank,
+                         "roofline_ms": (info.weight_bytes_per_rank + kv) / bw * 1e3}
+                results.append(entry)
+                print(f"{model:>14} tp={tp} bs={bs:<4} step {r['step_ms']:8.3f} ms  "
+                      f"(p10 {r['step_ms_p10']:.3f}, p90 {r['step_ms_p90']:.3f})  per-rank roofline "
+                      f"{entry['roofline_ms']:.3f} ms", flush=True)
+            llm.shutdown()
+        if mcfg is not None and device.type == "cuda" and max(args.tp_sizes) > 1:
+            dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+            numels = sorted({bs * mcfg.hidden_size for bs in args.batch_sizes})
+            allreduce[model] = allreduce_latency(max(args.tp_sizes), numels, dtype)
+            for a in allreduce[model]:
+                print(f"{model:>14} all-reduce {a['bytes']:>8} B: eager {a['eager_us']:.1f} us, "
+                      f"in a CUDA graph {a['graph_us']:.1f} us (sum correct: {a['sum_correct']})")
+    speedups = []
+    for e in results:
+        base = next((b for b in results if b["model"] == e["model"] and b["tp"] == 1
+                     and b["batch_size"] == e["batch_size"]), None)
+        if base is not None and e["tp"] > 1:
+            speedups.append({"model": e["model"], "tp": e["tp"], "batch_size": e["batch_size"],
+                             "speedup_vs_tp1": base["step_ms"] / e["step_ms"]})
+            print(f"{e['model']:>14} bs={e['batch_size']} TP={e['tp']} is "
+                  f"{base['step_ms'] / e['step_ms']:.2f}x TP=1")
+    return {"benchmark": "tp", "copy_bandwidth_bytes_per_s": bw, "results": results,
+            "speedups": speedups, "allreduce": allreduce}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--allreduce-rank"]:
+        rank, numels, dtype, out, init, world = argv[1:7]
+        _allreduce_rank(int(rank), int(world), init, json.loads(numels), dtype, out)
+        return 0
+    p = argparse.ArgumentParser(prog="pdserve bench tp")
+    p.add_argument("--models", nargs="+", default=["qwen2.5-7b"])
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    payload = run(args)
+    payload.update(command=["pdserve", "bench", "tp", *argv], config=vars(args),
+                   hardware=hardware_info(), **git_info())
+    out = args.output or f"bench/results/tp-{torch.device(args.device).type}.json"
+    print("wrote", write_result(out, payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""EngineClient: starts a worker (one process per TP rank) and drives it over messages with the
+same request API as an in-process LLMEngine: add_requests / abort_request / step /
+has_unfinished_requests, plus drain() and shutdown().
+
+A worker that dies is noticed at once (the client waits on the processes' sentinels together with
+the output socket): the waiting call raises EngineDeadError naming the rank and its exit code,
+every pending request fails with it, and the surviving ranks are stopped (they would otherwise
+wait forever in a collective with the dead one).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections import deque
+
+import msgspec
+import zmq
+
+from ..config import EngineConfig
+from ..engine.llm_engine import AddRequest
+from ..loader.model_loader import load_tokenizer, resolve_source
+from ..models.config import ModelConfig
+from ..outputs import RequestOutput
+from . import messages as m
+from .worker import WorkerAddresses, WorkerConfig
+
+
+class EngineDeadError(RuntimeError):
+    """The worker behind this client is gone; requests in flight are lost."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Rank:
+    """One rank's process: `python -m pdserve.worker.worker CONFIG RANK`. A fresh interpreter
+    (not multiprocessing's spawn), so the caller's script needs no `if __name__ == "__main__"`
+    guard. `sentinel` is a pidfd: readable once the process has exited."""
+
+    def __init__(self, config_path: str, rank: int):
+        self.rank = rank
+        # The child imports this very pdserve, wherever it was imported from.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [root, os.environ.get("PYTHONPATH")])))
+        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve.worker.worker",
+                                       config_path, str(rank)], env=env)
+        self.pid = self.popen.pid
+        self.sentinel = os.pidfd_open(self.pid)
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout_s: float) -> None:
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+
+
+def _stop_processes(procs: list[_Rank], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.popen.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.popen.kill()
+            p.join(2.0)
+
+
+def _cleanup(ctx: zmq.Context, procs: list[_Rank], tmpdir: str) -> None:
+    _stop_processes(procs, 0.0)
+    for p in procs:
+        p.close()
+    ctx.destroy(linger=0)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0):
+        source = resolve_source(config.model)
+        tp = config.tensor_parallel_size
+        ModelConfig.from_hf(source.hf_config).check_tensor_parallel(tp)
+        if config.torch_device.type == "cuda":
+            import torch
+            first = config.torch_device.index or 0
+            if first + tp > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {tp} from cuda:{first} needs "
+                                 f"{first + tp} GPUs; {torch.cuda.device_count()} visible")
+        self.config = config
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
+        self._tmp = tempfile.mkdtemp(prefix="pdserve-worker-")
+        addrs = WorkerAddresses(
+            requests=f"ipc://{self._tmp}/requests", outputs=f"ipc://{self._tmp}/outputs",
+            steps=tuple(f"ipc://{self._tmp}/steps-{r}" for r in range(1, tp)),
+            dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        self._ctx = zmq.Context()
+        self._requests = self._ctx.socket(zmq.PUSH)
+        self._requests.bind(addrs.requests)
+        self._outputs = self._ctx.socket(zmq.PULL)
+        self._outputs.bind(addrs.outputs)
+        config_path = os.path.join(self._tmp, "worker-config.pickle")
+        with open(config_path, "wb") as f:
+            pickle.dump(WorkerConfig(config, addrs, os.getpid()), f)
+        self._procs: list[_Rank] = []
+        self._finalizer = weakref.finalize(self, _cleanup, self._ctx, self._procs, self._tmp)
+        for r in range(tp):
+            self._procs.append(_Rank(config_path, r))
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(m.FromWorker)
+        self._poller = zmq.Poller()
+        self._poller.register(self._outputs, zmq.POLLIN)
+        for p in self._procs:
+            self._poller.register(p.sentinel, zmq.POLLIN)
+        self._pending: set[str] = set()
+        self._ready: deque[list[RequestOutput]] = deque()
+        self._dead: str | None = None
+        self._closed = False
+        try:
+            msg = self._recv(startup_timeout_s, starting=True)
+        except BaseException:
+            self._finalizer()
+            raise
+        if not isinstance(msg, m.Ready):
+            self._finalizer()
+            raise EngineDeadError(f"worker sent {type(msg).__name__} before Ready")
+        self.info: m.WorkerInfo = msg.info
+        self.max_model_len = msg.info.max_model_len
+        self.num_kv_blocks = msg.info.num_kv_blocks
+        self.eos_token_ids = tuple(msg.info.eos_token_ids)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- the LLMEngine request API -----------------------------------------------------------
+    def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
+        self._check_alive()
+        self._send(m.AddRequests(list(requests)))
+        while True:
+            msg = self._recv(None)
+            if isinstance(msg, m.Accepted):
+                break
+            self._ready.append(msg.outputs)
+        for r, err in zip(requests, msg.errors):
+            if err is None:
+                self._pending.add(r.request_id)
+        return msg.errors
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [i for i in ids if i in self._pending]
+        if ids and self._dead is None:
+            self._pending.difference_update(ids)
+            self._send(m.Abort(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._pending)
+
+    def step(self, timeout_s: float | None = None) -> list[RequestOutput]:
+        """The outputs of the worker's next step that reported anything (blocks until then, or
+        until timeout_s: then []). Outputs of aborted requests are dropped."""
+        if not self._pending:
+            return []
+        if self._ready:
+            outs = self._ready.popleft()
+        else:
+            self._check_alive()
+            msg = self._recv(timeout_s)
+            if msg is None:
+                return []
+            if not isinstance(msg, m.Outputs):
+                raise EngineDeadError(f"unexpected {type(msg).__name__} from the worker")
+            outs = msg.outputs
+        live = [o for o in outs if o.request_id in self._pending]
+        for o in live:
+            if o.finished:
+                self._pending.discard(o.request_id)
+        return live
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def drain(self, timeout_s: float = 60.0) -> list[RequestOutput]:
+        """No more requests: the worker finishes everything in flight and exits. Returns the
+        outputs that arrived meanwhile; then every process is joined (and killed past the
+        timeout)."""
+        collected: list[RequestOutput] = []
+        if self._dead is None and not self._closed:
+            self._send(m.Drain())
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                msg = self._recv(max(0.0, left)) if left > 0 else None
+                if msg is None or isinstance(msg, m.Drained):
+                    break
+                if isinstance(msg, m.Outputs):
+                    collected.extend(o for o in msg.outputs if o.request_id in self._pending)
+        self._pending.clear()
+        self.shutdown(timeout_s)
+        return collected
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops the worker: politely (drain) when it is alive, then joins every process."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._dead is None:
+            try:
+                self._send(m.Drain())
+            except zmq.ZMQError:
+                pass
+        _stop_processes(self._procs, timeout_s)
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        self._requests.send(self._encoder.encode(msg), copy=False)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._closed:
+            raise EngineDeadError("the engine client was shut down")
+
+    def _recv(self, timeout_s: float | None, starting: bool = False):
+        """The next message from the worker, or None after timeout_s. Raises EngineDeadError (or
+        ValueError for a configuration the worker rejected) when a rank fails or exits."""
+        ms = None if timeout_s is None else int(timeout_s * 1000)
+        events = dict(self._poller.poll(ms))
+        if not events:
+            return None
+        if self._outputs in events:
+            msg = self._decoder.decode(self._outputs.recv())
+            if not isinstance(msg, m.Failed):
+                return msg
+            if starting and msg.error_type == "ValueError":
+                self._fail(msg.message)
+                raise ValueError(msg.message)
+            # A rank 0 error is often the echo of another rank's death (a broken collective):
+            # name the dead rank first.
+            detail = msg.message.strip().splitlines()[-1] if self._deaths() else msg.message
+            self._fail("; ".join(filter(None, [self._deaths(), f"rank 0 failed: {detail}"])))
+            raise EngineDeadError(self._dead)
+        # A rank that exited may still have its last message (Failed) on the way.
+        if self._outputs.poll(200):
+            return self._recv(0, starting)
+        n = len(self._pending)
+        self._fail(f"{self._deaths() or 'a worker rank exited'}; {n} request(s) in flight failed")
+        raise EngineDeadError(self._dead)
+
+    def _deaths(self) -> str:
+        return ", ".join(f"worker rank {p.rank} (pid {p.pid}) exited with code {p.exitcode}"
+                         for p in self._procs if not p.is_alive())
+
+    def _fail(self, why: str) -> None:
+        self._dead = why
+        self._pending.clear()
+        self._ready.clear()
+        self._closed = True
+        self._finalizer()

@@ -1,0 +1,67 @@
+"""Typed messages between a client (the offline LLM, the server, later the router) and a worker's
+rank 0, encoded as msgpack by msgspec. SamplingParams and RequestOutput travel as the dataclasses
+they are (msgspec re-runs SamplingParams' validation on arrival).
+
+    client ── AddRequests / Abort / Drain ─────────────────> worker rank 0
+    client <── Ready / Accepted / Outputs / Drained / Failed ── worker rank 0
+
+Every AddRequests is answered by exactly one Accepted (one error or None per request, in order);
+Outputs arrive once per engine step that advanced a request.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from ..engine.llm_engine import AddRequest
+from ..outputs import RequestOutput
+
+
+class AddRequests(msgspec.Struct, tag=True):
+    requests: list[AddRequest]
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Drain(msgspec.Struct, tag=True):
+    """No more requests: finish what is in flight, report Drained, exit."""
+
+
+class WorkerInfo(msgspec.Struct):
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tensor_parallel_size: int
+    weight_bytes_per_rank: int     # parameter bytes on rank 0 (tied weights once)
+    kv_bytes_per_token_per_rank: int
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: WorkerInfo
+
+
+class Accepted(msgspec.Struct, tag=True):
+    errors: list[Union[str, None]]  # per request of the AddRequests: None = queued
+
+
+class Outputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+
+
+class Drained(msgspec.Struct, tag=True):
+    pass
+
+
+class Failed(msgspec.Struct, tag=True):
+    """The worker hit an error it cannot serve past and is exiting."""
+    error_type: str                 # "ValueError" for bad configuration, else the exception's type
+    message: str
+
+
+ToWorker = Union[AddRequests, Abort, Drain]
+FromWorker = Union[Ready, Accepted, Outputs, Drained, Failed]

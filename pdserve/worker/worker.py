@@ -1,0 +1,204 @@
+"""A worker: one engine spread over a TP group, one process per rank, started by worker_main().
+
+    client ──(zmq, msgspec messages)──> rank 0: LLMEngine (scheduler, KV manager, sampling,
+                                        │        detokenizer) + its model shard
+                                        │ each step: the SchedulerOutput's chunks, forks and
+                                        ▼ block copies (zmq, pickled)
+                                   rank 1..N-1: model shard only, same forward
+                                        (the all-reduces / logits gather inside meet rank 0's)
+
+Rank 0 decides everything that is not tensor math (which tokens run, which token was sampled),
+so ranks cannot diverge: the others learn sampled tokens from the next step's chunks.
+
+Lifecycle: Drain -> rank 0 rejects new requests, finishes the ones in flight, tells the other
+ranks to stop, releases CUDA graphs (they captured collectives) before the process group, answers
+Drained, and every rank exits. A rank that notices its client is gone exits too.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass, replace
+
+import msgspec
+import zmq
+
+from ..config import EngineConfig
+
+_IDLE_POLL_MS = 500  # how often an idle rank checks that its client is still alive
+
+
+@dataclass(frozen=True)
+class WorkerAddresses:
+    """Where the processes meet (chosen by whoever starts the worker, never constants)."""
+    requests: str               # client -> rank 0 (zmq; the client binds)
+    outputs: str                # rank 0 -> client (zmq; the client binds)
+    steps: tuple[str, ...]      # rank 0 -> rank r for r >= 1 (zmq; rank r binds)
+    dist_init_method: str       # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: EngineConfig
+    addresses: WorkerAddresses
+    client_pid: int             # ranks exit when this process is gone
+
+
+def worker_main(wc: WorkerConfig, rank: int) -> None:
+    """Entry point of one rank's process."""
+    import torch
+
+    from ..layers.parallel_state import destroy_tp_group, init_tp_group
+
+    tp = wc.engine.tensor_parallel_size
+    # This rank's view of the configuration: its own GPU; "mp" is how it was started, and
+    # inside the process the engine runs in place.
+    cfg = replace(wc.engine, device=str(wc.engine.rank_device(rank)),
+                  distributed_executor_backend="mp")
+    device = cfg.torch_device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif tp > 1:
+        # CPU ranks share the cores: oversubscribed threads turn every collective into a wait
+        # for a descheduled peer.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp))
+    ctx = zmq.Context()
+    out = None
+    try:
+        if rank == 0:
+            out = ctx.socket(zmq.PUSH)
+            out.setsockopt(zmq.LINGER, 5000)
+            out.connect(wc.addresses.outputs)
+        init_tp_group(rank, tp, wc.addresses.dist_init_method, device)
+        if rank == 0:
+            _Driver(cfg, wc, ctx, out).run()
+        else:
+            _follow(cfg, wc, ctx, rank)
+    except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
+        if out is not None:
+            from .messages import Failed
+            kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+            detail = str(e) if isinstance(e, ValueError) else traceback.format_exc()
+            out.send(msgspec.msgpack.encode(Failed(kind, detail)))
+        else:
+            traceback.print_exc()
+        ctx.destroy(linger=2000)
+        sys.exit(1)
+    destroy_tp_group()
+    ctx.destroy(linger=2000)
+
+
+def _client_alive(pid: int) -> bool:
+    return os.getppid() == pid
+
+
+class _Driver:
+    """Rank 0: the engine loop. Reads client messages between steps, never during one."""
+
+    def __init__(self, cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, out: zmq.Socket):
+        from ..engine.llm_engine import LLMEngine
+        from . import messages as m
+        self.m = m
+        self.wc = wc
+        self.out = out
+        self.requests = ctx.socket(zmq.PULL)
+        self.requests.connect(wc.addresses.requests)
+        self.followers = []
+        for addr in wc.addresses.steps:
+            s = ctx.socket(zmq.PUSH)
+            s.connect(addr)
+            self.followers.append(s)
+        self.engine = LLMEngine(cfg, on_schedule=self._broadcast if self.followers else None)
+        self.decoder = msgspec.msgpack.Decoder(m.ToWorker)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.draining = False
+
+    def _broadcast(self, sched) -> None:
+        # Only what the forward needs; block tables are pickled as they are at this step.
+        payload = pickle.dumps((sched.chunks, sched.forks, sched.block_copies),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        for s in self.followers:
+            s.send(payload, copy=False)
+
+    def _send(self, msg) -> None:
+        self.out.send(self.encoder.encode(msg), copy=False)
+
+    def run(self) -> None:
+        m, eng = self.m, self.engine
+        attn = eng.model.layers[0].self_attn
+        weight_bytes = sum(p.numel() * p.element_size()
+                           for p in {id(p): p for p in eng.model.parameters()}.values())
+        self._send(m.Ready(m.WorkerInfo(
+            eng.max_model_len, eng.num_kv_blocks, eng.config.block_size,
+            eng.model_config.vocab_size, list(eng.eos_token_ids),
+            eng.config.tensor_parallel_size, weight_bytes,
+            2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
+            * eng.runner.kv_cache.element_size())))
+        try:
+            while True:
+                busy = eng.has_unfinished_requests()
+                if self.requests.poll(0 if busy else _IDLE_POLL_MS):
+                    self._read_messages()
+                if not _client_alive(self.wc.client_pid):
+                    return
+                if eng.has_unfinished_requests():
+                    outs = eng.step()
+                    if outs:
+                        self._send(m.Outputs(outs))
+                elif self.draining:
+                    self._send(m.Drained())
+                    return
+        finally:
+            for s in self.followers:
+                s.send(pickle.dumps(None))
+            eng.runner.release()
+
+    def _read_messages(self) -> None:
+        m, eng = self.m, self.engine
+        while True:
+            try:
+                raw = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.decoder.decode(raw)
+            if isinstance(msg, m.AddRequests):
+                if self.draining:
+                    errors = ["the worker is draining and accepts no new requests"] * len(msg.requests)
+                else:
+                    errors = eng.add_requests(msg.requests)
+                self._send(m.Accepted(errors))
+            elif isinstance(msg, m.Abort):
+                eng.abort_request(msg.request_ids)
+            elif isinstance(msg, m.Drain):
+                self.draining = True
+
+
+def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
+    """Ranks >= 1: run every step rank 0 sends until it sends None."""
+    from ..engine.llm_engine import build_model_runner
+    from ..engine.scheduler import SchedulerOutput
+    runner, _, _ = build_model_runner(cfg)
+    steps = ctx.socket(zmq.PULL)
+    steps.bind(wc.addresses.steps[rank - 1])
+    try:
+        while True:
+            if not steps.poll(_IDLE_POLL_MS):
+                if not _client_alive(wc.client_pid):
+                    return
+                continue
+            msg = pickle.loads(steps.recv())
+            if msg is None:
+                return
+            chunks, forks, copies = msg
+            runner.execute(SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies))
+    finally:
+        runner.release()
+
+
+if __name__ == "__main__":
+    # python -m pdserve.worker.worker CONFIG_PICKLE RANK   (started by EngineClient)
+    with open(sys.argv[1], "rb") as f:
+        _wc = pickle.load(f)
+    worker_main(_wc, int(sys.argv[2]))

@@ -1,0 +1,151 @@
+"""Worker processes and tensor parallelism on CPU (gloo, 2 ranks).
+
+TP=2 must be the same model as TP=1: greedy tokens identical and the top logprobs (log-softmax of
+the logits) within fp32 tolerance, on dummy weights drawn unsharded (config.json-only folders) and
+on safetensors read per rank. A killed rank makes the client fail fast; drain and shutdown leave
+no process behind.
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.llm_engine import AddRequest
+from pdserve.worker.client import EngineClient, EngineDeadError
+from pdserve.config import EngineConfig
+
+LLAMA_8Q_2KV = {  # KV heads split over ranks; odd vocab (the last vocab shard is padded)
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 501, "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "eos_token_id": 0, "bos_token_id": 1}
+QWEN2_1KV = {  # QKV bias, one KV head: replicated on both ranks (tp > num_kv_heads)
+    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 400, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6, "tie_word_embeddings": False, "eos_token_id": 0, "bos_token_id": 1}
+
+PROMPTS = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42] * 9,
+           list(range(30, 70))]
+ENGINE = dict(skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=16)  # chunked prefill too
+
+
+def _folder(tmp_path, cfg) -> str:
+    d = tmp_path / cfg["architectures"][0]
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def _generate(llm):
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _assert_same_model(ref, got):
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids
+        for lr, lg in zip(r.logprobs, g.logprobs):
+            assert lr.keys() == lg.keys()
+            for tid in lr:
+                assert abs(lr[tid].logprob - lg[tid].logprob) < 1e-4, (tid, lr[tid], lg[tid])
+
+
+def _assert_gone(pids, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            # a zombie is gone for our purposes only once reaped; the client reaps its children
+            assert time.monotonic() < deadline, f"worker pid {pid} still alive"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_8Q_2KV, QWEN2_1KV], ids=["llama-8q2kv", "qwen2-1kv"])
+def test_tp2_equals_tp1_dummy(tmp_path, cfg):
+    path = _folder(tmp_path, cfg)
+    ref = _generate(LLM(path, load_format="dummy", **ENGINE))
+    with LLM(path, load_format="dummy", tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.llm_engine.info.tensor_parallel_size == 2
+        got = _generate(llm)
+        pids = llm.llm_engine.pids
+    _assert_same_model(ref, got)
+    _assert_gone(pids)
+
+
+def test_tp2_equals_tp1_safetensors(tmp_path):
+    pytest.importorskip("transformers")
+    from .utils import save_tiny_hf_model
+    save_tiny_hf_model(tmp_path / "m", "qwen2")  # 8 query / 2 KV heads, QKV bias, untied
+    ref = _generate(LLM(str(tmp_path / "m"), **ENGINE))
+    with LLM(str(tmp_path / "m"), tensor_parallel_size=2, **ENGINE) as llm:
+        got = _generate(llm)
+    _assert_same_model(ref, got)
+
+
+def test_heads_not_divisible_is_a_clear_error(tmp_path):
+    cfg = dict(LLAMA_8Q_2KV, num_attention_heads=9, num_key_value_heads=3, head_dim=16)
+    with pytest.raises(ValueError, match="9 attention heads do not split"):
+        LLM(_folder(tmp_path, cfg), load_format="dummy", tensor_parallel_size=2, **ENGINE)
+    with pytest.raises(ValueError, match="worker processes"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank0", "rank1"])
+def test_killed_rank_fails_fast(tmp_path, victim):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    client = EngineClient(EngineConfig(model=path, load_format="dummy", tensor_parallel_size=2,
+                                       **dict(ENGINE, num_kv_blocks=512)))
+    sp = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+    errors = client.add_requests([AddRequest(f"r{i}", {"prompt_token_ids": p}, sp)
+                                  for i, p in enumerate(PROMPTS)])
+    assert errors == [None] * len(PROMPTS)
+    while not client.step():  # generating
+        pass
+    os.kill(client.pids[victim], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match=f"rank {victim} .* exited with code -9"):
+        while True:
+            client.step()
+    assert time.monotonic() - t0 < 5.0
+    assert not client.has_unfinished_requests()
+    with pytest.raises(EngineDeadError):  # and it stays dead, clearly
+        client.add_requests([AddRequest("late", [1, 2, 3], sp)])
+    _assert_gone(client.pids)
+
+
+def test_drain_finishes_in_flight_then_exits(tmp_path):
+    path = _folder(tmp_path, QWEN2_1KV)
+    client = EngineClient(EngineConfig(model=path, load_format="dummy", tensor_parallel_size=2,
+                                       **ENGINE))
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    client.add_requests([AddRequest(f"r{i}", {"prompt_token_ids": p}, sp, final_only=True)
+                         for i, p in enumerate(PROMPTS)])
+    finished = client.drain(timeout_s=60)
+    assert sorted(o.request_id for o in finished) == [f"r{i}" for i in range(len(PROMPTS))]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in finished)
+    assert [p.exitcode for p in client._procs] == [0, 0]  # exited by themselves, cleanly
+    assert not os.path.exists(client._tmp)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        client.add_requests([AddRequest("late", [1, 2, 3], sp)])
+
+
+def test_bad_request_keeps_worker_serving(tmp_path):
+    path = _folder(tmp_path, QWEN2_1KV)
+    with LLM(path, load_format="dummy", distributed_executor_backend="mp", **ENGINE) as llm:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [10_000]}],
+                         use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+        out = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=3),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
