@@ -25,6 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="CUDA TP: NCCL for every all-reduce (no one-shot P2P all-reduce)")
     g.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"],
                    help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > 1)")
 
@@ -49,6 +51,7 @@ def _make_llm(a):
                gpu_memory_utilization=a.gpu_memory_utilization,
                attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
                tensor_parallel_size=a.tensor_parallel_size,
+               disable_custom_all_reduce=a.disable_custom_all_reduce,
                distributed_executor_backend=a.distributed_executor_backend)
 
 

@@ -31,6 +31,7 @@ class EngineConfig:
     # "uni": the engine runs in the caller's process (tp 1 only); "mp": in worker processes the
     # caller talks to over messages; "auto": uni for tp 1, mp otherwise.
     distributed_executor_backend: str = "auto"
+    disable_custom_all_reduce: bool = False  # CUDA TP: NCCL for every all-reduce (no one-shot P2P)
 
     def __post_init__(self):
         def positive(name, allow_none=False):

@@ -6,8 +6,9 @@ engine step; the client records when each arrives and reports the median gap ove
 (the engine's step as a client sees it: schedule + broadcast to the other ranks + forward +
 sample). TP=1 runs through the same worker process path, so the two are comparable.
 
-All-reduce: one process per GPU (NCCL), a tensor of batch x hidden elements in the model dtype,
-timed eagerly and replayed from a CUDA graph of 100 all-reduces (how the decode graph runs them).
+All-reduce: one process per GPU, a tensor of batch x hidden elements in the model dtype, through
+NCCL and through the one-shot P2P kernel the engine uses for small messages, each timed eagerly
+and replayed from a CUDA graph of 100 all-reduces (how the decode graph runs them).
 """
 from __future__ import annotations
 
@@ -54,55 +55,64 @@ def measure_stream(llm, batch: int, context: int, steps: int, warmup: int, seed:
 
 
 # ---- all-reduce microbenchmark (one process per rank) ------------------------------------------
+def _time_allreduce(fn, x: torch.Tensor) -> tuple[float, float]:
+    """(eager us, us inside a CUDA graph of 100) per all-reduce of x by fn."""
+    import torch.distributed as dist
+    for _ in range(20):
+        fn(x)
+    torch.cuda.synchronize()
+    iters = 200
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn(x)
+    torch.cuda.synchronize()
+    eager_us = (time.perf_counter() - t0) / iters * 1e6
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(100):
+            fn(x)
+    g.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return eager_us, (time.perf_counter() - t0) / (reps * 100) * 1e6
+
+
 def _allreduce_rank(rank: int, world: int, init: str, numels: list[int], dtype: str,
                     out_path: str) -> None:
     import torch.distributed as dist
+
+    from ..layers.parallel_state import destroy_tp_group, init_tp_group
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=dev)
+    tp = init_tp_group(rank, world, init, dev, one_shot=True)
     dt = getattr(torch, dtype)
     results = []
     for n in numels:
-        x = torch.ones(n, dtype=dt, device=dev)
-        for _ in range(20):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        ok = bool(torch.all(x == float(world ** 20)).item()) if n else True
-        iters = 200
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        eager_us = (time.perf_counter() - t0) / iters * 1e6
-        y = torch.zeros(n, dtype=dt, device=dev)
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            dist.all_reduce(y)  # warm the communicator on this stream
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            for _ in range(100):
-                dist.all_reduce(y)
-        g.replay()
-        torch.cuda.synchronize()
-        dist.barrier()
-        reps = 20
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            g.replay()
-        torch.cuda.synchronize()
-        graph_us = (time.perf_counter() - t0) / (reps * 100) * 1e6
-        results.append({"numel": n, "bytes": n * x.element_size(), "dtype": dtype,
-                        "eager_us": eager_us, "graph_us": graph_us, "sum_correct": ok})
-        del g
+        x = torch.full((n,), float(rank + 1), dtype=dt, device=dev)
+        want = world * (world + 1) / 2
+        row = {"numel": n, "bytes": n * x.element_size(), "dtype": dtype}
+
+        def nccl(t):
+            dist.all_reduce(t)
+            return t
+        ok = bool(torch.all(nccl(x.clone()) == want).item())
+        row["nccl_eager_us"], row["nccl_graph_us"] = _time_allreduce(nccl, x.clone())
+        row["nccl_correct"] = ok
+        if tp.one_shot is not None and tp.one_shot.supports(x):
+            row["one_shot_correct"] = bool(torch.all(tp.one_shot(x) == want).item())
+            row["one_shot_eager_us"], row["one_shot_graph_us"] = _time_allreduce(tp.one_shot, x)
+        results.append(row)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_tp_group()
 
 
 def allreduce_latency(world: int, numels: list[int], dtype: str) -> list[dict[str, Any]]:
@@ -130,22 +140,26 @@ def run(args) -> dict[str, Any]:
     allreduce = {}
     for model in args.models:
         mcfg = ModelConfig.from_hf(dict(PRESETS[model])) if model in PRESETS else None
-        for tp in args.tp_sizes:
+        variants = [(tp, False) for tp in args.tp_sizes]
+        if args.compare_nccl:
+            variants += [(tp, True) for tp in args.tp_sizes if tp > 1]
+        for tp, nccl_only in variants:
             llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                       skip_tokenizer_init=True, max_num_seqs=max(args.batch_sizes),
                       max_model_len=args.context + args.steps + args.warmup + 16,
                       tensor_parallel_size=tp, distributed_executor_backend="mp",
-                      enforce_eager=args.enforce_eager,
+                      enforce_eager=args.enforce_eager, disable_custom_all_reduce=nccl_only,
                       gpu_memory_utilization=args.gpu_memory_utilization)
             info = llm.llm_engine.info
             for bs in args.batch_sizes:
                 r = measure_stream(llm, bs, args.context, args.steps, args.warmup, args.seed)
                 kv = bs * (args.context + args.warmup + args.steps // 2) * info.kv_bytes_per_token_per_rank
-                entry = {"model": model, "tp": tp, "batch_size": bs, "context": args.context, **r,
+                entry = {"model": model, "tp": tp, "batch_size": bs, "context": args.context,
+                         "all_reduce": "nccl" if nccl_only or tp == 1 else "one-shot", **r,
                          "weight_bytes_per_rank": info.weight_bytes_per_rank,
                          "roofline_ms": (info.weight_bytes_per_rank + kv) / bw * 1e3}
                 results.append(entry)
-                print(f"{model:>14} tp={tp} bs={bs:<4} step {r['step_ms']:8.3f} ms  "
+                print(f"{model:>14} tp={tp} {entry['all_reduce']:>8} bs={bs:<4} step {r['step_ms']:8.3f} ms  "
                       f"(p10 {r['step_ms_p10']:.3f}, p90 {r['step_ms_p90']:.3f})  per-rank roofline "
                       f"{entry['roofline_ms']:.3f} ms", flush=True)
             llm.shutdown()
@@ -154,16 +168,19 @@ def run(args) -> dict[str, Any]:
             numels = sorted({bs * mcfg.hidden_size for bs in args.batch_sizes})
             allreduce[model] = allreduce_latency(max(args.tp_sizes), numels, dtype)
             for a in allreduce[model]:
-                print(f"{model:>14} all-reduce {a['bytes']:>8} B: eager {a['eager_us']:.1f} us, "
-                      f"in a CUDA graph {a['graph_us']:.1f} us (sum correct: {a['sum_correct']})")
+                print(f"{model:>14} all-reduce {a['bytes']:>8} B in a CUDA graph: NCCL "
+                      f"{a['nccl_graph_us']:.1f} us, one-shot {a.get('one_shot_graph_us', float('nan')):.1f}"
+                      f" us (eager {a['nccl_eager_us']:.1f} / {a.get('one_shot_eager_us', float('nan')):.1f};"
+                      f" correct {a['nccl_correct']} / {a.get('one_shot_correct')})")
     speedups = []
     for e in results:
         base = next((b for b in results if b["model"] == e["model"] and b["tp"] == 1
                      and b["batch_size"] == e["batch_size"]), None)
         if base is not None and e["tp"] > 1:
             speedups.append({"model": e["model"], "tp": e["tp"], "batch_size": e["batch_size"],
+                             "all_reduce": e["all_reduce"],
                              "speedup_vs_tp1": base["step_ms"] / e["step_ms"]})
-            print(f"{e['model']:>14} bs={e['batch_size']} TP={e['tp']} is "
+            print(f"{e['model']:>14} bs={e['batch_size']} TP={e['tp']} ({e['all_reduce']}) is "
                   f"{base['step_ms'] / e['step_ms']:.2f}x TP=1")
     return {"benchmark": "tp", "copy_bandwidth_bytes_per_s": bw, "results": results,
             "speedups": speedups, "allreduce": allreduce}
@@ -188,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--compare-nccl", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run TP > 1 with NCCL for every all-reduce")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     payload = run(args)

@@ -71,7 +71,8 @@ def worker_main(wc: WorkerConfig, rank: int) -> None:
             out = ctx.socket(zmq.PUSH)
             out.setsockopt(zmq.LINGER, 5000)
             out.connect(wc.addresses.outputs)
-        init_tp_group(rank, tp, wc.addresses.dist_init_method, device)
+        init_tp_group(rank, tp, wc.addresses.dist_init_method, device,
+                      one_shot=not cfg.disable_custom_all_reduce)
         if rank == 0:
             _Driver(cfg, wc, ctx, out).run()
         else:
