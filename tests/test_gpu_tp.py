@@ -25,6 +25,9 @@ def test_tp2_fp32_greedy_matches_hf(hf_dir, eager, nccl_only):  # noqa: F811
              tensor_parallel_size=2, disable_custom_all_reduce=nccl_only) as llm:
         sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        llm.llm_engine.check_integrity()
+    # drained: both ranks released their graphs, left the process group and exited cleanly
+    assert [p.exitcode for p in llm.llm_engine._procs] == [0, 0]
     hf32 = hf.float()
     for p, o in zip(prompts, outs):
         with torch.no_grad():

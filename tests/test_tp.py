@@ -8,6 +8,8 @@ no process behind.
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -57,16 +59,20 @@ def _assert_same_model(ref, got):
                 assert abs(lr[tid].logprob - lg[tid].logprob) < 1e-4, (tid, lr[tid], lg[tid])
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _assert_gone(pids, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     for pid in pids:
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            # a zombie is gone for our purposes only once reaped; the client reaps its children
-            assert time.monotonic() < deadline, f"worker pid {pid} still alive"
+        while _running(pid):
+            assert time.monotonic() < deadline, f"worker pid {pid} still running"
             time.sleep(0.05)
 
 
@@ -77,6 +83,8 @@ def test_tp2_equals_tp1_dummy(tmp_path, cfg):
     with LLM(path, load_format="dummy", tensor_parallel_size=2, **ENGINE) as llm:
         assert llm.llm_engine.info.tensor_parallel_size == 2
         got = _generate(llm)
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.num_free_blocks() == 64
         pids = llm.llm_engine.pids
     _assert_same_model(ref, got)
     _assert_gone(pids)
@@ -121,6 +129,45 @@ def test_killed_rank_fails_fast(tmp_path, victim):
     with pytest.raises(EngineDeadError):  # and it stays dead, clearly
         client.add_requests([AddRequest("late", [1, 2, 3], sp)])
     _assert_gone(client.pids)
+
+
+def test_abort_frees_blocks_on_the_worker(tmp_path):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with EngineClient(EngineConfig(model=path, load_format="dummy", tensor_parallel_size=2,
+                                   **ENGINE)) as client:
+        sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        client.add_requests([AddRequest("a", [1, 2, 3, 4, 5], sp), AddRequest("b", [7, 8, 9], sp)])
+        while not client.step():
+            pass
+        assert client.num_free_blocks() < 64
+        client.abort_request("a")
+        out = client.step()
+        assert all(o.request_id == "b" for o in out)  # nothing more from the aborted one
+        client.abort_request("b")
+        assert not client.has_unfinished_requests()
+        client.check_integrity()
+        assert client.num_free_blocks() == 64
+
+
+def test_workers_exit_when_their_client_is_killed(tmp_path):
+    path = _folder(tmp_path, QWEN2_1KV)
+    script = (
+        "import sys, time\n"
+        "from pdserve.config import EngineConfig\n"
+        "from pdserve.worker.client import EngineClient\n"
+        f"c = EngineClient(EngineConfig(model={path!r}, load_format='dummy', "
+        "tensor_parallel_size=2, skip_tokenizer_init=True, num_kv_blocks=16))\n"
+        "print(*c.pids, flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        proc.kill()  # no chance to clean up: the workers must notice by themselves
+        proc.wait()
+        _assert_gone(pids, timeout_s=10.0)
+    finally:
+        proc.kill()
 
 
 def test_drain_finishes_in_flight_then_exits(tmp_path):

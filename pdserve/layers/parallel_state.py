@@ -20,9 +20,6 @@ class OneShotAllReduce:
     def __init__(self, group, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
         self.group_name = group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            enable(self.group_name)
         self.buffer = symm_mem.empty(self.MAX_BYTES, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
 

@@ -156,17 +156,33 @@ class EngineClient:
 
     # ---- the LLMEngine request API -----------------------------------------------------------
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
-        self._check_alive()
-        self._send(m.AddRequests(list(requests)))
-        while True:
-            msg = self._recv(None)
-            if isinstance(msg, m.Accepted):
-                break
-            self._ready.append(msg.outputs)
+        msg = self._request(m.AddRequests(list(requests)), m.Accepted)
         for r, err in zip(requests, msg.errors):
             if err is None:
                 self._pending.add(r.request_id)
         return msg.errors
+
+    def _request(self, msg, reply_type):
+        """Sends msg and returns the worker's reply of reply_type; Outputs arriving meanwhile are
+        kept for step()."""
+        self._check_alive()
+        self._send(msg)
+        while True:
+            reply = self._recv(None)
+            if isinstance(reply, reply_type):
+                return reply
+            if not isinstance(reply, m.Outputs):
+                raise EngineDeadError(f"unexpected {type(reply).__name__} from the worker")
+            self._ready.append(reply.outputs)
+
+    def check_integrity(self) -> None:
+        """The worker's invariants (AssertionError naming the broken one)."""
+        report = self._request(m.CheckIntegrity(), m.IntegrityReport)
+        if report.error is not None:
+            raise AssertionError(report.error)
+
+    def num_free_blocks(self) -> int:
+        return self._request(m.CheckIntegrity(), m.IntegrityReport).num_free_blocks
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

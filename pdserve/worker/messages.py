@@ -2,11 +2,12 @@
 rank 0, encoded as msgpack by msgspec. SamplingParams and RequestOutput travel as the dataclasses
 they are (msgspec re-runs SamplingParams' validation on arrival).
 
-    client ── AddRequests / Abort / Drain ─────────────────> worker rank 0
-    client <── Ready / Accepted / Outputs / Drained / Failed ── worker rank 0
+    client ── AddRequests / Abort / CheckIntegrity / Drain ──────────────────> worker rank 0
+    client <── Ready / Accepted / Outputs / IntegrityReport / Drained / Failed ── worker rank 0
 
-Every AddRequests is answered by exactly one Accepted (one error or None per request, in order);
-Outputs arrive once per engine step that advanced a request.
+Every AddRequests is answered by exactly one Accepted (one error or None per request, in order)
+and every CheckIntegrity by one IntegrityReport; Outputs arrive once per engine step that
+advanced a request.
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ class AddRequests(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class CheckIntegrity(msgspec.Struct, tag=True):
+    """Run the engine's invariant checks (block pool, scheduler) between steps; answered by
+    IntegrityReport."""
 
 
 class Drain(msgspec.Struct, tag=True):
@@ -57,11 +63,17 @@ class Drained(msgspec.Struct, tag=True):
     pass
 
 
+class IntegrityReport(msgspec.Struct, tag=True):
+    error: Union[str, None]         # None: every invariant holds
+    num_free_blocks: int
+    num_kv_blocks: int
+
+
 class Failed(msgspec.Struct, tag=True):
     """The worker hit an error it cannot serve past and is exiting."""
     error_type: str                 # "ValueError" for bad configuration, else the exception's type
     message: str
 
 
-ToWorker = Union[AddRequests, Abort, Drain]
-FromWorker = Union[Ready, Accepted, Outputs, Drained, Failed]
+ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain]
+FromWorker = Union[Ready, Accepted, Outputs, IntegrityReport, Drained, Failed]

@@ -30,6 +30,35 @@ from ..config import EngineConfig
 _IDLE_POLL_MS = 500  # how often an idle rank checks that its client is still alive
 
 
+class _StepProfiler:
+    """With PDSERVE_TORCH_PROFILER_DIR set, each rank records steps [skip, skip + count) with the
+    torch profiler and writes a kernel table and a chrome trace there (for finding where a
+    step's time goes across ranks). Otherwise a no-op."""
+
+    def __init__(self, rank: int, skip: int = 60, count: int = 30):
+        self.dir = os.environ.get("PDSERVE_TORCH_PROFILER_DIR")
+        self.rank, self.skip, self.count, self.n, self.prof = rank, skip, count, 0, None
+
+    def step(self) -> None:
+        if not self.dir:
+            return
+        self.n += 1
+        if self.n == self.skip:
+            import torch
+            self.prof = torch.profiler.profile(activities=[
+                torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif self.n == self.skip + self.count and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            os.makedirs(self.dir, exist_ok=True)
+            with open(os.path.join(self.dir, f"rank{self.rank}.txt"), "w") as f:
+                f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                f.write("\n")
+                f.write(self.prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+            self.prof.export_chrome_trace(os.path.join(self.dir, f"rank{self.rank}.json"))
+            self.prof = None
+
+
 @dataclass(frozen=True)
 class WorkerAddresses:
     """Where the processes meet (chosen by whoever starts the worker, never constants)."""
@@ -137,6 +166,7 @@ class _Driver:
             eng.config.tensor_parallel_size, weight_bytes,
             2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
             * eng.runner.kv_cache.element_size())))
+        profiler = _StepProfiler(0)
         try:
             while True:
                 busy = eng.has_unfinished_requests()
@@ -145,6 +175,7 @@ class _Driver:
                 if not _client_alive(self.wc.client_pid):
                     return
                 if eng.has_unfinished_requests():
+                    profiler.step()
                     outs = eng.step()
                     if outs:
                         self._send(m.Outputs(outs))
@@ -172,6 +203,13 @@ class _Driver:
                 self._send(m.Accepted(errors))
             elif isinstance(msg, m.Abort):
                 eng.abort_request(msg.request_ids)
+            elif isinstance(msg, m.CheckIntegrity):
+                try:
+                    eng.check_integrity()
+                    error = None
+                except AssertionError as e:
+                    error = f"integrity check failed: {e}"
+                self._send(m.IntegrityReport(error, eng.kv.pool.num_free_blocks, eng.num_kv_blocks))
             elif isinstance(msg, m.Drain):
                 self.draining = True
 
@@ -183,6 +221,7 @@ def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) ->
     runner, _, _ = build_model_runner(cfg)
     steps = ctx.socket(zmq.PULL)
     steps.bind(wc.addresses.steps[rank - 1])
+    profiler = _StepProfiler(rank)
     try:
         while True:
             if not steps.poll(_IDLE_POLL_MS):
@@ -193,6 +232,7 @@ def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) ->
             if msg is None:
                 return
             chunks, forks, copies = msg
+            profiler.step()
             runner.execute(SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies))
     finally:
         runner.release()
