@@ -6,6 +6,10 @@ engine step; the client records when each arrives and reports the median gap ove
 (the engine's step as a client sees it: schedule + broadcast to the other ranks + forward +
 sample). TP=1 runs through the same worker process path, so the two are comparable.
 
+Graph floor (CUDA): the same ranks' batch-1 decode graph replayed back to back with nothing in
+between — the GPU time of a step — and with the logits, argmax and host sync a step adds. The
+difference between the step and this floor is host time the GPU waits for.
+
 All-reduce: one process per GPU, a tensor of batch x hidden elements in the model dtype, through
 NCCL and through the one-shot P2P kernel the engine uses for small messages, each timed eagerly
 and replayed from a CUDA graph of 100 all-reduces (how the decode graph runs them).
@@ -115,19 +119,70 @@ def _allreduce_rank(rank: int, world: int, init: str, numels: list[int], dtype: 
     destroy_tp_group()
 
 
-def allreduce_latency(world: int, numels: list[int], dtype: str) -> list[dict[str, Any]]:
+def _graph_floor_rank(rank: int, world: int, init: str, model: str, dtype: str, one_shot: bool,
+                      out_path: str) -> None:
+    """GPU floor of a batch-1 decode step: the captured decode graph replayed back to back (no
+    host work between replays), and the same with the logits and argmax a step adds."""
+    from ..config import EngineConfig
+    from ..engine.llm_engine import build_model_runner
+    from ..layers.parallel_state import destroy_tp_group, init_tp_group
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    init_tp_group(rank, world, init, dev, one_shot=one_shot)
+    cfg = EngineConfig(model=model, load_format="dummy", dtype=dtype, device=str(dev),
+                       skip_tokenizer_init=True, max_num_seqs=1, max_model_len=1024,
+                       num_kv_blocks=256, tensor_parallel_size=world)
+    runner, _, _ = build_model_runner(cfg)
+    g = runner.graphs.graphs[(runner.graphs.tiers[0], 1)]
+    hidden = runner.graphs.outputs[(runner.graphs.tiers[0], 1)]
+
+    def timed(fn, iters=300) -> float:
+        for _ in range(30):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1e3
+
+    with torch.inference_mode():
+        replay_ms = timed(g.replay)
+        step_ms = timed(lambda: (g.replay(), runner.model.compute_logits(hidden).argmax(-1).tolist()))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"graph_replay_ms": replay_ms, "replay_logits_argmax_sync_ms": step_ms}, f)
+    runner.release()
+    destroy_tp_group()
+
+
+def _launch_ranks(world: int, flag: str, args: list[str]) -> dict | list:
+    """Runs this module's `flag` entry in `world` processes; returns what rank 0 wrote."""
     from ..worker.client import _free_port
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "allreduce.json")
+        out = os.path.join(tmp, "rank0.json")
         init = f"tcp://127.0.0.1:{_free_port()}"
-        args = [json.dumps(numels), dtype, out, init, str(world)]
-        procs = [subprocess.Popen([sys.executable, "-m", "pdserve.bench.tp", "--allreduce-rank",
-                                   str(r), *args]) for r in range(world)]
-        codes = [p.wait(600) for p in procs]
-        if any(codes):
-            raise RuntimeError(f"all-reduce ranks exited with {codes}")
+        procs = [subprocess.Popen([sys.executable, "-m", "pdserve.bench.tp", flag, str(r),
+                                   str(world), init, out, *args]) for r in range(world)]
+        try:
+            codes = [p.wait(300) for p in procs]
+        except subprocess.TimeoutExpired:
+            codes = None
+        finally:
+            for p in procs:
+                p.kill()
+        if codes is None or any(codes):
+            raise RuntimeError(f"{flag} ranks failed or hung (exit codes {codes})")
         with open(out) as f:
             return json.load(f)
+
+
+def allreduce_latency(world: int, numels: list[int], dtype: str) -> list[dict[str, Any]]:
+    return _launch_ranks(world, "--allreduce-rank", [json.dumps(numels), dtype])
+
+
+def graph_floor(world: int, model: str, dtype: str, one_shot: bool) -> dict[str, float]:
+    return _launch_ranks(world, "--graph-floor-rank", [model, dtype, str(int(one_shot))])
 
 
 def run(args) -> dict[str, Any]:
@@ -163,6 +218,20 @@ def run(args) -> dict[str, Any]:
                       f"(p10 {r['step_ms_p10']:.3f}, p90 {r['step_ms_p90']:.3f})  per-rank roofline "
                       f"{entry['roofline_ms']:.3f} ms", flush=True)
             llm.shutdown()
+            if device.type == "cuda" and args.graph_floor and not args.enforce_eager:
+                dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+                try:
+                    floor = graph_floor(tp, model, dtype, one_shot=not nccl_only)
+                except RuntimeError as e:
+                    print(f"graph floor not measured: {e}", flush=True)
+                    continue
+                for e in results:
+                    if e["model"] == model and e["tp"] == tp and e["batch_size"] == 1 and \
+                            e["all_reduce"] == ("nccl" if nccl_only or tp == 1 else "one-shot"):
+                        e.update(floor)
+                print(f"{model:>14} tp={tp} batch-1 decode graph replayed back to back: "
+                      f"{floor['graph_replay_ms']:.3f} ms; with logits + argmax + sync: "
+                      f"{floor['replay_logits_argmax_sync_ms']:.3f} ms", flush=True)
         if mcfg is not None and device.type == "cuda" and max(args.tp_sizes) > 1:
             dtype = "bfloat16" if args.dtype == "auto" else args.dtype
             numels = sorted({bs * mcfg.hidden_size for bs in args.batch_sizes})
@@ -189,8 +258,12 @@ def run(args) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--allreduce-rank"]:
-        rank, numels, dtype, out, init, world = argv[1:7]
+        rank, world, init, out, numels, dtype = argv[1:7]
         _allreduce_rank(int(rank), int(world), init, json.loads(numels), dtype, out)
+        return 0
+    if argv[:1] == ["--graph-floor-rank"]:
+        rank, world, init, out, model, dtype, one_shot = argv[1:8]
+        _graph_floor_rank(int(rank), int(world), init, model, dtype, one_shot == "1", out)
         return 0
     p = argparse.ArgumentParser(prog="pdserve bench tp")
     p.add_argument("--models", nargs="+", default=["qwen2.5-7b"])
@@ -207,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--compare-nccl", action=argparse.BooleanOptionalAction, default=True,
                    help="also run TP > 1 with NCCL for every all-reduce")
+    p.add_argument("--graph-floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: also time the batch-1 decode graph replayed with no engine around it")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     payload = run(args)
