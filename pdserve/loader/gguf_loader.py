@@ -36,6 +36,7 @@ What it does to the weights
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -309,8 +310,22 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     Raises ValueError for a missing file, a file that is not GGUF or is truncated/corrupt,
     an architecture other than llama/qwen2, split (multi-file) GGUFs, and any mapped
     tensor whose type is not in ``SUPPORTED_GGUF_TYPES``.
+
+    Parsing takes seconds (gguf's reader is pure Python), so the last few opened files are
+    kept: resolving a model's config and then loading its weights parse the file once.
     """
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
+    try:
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = (path, None, None)  # _open_reader reports the missing file
+    return _load_gguf_cached(key)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_gguf_cached(key: tuple) -> GGUFModel:
+    path = key[0]
     reader = _open_reader(path)
 
     arch = gguf_metadata(reader, "general.architecture")
