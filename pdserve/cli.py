@@ -23,6 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer (token-id prompts only; for dummy presets)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes")
     g.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -42,17 +44,25 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampling-seed", type=int, default=None)
 
 
+def engine_config(a):
+    from .config import EngineConfig
+    return EngineConfig(
+        model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device, seed=a.seed,
+        block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        num_kv_blocks=a.num_kv_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
+        gpu_memory_utilization=a.gpu_memory_utilization, attention_backend=a.attention_backend,
+        enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size,
+        disable_custom_all_reduce=a.disable_custom_all_reduce,
+        distributed_executor_backend=a.distributed_executor_backend,
+        skip_tokenizer_init=a.skip_tokenizer_init)
+
+
 def _make_llm(a):
+    import dataclasses
+
     from . import LLM
-    return LLM(a.model, load_format=a.load_format, dtype=a.dtype, device=a.device, seed=a.seed,
-               block_size=a.block_size, max_num_seqs=a.max_num_seqs,
-               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-               num_kv_blocks=a.num_kv_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
-               gpu_memory_utilization=a.gpu_memory_utilization,
-               attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
-               tensor_parallel_size=a.tensor_parallel_size,
-               disable_custom_all_reduce=a.disable_custom_all_reduce,
-               distributed_executor_backend=a.distributed_executor_backend)
+    return LLM(**dataclasses.asdict(engine_config(a)))
 
 
 def _params(a):
@@ -118,6 +128,9 @@ def _chat(llm, a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from .server.api import main as serve
+        return serve(argv[1:])
     if argv[:1] == ["bench"]:
         sub = argv[1:2]
         if sub == ["offline"]:
@@ -126,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["latency"]:
             from .bench.latency import main as bench_latency
             return bench_latency(argv[2:])
+        if sub == ["serve"]:
+            from .bench.serve import main as bench_serve
+            return bench_serve(argv[2:])
         if sub == ["tp"]:
             from .bench.tp import main as bench_tp
             return bench_tp(argv[2:])
-        print("usage: pdserve bench {offline,latency,tp} [options]   (pdserve bench offline --help)",
+        print("usage: pdserve bench {offline,latency,tp,serve} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     p = argparse.ArgumentParser(prog="pdserve")
@@ -144,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(c)
     _sampling_args(c)
     sub.add_parser("bench", help="benchmarks: pdserve bench offline --help")
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server: pdserve serve --help")
     a = p.parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)

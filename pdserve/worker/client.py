@@ -136,6 +136,7 @@ class EngineClient:
         self._pending: set[str] = set()
         self._ready: deque[list[RequestOutput]] = deque()
         self._dead: str | None = None
+        self.stats: m.WorkerStats | None = None  # as of the last Outputs received
         self._closed = False
         try:
             msg = self._recv(startup_timeout_s, starting=True)
@@ -179,14 +180,18 @@ class EngineClient:
                 raise EngineDeadError(f"unexpected {type(reply).__name__} from the worker")
             self._ready.append(reply.outputs)
 
-    def check_integrity(self) -> None:
-        """The worker's invariants (AssertionError naming the broken one)."""
+    def check_integrity(self) -> m.WorkerStats:
+        """Checks the worker's invariants (AssertionError naming the broken one) and returns its
+        current stats."""
         report = self._request(m.CheckIntegrity(), m.IntegrityReport)
+        self.stats = report.stats
         if report.error is not None:
             raise AssertionError(report.error)
+        return report.stats
 
     def num_free_blocks(self) -> int:
-        return self._request(m.CheckIntegrity(), m.IntegrityReport).num_free_blocks
+        s = self.check_integrity()
+        return s.num_kv_blocks - s.num_kv_blocks_used
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -201,16 +206,18 @@ class EngineClient:
     def get_num_unfinished_requests(self) -> int:
         return len(self._pending)
 
-    def step(self, timeout_s: float | None = None) -> list[RequestOutput]:
+    def step(self, timeout_s: float | None = None, wakeup_fd: int | None = None
+             ) -> list[RequestOutput]:
         """The outputs of the worker's next step that reported anything (blocks until then, or
-        until timeout_s: then []). Outputs of aborted requests are dropped."""
+        until timeout_s, or until wakeup_fd is readable: then []). Outputs of aborted requests
+        are dropped."""
         if not self._pending:
             return []
         if self._ready:
             outs = self._ready.popleft()
         else:
             self._check_alive()
-            msg = self._recv(timeout_s)
+            msg = self._recv(timeout_s, wakeup_fd=wakeup_fd)
             if msg is None:
                 return []
             if not isinstance(msg, m.Outputs):
@@ -271,15 +278,25 @@ class EngineClient:
         if self._closed:
             raise EngineDeadError("the engine client was shut down")
 
-    def _recv(self, timeout_s: float | None, starting: bool = False):
-        """The next message from the worker, or None after timeout_s. Raises EngineDeadError (or
-        ValueError for a configuration the worker rejected) when a rank fails or exits."""
+    def _recv(self, timeout_s: float | None, starting: bool = False,
+              wakeup_fd: int | None = None):
+        """The next message from the worker, or None after timeout_s (or once wakeup_fd is
+        readable). Raises EngineDeadError (or ValueError for a configuration the worker
+        rejected) when a rank fails or exits."""
         ms = None if timeout_s is None else int(timeout_s * 1000)
-        events = dict(self._poller.poll(ms))
-        if not events:
+        if wakeup_fd is not None:
+            self._poller.register(wakeup_fd, zmq.POLLIN)
+        try:
+            events = dict(self._poller.poll(ms))
+        finally:
+            if wakeup_fd is not None:
+                self._poller.unregister(wakeup_fd)
+        if self._outputs not in events and not any(p.sentinel in events for p in self._procs):
             return None
         if self._outputs in events:
             msg = self._decoder.decode(self._outputs.recv())
+            if isinstance(msg, m.Outputs) and msg.stats is not None:
+                self.stats = msg.stats
             if not isinstance(msg, m.Failed):
                 return msg
             if starting and msg.error_type == "ValueError":

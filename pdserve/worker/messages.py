@@ -27,6 +27,15 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class WorkerStats(msgspec.Struct):
+    """The worker's state after a step (for metrics and, later, load-aware routing)."""
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks: int
+    num_preemptions: int
+
+
 class CheckIntegrity(msgspec.Struct, tag=True):
     """Run the engine's invariant checks (block pool, scheduler) between steps; answered by
     IntegrityReport."""
@@ -57,6 +66,7 @@ class Accepted(msgspec.Struct, tag=True):
 
 class Outputs(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
+    stats: Union[WorkerStats, None] = None
 
 
 class Drained(msgspec.Struct, tag=True):
@@ -65,8 +75,7 @@ class Drained(msgspec.Struct, tag=True):
 
 class IntegrityReport(msgspec.Struct, tag=True):
     error: Union[str, None]         # None: every invariant holds
-    num_free_blocks: int
-    num_kv_blocks: int
+    stats: WorkerStats
 
 
 class Failed(msgspec.Struct, tag=True):

@@ -178,7 +178,7 @@ class _Driver:
                     profiler.step()
                     outs = eng.step()
                     if outs:
-                        self._send(m.Outputs(outs))
+                        self._send(m.Outputs(outs, self._stats()))
                 elif self.draining:
                     self._send(m.Drained())
                     return
@@ -186,6 +186,12 @@ class _Driver:
             for s in self.followers:
                 s.send(pickle.dumps(None))
             eng.runner.release()
+
+    def _stats(self):
+        eng, sched = self.engine, self.engine.scheduler
+        return self.m.WorkerStats(len(sched.running), len(sched.waiting),
+                                  eng.kv.pool.num_used_blocks, eng.num_kv_blocks,
+                                  sched.num_preemptions)
 
     def _read_messages(self) -> None:
         m, eng = self.m, self.engine
@@ -209,7 +215,7 @@ class _Driver:
                     error = None
                 except AssertionError as e:
                     error = f"integrity check failed: {e}"
-                self._send(m.IntegrityReport(error, eng.kv.pool.num_free_blocks, eng.num_kv_blocks))
+                self._send(m.IntegrityReport(error, self._stats()))
             elif isinstance(msg, m.Drain):
                 self.draining = True
 

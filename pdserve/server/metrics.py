@@ -1,0 +1,81 @@
+"""Prometheus metrics of the server, named `pdserve:...` (vLLM's style). Request latencies are
+measured here, at the HTTP front, where a client feels them; running/waiting/KV come from the
+worker's stats after its last step."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve:request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.failed = Counter("pdserve:request_failure", "Requests that ended in an error",
+                              registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.running = Gauge("pdserve:num_requests_running", "Sequences running", registry=r)
+        self.waiting = Gauge("pdserve:num_requests_waiting", "Sequences waiting", registry=r)
+        self.kv_used = Gauge("pdserve:kv_cache_blocks_used", "KV blocks in use", registry=r)
+        self.kv_total = Gauge("pdserve:kv_cache_blocks_total", "KV blocks in the pool", registry=r)
+        self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions so far", registry=r)
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve:time_per_output_token_seconds",
+                              "(e2e - TTFT) / (output tokens - 1) per request",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds",
+                             "Time between two chunks of a stream", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def update_stats(self, stats) -> None:
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.kv_used.set(stats.num_kv_blocks_used)
+            self.kv_total.set(stats.num_kv_blocks)
+            self.preemptions.set(stats.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One engine request's latencies, fed with each output as it arrives."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.arrival = self.last = time.perf_counter()
+        self.first: float | None = None
+        self.tokens = 0
+
+    def on_output(self, out) -> None:
+        now = time.perf_counter()
+        n = sum(len(o.new_token_ids) for o in out.outputs)
+        if n:
+            if self.first is None:
+                self.first = now
+                self.m.ttft.observe(now - self.arrival)
+            else:
+                self.m.itl.observe(now - self.last)
+            self.last = now
+            self.tokens += n
+            self.m.generation_tokens.inc(n)
+        if out.finished:
+            self.m.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.m.e2e.observe(now - self.arrival)
+            per_seq = self.tokens / max(1, len(out.outputs))
+            if self.first is not None and per_seq > 1:
+                self.m.tpot.observe((now - self.first) / (per_seq - 1))
+            for o in out.outputs:
+                self.m.requests.labels(o.finish_reason or "abort").inc()

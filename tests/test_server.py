@@ -1,0 +1,266 @@
+"""`pdserve serve` as a live process with the embedded SmolLM2, driven by the official openai
+client and by raw HTTP: completions, chat, streaming (streamed text == non-streamed for greedy),
+logprobs, echo, usage, the side endpoints, metrics, 400s for every kind of bad request, a dropped
+stream freeing its blocks, 200 concurrent streams, and SIGTERM draining in-flight streams."""
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], timeout_s: float = 180.0):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+def _stopped_cleanly(code: int) -> bool:
+    # uvicorn drains, then re-raises the SIGTERM it caught: the conventional "killed by TERM"
+    return code in (0, -signal.SIGTERM)
+
+
+def _assert_gone(pids, timeout_s=15.0):
+    from .test_tp import _running
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while _running(pid):
+            assert time.monotonic() < deadline, f"worker {pid} still running"
+            time.sleep(0.1)
+
+
+def _stop(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = _start(["--max-num-seqs", "64", "--max-model-len", "512"])
+    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
+    yield base
+    assert _stopped_cleanly(_stop(proc))
+    _assert_gone(pids)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_completion_and_stream_agree(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.choices[0].text.startswith(" Paris")
+    assert full.usage.prompt_tokens == 5 and full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert streamed == full.choices[0].text
+
+
+def test_chat_and_stream_agree(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+              max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # max_completion_tokens is the newer name of max_tokens
+    short = client.chat.completions.create(model=MODEL, messages=kw["messages"],
+                                           max_completion_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3
+
+
+def test_logprobs_echo_n(client):
+    out = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5, temperature=0,
+                                    logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5
+    assert all(len(t) <= 3 for t in lp.top_logprobs)
+    # greedy: the sampled token is the most likely one
+    assert all(abs(max(t.values()) - l) < 1e-4 for t, l in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    echo = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=4,
+                                     temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Roses are red,")
+    many = client.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=3, n=2, seed=3,
+                                     temperature=1.0)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    ids = client.completions.create(model=MODEL, prompt=[[1, 2, 3], [4, 5]], max_tokens=2)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_side_endpoints(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    tok = httpx.post(server + "/tokenize", json={"prompt": "Hello world 123"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    back = httpx.post(server + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert back["prompt"].endswith("Hello world 123")
+    chat_tok = httpx.post(server + "/tokenize",
+                          json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tok["count"] > 3
+    info = httpx.get(server + "/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"]
+    spec = httpx.get(server + "/openapi.json").json()
+    assert "/v1/completions" in spec["paths"]
+
+
+def test_metrics_move(server, client):
+    before = _metric(server, "pdserve:generation_tokens_total")
+    n_before = _metric(server, "pdserve:request_success_total")
+    client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=7, temperature=0)
+    assert _metric(server, "pdserve:generation_tokens_total") == before + 7
+    assert _metric(server, "pdserve:request_success_total") == n_before + 1
+    assert _metric(server, "pdserve:time_to_first_token_seconds_count") >= 1
+    assert _metric(server, "pdserve:kv_cache_blocks_total") > 0
+
+
+BAD = [
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "not served"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
+    ("/v1/completions", {"prompt": "x " * 600}, "max_model_len"),
+    ("/v1/completions", {"prompt": [10 ** 7]}, "vocabulary"),
+    ("/v1/completions", {"prompt": ""}, "empty"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": 7}, "stop"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "logprobs"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
+    ("/detokenize", {"tokens": [-1]}, "vocabulary"),
+]
+
+
+@pytest.mark.parametrize("path, body, words", BAD, ids=[f"{p}:{w}" for p, _, w in BAD])
+def test_bad_requests_are_400(server, path, body, words):
+    r = httpx.post(server + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_dropped_stream_frees_its_blocks(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                while not next(lines).startswith("data:"):
+                    pass
+            assert httpx.get(server + "/admin/check").json()["num_kv_blocks_used"] > 0
+    deadline = time.monotonic() + 10
+    while True:  # the abort reaches the worker within a step
+        state = httpx.get(server + "/admin/check").json()
+        if state["num_kv_blocks_used"] == 0 and state["num_running"] == 0:
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    assert _metric(server, "pdserve:kv_cache_blocks_used") == 0
+
+
+def test_200_concurrent_streams(server):
+    async def one(c, i):
+        body = {"prompt": f"Item {i}:", "max_tokens": 4, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        chunks, done = 0, False
+        async with c.stream("POST", server + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data:"):
+                    chunks += 1
+        return chunks, done
+
+    async def main():
+        limits = httpx.Limits(max_connections=256)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert all(done and chunks == 4 for chunks, done in results), results[:5]
+    assert httpx.get(server + "/admin/check").json()["num_kv_blocks_used"] == 0
+
+
+def test_sigterm_drains_in_flight_streams(tmp_path):
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+           "tie_word_embeddings": True, "eos_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    proc, base = _start(["--model", str(tmp_path), "--load-format", "dummy",
+                         "--skip-tokenizer-init", "--num-kv-blocks", "64"])
+    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
+    body = {"prompt": [1, 2, 3], "max_tokens": 60, "ignore_eos": True, "stream": True}
+    got = []
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", base + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    got.append(line)
+                    if len(got) == 2:
+                        proc.send_signal(signal.SIGTERM)
+    assert got[-1] == "data: [DONE]" and len(got) == 60 + 1
+    assert _stopped_cleanly(proc.wait(60))
+    _assert_gone(pids)
