@@ -40,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (s)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it has
+    # no prefix); each the token's logprob given the tokens before it, plus the top-k.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

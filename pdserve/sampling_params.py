@@ -47,6 +47,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None   # logprob of each prompt token (+ top-k) given its prefix
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -71,6 +72,10 @@ class SamplingParams:
         if self.logprobs is not None and (
                 not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", self.prompt_logprobs,
+                f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", self.seed, "must be None or an integer")
 

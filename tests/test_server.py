@@ -130,6 +130,17 @@ def test_logprobs_echo_n(client):
     echo = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=4,
                                      temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Roses are red,")
+    scored = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=0,
+                                       echo=True, logprobs=1, temperature=0)
+    lp = scored.choices[0].logprobs  # what lm-eval's loglikelihood reads
+    assert scored.choices[0].text == "Roses are red,"
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == scored.usage.prompt_tokens
+    assert all(l < 0 for l in lp.token_logprobs[1:]) and "".join(lp.tokens) == "Roses are red,"
+    assert scored.usage.completion_tokens == 0
+    both = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=2,
+                                     echo=True, logprobs=1, temperature=0)
+    assert both.choices[0].logprobs.token_logprobs[:len(lp.tokens)] == lp.token_logprobs
+    assert len(both.choices[0].logprobs.tokens) == len(lp.tokens) + 2
     many = client.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=3, n=2, seed=3,
                                      temperature=1.0)
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
@@ -168,6 +179,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "stream"),
     ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
     ("/v1/completions", {"prompt": "x " * 600}, "max_model_len"),
     ("/v1/completions", {"prompt": [10 ** 7]}, "vocabulary"),

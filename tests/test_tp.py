@@ -45,8 +45,12 @@ def _folder(tmp_path, cfg) -> str:
 
 
 def _generate(llm):
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5,
+                        prompt_logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    for o, p in zip(outs, PROMPTS):  # prompt logprobs: computed on rank 0, gathered from all
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        o.outputs[0].logprobs.extend(o.prompt_logprobs[1:])  # compared like the others
     return [o.outputs[0] for o in outs]
 
 

@@ -59,6 +59,7 @@ class _Group:
     final_only: bool = False          # report only when finished (offline batches)
     metrics: dict[str, float] = field(default_factory=dict)
     num_unfinished: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -202,7 +203,8 @@ class LLMEngine:
             s.req.status = RequestStatus.FORK_PENDING
             first.siblings.append(s.req)
         group = _Group(request_id, text, ids, params, seqs, final_only,
-                       {"arrival": arrival_time or time.monotonic()}, num_unfinished=len(seqs))
+                       {"arrival": arrival_time or time.monotonic()}, num_unfinished=len(seqs),
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.scheduler.add(first)
         self._groups[request_id] = group
         for s in seqs:
@@ -242,6 +244,9 @@ class LLMEngine:
         if self._on_schedule is not None:
             self._on_schedule(sched)
         sampled = self.runner.execute(sched)
+        for rid, entries in self.runner.take_prompt_logprobs().items():
+            group = self._seq_group[rid][0]
+            group.prompt_logprobs.extend(self._logprob_entry(tok) for tok in entries)
         advanced = self.scheduler.update({k: v.token_id for k, v in sampled.items()})
         now = time.monotonic()
         touched: dict[str, _Group] = {}
@@ -306,7 +311,8 @@ class LLMEngine:
                                          None if o.logprobs is None else list(o.logprobs),
                                          o.finish_reason, o.stop_reason, o.new_token_ids, o.new_text))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             dict(group.metrics))
+                             dict(group.metrics),
+                             None if group.prompt_logprobs is None else list(group.prompt_logprobs))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import sys
@@ -148,15 +149,23 @@ class _Server:
             raise ValueError("prompt is empty")
         return prompts
 
-    def completion_logprobs(self, c, start_offset: int, k: int) -> dict:
+    def completion_logprobs(self, token_ids: list[int], entries: list, start_offset: int,
+                            k: int, first_is_none: bool = False) -> dict:
+        """The legacy completions logprobs object; with first_is_none (echoed prompt) the first
+        token has no logprob."""
         tokens, lps, tops, offsets = [], [], [], []
         off = start_offset
-        for tid, entry in zip(c.token_ids, c.logprobs or []):
+        for j, tid in enumerate(token_ids):
             text = self.token_text(tid)
+            entry = entries[j] if j < len(entries) else None
             tokens.append(text)
-            lps.append(entry[tid].logprob if tid in entry else None)
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
-            tops.append({self.token_text(t): lp.logprob for t, lp in ranked})
+            if entry is None:
+                lps.append(None)
+                tops.append(None)
+            else:
+                lps.append(entry[tid].logprob if tid in entry else None)
+                ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
+                tops.append({self.token_text(t): lp.logprob for t, lp in ranked})
             offsets.append(off)
             off += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
@@ -164,15 +173,20 @@ class _Server:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt-token logprobs) is not supported yet")
         if req.suffix is not None:
             raise ValueError("suffix is not supported")
         if req.best_of is not None and req.best_of != req.n:
             raise ValueError("best_of other than n is not supported")
-        if req.max_tokens is None or req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        prompt_lp = req.echo and req.logprobs is not None
+        if prompt_lp and req.stream:
+            raise ValueError("echo with logprobs is not supported with stream=true yet")
+        # max_tokens 0 scores the prompt only (echo): one token is generated and dropped
+        score_only = req.echo and req.max_tokens == 0
+        if req.max_tokens is None or (req.max_tokens < 1 and not score_only):
+            raise ValueError(f"max_tokens must be at least 1 (0 only with echo), got {req.max_tokens}")
+        params = req.sampling_params(1 if score_only else req.max_tokens, req.logprobs)
+        if prompt_lp:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         prompts = self.completion_prompts(req)
         cid = f"cmpl-{next(_ids)}"
         gens = [self.run(f"{cid}-{i}", p, params) for i, p in enumerate(prompts)]
@@ -182,17 +196,32 @@ class _Server:
                                      cid, "text_completion", req)
         finals = await self.collect(gens, raw)
         choices = []
+        tok = self.engine.tokenizer
         for i, out in enumerate(finals):
+            prefix = ""
+            if req.echo:
+                prefix = out.prompt if out.prompt is not None else (
+                    tok.decode(out.prompt_token_ids) if tok is not None else "")
             for c in out.outputs:
-                prefix = (out.prompt or self.engine.tokenizer.decode(out.prompt_token_ids)
-                          if req.echo and self.engine.tokenizer is not None else "")
-                choices.append({
-                    "index": i * n + c.index, "text": prefix + c.text,
-                    "logprobs": (self.completion_logprobs(c, len(prefix), req.logprobs)
-                                 if req.logprobs is not None else None),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                gen_ids, gen_lp, text = c.token_ids, c.logprobs or [], c.text
+                if score_only:
+                    gen_ids, gen_lp, text = [], [], ""
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self.completion_logprobs(gen_ids, gen_lp, len(prefix), req.logprobs)
+                    if prompt_lp:
+                        head = self.completion_logprobs(out.prompt_token_ids,
+                                                        out.prompt_logprobs or [], 0, req.logprobs)
+                        logprobs = {key: head[key] + logprobs[key] for key in logprobs}
+                choices.append({"index": i * n + c.index, "text": prefix + text,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        usage = self.usage(finals)
+        if score_only:
+            usage["completion_tokens"] = 0
+            usage["total_tokens"] = usage["prompt_tokens"]
         return {"id": cid, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self.usage(finals)}
+                "model": self.model_name, "choices": choices, "usage": usage}
 
     def completion_chunks(self, cid: str, req: CompletionRequest, n: int, i: int,
                           out: RequestOutput) -> list[dict]:
@@ -206,9 +235,8 @@ class _Server:
             lp = None
             if req.logprobs is not None:
                 k = len(c.new_token_ids)
-                part = type(c)(c.index, "", c.new_token_ids,
-                               (c.logprobs or [])[len(c.logprobs or []) - k:])
-                lp = self.completion_logprobs(part, 0, req.logprobs)
+                entries = (c.logprobs or [])[len(c.logprobs or []) - k:]
+                lp = self.completion_logprobs(c.new_token_ids, entries, 0, req.logprobs)
             chunks.append({"id": cid, "object": "text_completion", "created": int(time.time()),
                            "model": self.model_name,
                            "choices": [{"index": i * n + c.index, "text": text, "logprobs": lp,

@@ -33,6 +33,11 @@ class _SeqState:
     output_token_ids: list[int]
     params: object
     generator: torch.Generator | None
+    prompt_logprobs_done: int = 0   # prompt positions whose next-token logprob was computed
+
+
+# Prompt logprobs: rows of logits made at once (a long prompt's [rows, vocab] float32 adds up).
+_PROMPT_LOGPROB_ROWS = 512
 
 
 class ModelRunner:
@@ -58,6 +63,7 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.seqs: dict[str, _SeqState] = {}
+        self._prompt_logprobs: dict[str, list[SampledToken]] = {}
         self.graphs = None
         if cuda_graph_max_batch > 0:
             self.graphs = CUDAGraphRunner(model, cuda_graph_max_batch,
@@ -82,9 +88,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         for rid in out.finished_ids:
             self.seqs.pop(rid, None)
-        if self.is_driver:
-            for data in out.new_requests:
-                self._add(data)
+        for data in out.new_requests:  # every rank: prompt logprobs need the params everywhere
+            self._add(data)
         if out.is_empty:
             return {}
         for src, dst in out.block_copies:
@@ -93,6 +98,10 @@ class ModelRunner:
         # Decode rows (one token) first: attention backends batch them.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
         hidden, qsl = self._forward(chunks)
+        for i, c in enumerate(chunks):
+            st = self.seqs.get(c.request_id)
+            if st is not None and st.params.prompt_logprobs is not None and len(c.token_ids) > 1:
+                self._prompt_logprobs_of(c, st, hidden[qsl[i]:qsl[i + 1]])
 
         rows: dict[str, int] = {}
         for i, c in enumerate(chunks):
@@ -131,6 +140,39 @@ class ModelRunner:
                 top = list(zip(top_ids[j][:k], top_lp[j][:k]))
             result[rid] = SampledToken(tokens[j], lp[j] if k is not None else None, top)
         return result
+
+    def take_prompt_logprobs(self) -> dict[str, list[SampledToken]]:
+        """Prompt-token logprobs computed since the last call, per sequence, in prompt order
+        (entry j is prompt token j + 1 given tokens 0..j)."""
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
+
+    def _prompt_logprobs_of(self, c, st: _SeqState, hidden: torch.Tensor) -> None:
+        """Logits at prompt positions [lo, hi) predict prompt tokens lo+1 .. hi. A recomputed
+        (preempted) prefill skips positions already done."""
+        n_prompt = len(st.prompt_token_ids)
+        lo = max(c.start_pos, st.prompt_logprobs_done)
+        hi = min(c.start_pos + len(c.token_ids), n_prompt - 1)
+        if lo >= hi:
+            return
+        k = st.params.prompt_logprobs
+        found = self._prompt_logprobs.setdefault(c.request_id, [])
+        for a in range(lo, hi, _PROMPT_LOGPROB_ROWS):
+            b = min(hi, a + _PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(hidden[a - c.start_pos:b - c.start_pos])
+            if not self.is_driver:
+                continue  # the gather inside compute_logits needs every rank; sampling does not
+            lp = torch.log_softmax(logits, dim=-1)
+            target = torch.tensor(st.prompt_token_ids[a + 1:b + 1], device=lp.device)
+            chosen = lp.gather(1, target[:, None])[:, 0].tolist()
+            if k:
+                top_lp, top_ids = lp.topk(k, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
+            else:
+                tops = [None] * (b - a)
+            found.extend(SampledToken(t, l, top) for t, l, top in
+                         zip(st.prompt_token_ids[a + 1:b + 1], chosen, tops))
+        st.prompt_logprobs_done = hi
 
     def _forward(self, chunks) -> tuple[torch.Tensor, list[int]]:
         """Runs the model over the batch; returns hidden states and query_start_loc (host)."""

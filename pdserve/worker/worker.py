@@ -146,8 +146,10 @@ class _Driver:
         self.draining = False
 
     def _broadcast(self, sched) -> None:
-        # Only what the forward needs; block tables are pickled as they are at this step.
-        payload = pickle.dumps((sched.chunks, sched.forks, sched.block_copies),
+        # What the forward needs (new requests' params decide whether prompt logits are
+        # gathered); block tables are pickled as they are at this step.
+        payload = pickle.dumps((sched.chunks, sched.forks, sched.block_copies,
+                                sched.new_requests, sched.finished_ids),
                                protocol=pickle.HIGHEST_PROTOCOL)
         for s in self.followers:
             s.send(payload, copy=False)
@@ -237,9 +239,10 @@ def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) ->
             msg = pickle.loads(steps.recv())
             if msg is None:
                 return
-            chunks, forks, copies = msg
+            chunks, forks, copies, new, finished = msg
             profiler.step()
-            runner.execute(SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies))
+            runner.execute(SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies,
+                                           new_requests=new, finished_ids=finished))
     finally:
         runner.release()
 
