@@ -72,23 +72,31 @@ class _Server:
 
     async def run(self, rid: str, prompt: Any, params) -> AsyncIterator[RequestOutput]:
         timer = RequestTimer(self.metrics)
+        # Closed explicitly: an abandoned async generator would abort its request only when
+        # the garbage collector finalizes it.
+        gen = self.engine.generate(AddRequest(rid, prompt, params))
         try:
-            async for out in self.engine.generate(AddRequest(rid, prompt, params)):
+            async for out in gen:
                 timer.on_output(out)
                 self.metrics.update_stats(self.engine.stats)
                 yield out
-        except ValueError:
+        except (ValueError, GeneratorExit, asyncio.CancelledError):
             raise
         except BaseException:
             self.metrics.failed.inc()
             raise
+        finally:
+            await gen.aclose()
 
     async def merged(self, gens: list[AsyncIterator[RequestOutput]]
                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index of the generator, output) from several requests as they come."""
         if len(gens) == 1:
-            async for out in gens[0]:
-                yield 0, out
+            try:
+                async for out in gens[0]:
+                    yield 0, out
+            finally:
+                await gens[0].aclose()
             return
         q: asyncio.Queue = asyncio.Queue()
         done = object()
