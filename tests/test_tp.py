@@ -199,6 +199,8 @@ def test_bad_request_keeps_worker_serving(tmp_path):
         assert not llm.llm_engine.has_unfinished_requests()
         with pytest.raises(ValueError, match="cannot be sent"):
             llm.generate([{"prompt_token_ids": [complex(1, 2)]}], use_tqdm=False)
+        with pytest.raises(ValueError, match="cannot be sent"):  # over 64 bits: msgpack can't
+            llm.generate([{"prompt_token_ids": [2 ** 70]}], use_tqdm=False)
         out = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=3),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3

@@ -121,6 +121,21 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
+    @staticmethod
+    def _add_each_or_all(client: EngineClient, reqs: list[AddRequest]) -> list[str | None]:
+        """One round trip for the batch; if the batch cannot even be sent (one request that
+        does not encode), each request alone, so only the bad one fails."""
+        try:
+            return client.add_requests(reqs)
+        except ValueError:
+            errors: list[str | None] = []
+            for r in reqs:
+                try:
+                    errors.extend(client.add_requests([r]))
+                except ValueError as e:
+                    errors.append(str(e))
+            return errors
+
     def _run(self) -> None:
         client = self.client
         try:
@@ -140,7 +155,7 @@ class AsyncEngine:
                     else:
                         stop = True
                 if adds:
-                    errors = client.add_requests([c[1] for c in adds])
+                    errors = self._add_each_or_all(client, [c[1] for c in adds])
                     for (_, _, fut), err in zip(adds, errors):
                         self._post(self._resolve, fut, err)
                 if aborts:

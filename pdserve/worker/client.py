@@ -159,7 +159,7 @@ class EngineClient:
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
         try:
             self._encoder.encode(m.AddRequests(list(requests)))  # cheap next to the worker's reply
-        except TypeError as e:
+        except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an int over 64 bits
             raise ValueError(f"a request cannot be sent to the worker: {e}") from None
         msg = self._request(m.AddRequests(list(requests)), m.Accepted)
         for r, err in zip(requests, msg.errors):
