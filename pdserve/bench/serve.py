@@ -1,0 +1,662 @@
+"""`pdserve bench serve`: latency and throughput of an OpenAI-compatible HTTP endpoint (pdserve
+serve, vLLM, ...) under a stream of requests, measured from the client.
+
+Requests (from a dataset: random token ids, ShareGPT, prefix repetition; see datasets.py) are
+sent as streaming `/v1/completions` (or `/v1/chat/completions`) calls with max_tokens = the
+dataset's output length, ignore_eos, temperature 0, and usage in the last chunk. Their send times
+follow a Poisson process at --request-rate (gamma inter-arrival times with shape --burstiness and
+mean 1/rate; `inf` sends them all at once), at most --max-concurrency in flight. Several rates
+make a sweep, run one after the other on the same requests.
+
+Per request, from the client's clock: TTFT = first content chunk - send; ITL = the gaps between
+content chunks (a chunk with non-empty choices; for chat, one with delta content, not the role
+announcement); e2e latency = last content chunk - send (as vLLM's benchmark_serving measures it);
+TPOT = (e2e - TTFT) / (output tokens - 1); output tokens from the usage chunk (else the number of
+content chunks). A request fails on an HTTP error, an error chunk, an exception or a stream
+without content; its error text is kept and the run goes on.
+
+Per rate, with vLLM's JSON field names: duration (first send to last completion), completed,
+failed, token totals, request/output/total-token throughput, request_goodput (requests meeting
+every --goodput SLO per second), mean/median/std/percentiles of TTFT, TPOT, ITL and e2e latency
+in ms, and per-request lists (ttfts, itls in seconds; null for a failed request).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import numpy as np
+
+from .common import git_info, hardware_info, write_result
+from .datasets import (SampleRequest, load_sharegpt, prefix_repetition_requests,
+                       random_requests)
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+# ---- arrivals ----------------------------------------------------------------------------------
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Send offsets in seconds from the start of a run: the first request at 0, then gaps drawn
+    from a gamma distribution with shape = burstiness and mean 1/rate (burstiness 1: exponential,
+    i.e. a Poisson process; < 1 burstier, > 1 more regular; variance 1/(rate^2 * burstiness)).
+    rate = inf: everything at 0. Deterministic in the seed."""
+    if num <= 0:
+        return np.zeros(0)
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if math.isinf(rate):
+        return np.zeros(num)
+    rng = np.random.default_rng([seed, 0xA441])  # a stream of its own, apart from the dataset's
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+# ---- one request -------------------------------------------------------------------------------
+@dataclass
+class Target:
+    """Where and how requests are sent."""
+    base_url: str
+    endpoint: str = "/v1/completions"
+    model: str | None = None
+    api_key: str | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = 3600.0
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + "/" + self.endpoint.lstrip("/")
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def payload(self, req: SampleRequest, max_tokens: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if self.model:
+            body["model"] = self.model
+        if self.chat:
+            if not isinstance(req.prompt, str):
+                raise ValueError("the chat endpoint needs text prompts (use --no-token-ids)")
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        body.update(max_tokens=max_tokens or req.expected_output_len, temperature=self.temperature,
+                    stream=True, stream_options={"include_usage": True})
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        body.update(self.extra_body)
+        return body
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    expected_output_len: int
+    success: bool = False
+    output_len: int = 0
+    ttft: float = 0.0                  # s
+    itl: list[float] = field(default_factory=list)  # s
+    latency: float = 0.0               # s, send to last content chunk
+    start: float = 0.0                 # s since the run started
+    error: str = ""
+    connect_error: bool = False        # the server could not be reached at all
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.success or self.output_len < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_len - 1)
+
+
+def _error_text(body: str) -> str:
+    try:
+        err = json.loads(body).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if err:
+            return str(err)
+    except (ValueError, AttributeError):
+        pass
+    return body.strip()[:500]
+
+
+def _is_content(choice: dict[str, Any], chat: bool) -> bool:
+    """Whether a chunk's choice is a token arrival. Completions: every chunk with choices (text
+    may be empty: servers without a tokenizer). Chat: a delta with content or reasoning, or an
+    empty one mid-stream; not the role announcement nor a bare finish chunk."""
+    if not chat:
+        return True
+    delta = choice.get("delta") or {}
+    if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+        return True
+    return "role" not in delta and choice.get("finish_reason") is None and "content" in delta
+
+
+async def send_request(client: httpx.AsyncClient, target: Target, req: SampleRequest,
+                       t0: float = 0.0, max_tokens: int | None = None) -> RequestResult:
+    """One streaming request, timed. Never raises (but for cancellation): failures are returned
+    with success False and the error text."""
+    res = RequestResult(req.prompt_len, max_tokens or req.expected_output_len)
+    arrivals: list[float] = []
+    usage: dict[str, Any] | None = None
+    try:
+        payload = target.payload(req, max_tokens)
+        st = time.perf_counter()
+        res.start = st - t0
+        async with client.stream("POST", target.url, json=payload,
+                                 headers=target.headers()) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {_error_text(body)}"
+                return res
+            async for line in resp.aiter_lines():
+                now = time.perf_counter()
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue  # blank separators, SSE comments, event: lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"unexpected chunk {data[:200]!r}")
+                if chunk.get("error"):
+                    err = chunk["error"]
+                    res.error = "error in stream: " + str(
+                        err.get("message", err) if isinstance(err, dict) else err)
+                    return res
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                choices = chunk.get("choices")
+                if choices and _is_content(choices[0], target.chat):
+                    arrivals.append(now)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        res.error = f"cannot connect to {target.url}: {str(e) or type(e).__name__}"
+        res.connect_error = True
+        return res
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    if not arrivals:
+        res.error = "the stream ended without a content chunk"
+        return res
+    res.success = True
+    res.ttft = arrivals[0] - st
+    res.itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    res.latency = arrivals[-1] - st
+    n_out = usage.get("completion_tokens") if usage else None
+    res.output_len = int(n_out) if isinstance(n_out, int) else len(arrivals)
+    n_in = usage.get("prompt_tokens") if usage else None
+    if isinstance(n_in, int) and n_in > 0:
+        res.prompt_len = n_in
+    return res
+
+
+def _client(target: Target, max_concurrency: int | None) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    return httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s), limits=limits)
+
+
+async def run_benchmark(target: Target, requests: list[SampleRequest], rate: float,
+                        burstiness: float = 1.0, max_concurrency: int | None = None,
+                        seed: int = 0, disable_tqdm: bool = True,
+                        desc: str | None = None) -> tuple[list[RequestResult], float]:
+    """Send `requests` at arrival_times(rate, burstiness, seed) (a request waiting for a
+    --max-concurrency slot is timed from when it gets one); returns the results in request
+    order and the duration from the first send to the last completion (s)."""
+    offsets = arrival_times(len(requests), rate, burstiness, seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    # A full garbage collection over everything loaded so far (torch, ...) stalls the client for
+    # 100+ ms, which would land in some request's TTFT: collect now and keep those objects out of
+    # the collections during the run.
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _send_all(target, requests, offsets, sem, max_concurrency, disable_tqdm, desc)
+    finally:
+        gc.unfreeze()
+
+
+async def _send_all(target: Target, requests: list[SampleRequest], offsets: np.ndarray,
+                    sem: asyncio.Semaphore | None, max_concurrency: int | None,
+                    disable_tqdm: bool, desc: str | None) -> tuple[list[RequestResult], float]:
+    from tqdm import tqdm
+    pbar = tqdm(total=len(requests), disable=disable_tqdm, desc=desc, file=sys.stderr)
+    async with _client(target, max_concurrency) as client:
+        t0 = time.perf_counter()
+
+        async def one(req: SampleRequest) -> RequestResult:
+            if sem is None:
+                r = await send_request(client, target, req, t0)
+            else:
+                async with sem:
+                    r = await send_request(client, target, req, t0)
+            pbar.update(1)
+            return r
+
+        tasks = []
+        for req, off in zip(requests, offsets):
+            while (delay := t0 + float(off) - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)  # (the loop's timer may wake a little early)
+            tasks.append(asyncio.create_task(one(req)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+    pbar.close()
+    return results, duration
+
+
+async def preflight(target: Target, req: SampleRequest, wait_s: float = 0.0) -> RequestResult:
+    """One short request before the run (not counted): checks the endpoint answers and warms it
+    up; connection errors are retried for up to wait_s seconds."""
+    deadline = time.monotonic() + wait_s
+    async with _client(target, 1) as client:
+        while True:
+            r = await send_request(client, target, req,
+                                   max_tokens=min(req.expected_output_len, 8))
+            if not r.connect_error or time.monotonic() >= deadline:
+                return r
+            await asyncio.sleep(1.0)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+def _pword(p: float) -> str:
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+def _stats(values_s: list[float], name: str, percentiles: list[float]) -> dict[str, float | None]:
+    a = np.asarray(values_s, dtype=float) * 1e3
+    ok = a.size > 0
+    out: dict[str, float | None] = {
+        f"mean_{name}_ms": float(a.mean()) if ok else None,
+        f"median_{name}_ms": float(np.median(a)) if ok else None,
+        f"std_{name}_ms": float(a.std()) if ok else None}
+    for p in percentiles:
+        out[f"p{_pword(p)}_{name}_ms"] = float(np.percentile(a, p)) if ok else None
+    return out
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """["ttft:200", "tpot:50"] -> {"ttft": 200.0, "tpot": 50.0} (milliseconds)."""
+    slos: dict[str, float] = {}
+    for item in items or []:
+        key, sep, value = item.partition(":")
+        key = key.strip().lower()
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"--goodput takes KEY:MS with KEY in {', '.join(SLO_KEYS)}; got {item!r}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of ms") from None
+        if not ms >= 0:
+            raise ValueError(f"--goodput {item!r}: the SLO must be >= 0 ms")
+        slos[key] = ms
+    return slos
+
+
+def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
+    """A completed request meets every given SLO (ms); a one-token request has no TPOT and
+    meets any TPOT SLO."""
+    if not r.success:
+        return False
+    if "ttft" in slos and r.ttft * 1e3 > slos["ttft"]:
+        return False
+    if "tpot" in slos and r.tpot is not None and r.tpot * 1e3 > slos["tpot"]:
+        return False
+    return not ("e2el" in slos and r.latency * 1e3 > slos["e2el"])
+
+
+def compute_metrics(results: list[RequestResult], duration: float,
+                    percentiles: list[float] = (50, 90, 99),
+                    goodput: dict[str, float] | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    n_in = sum(r.prompt_len for r in ok)
+    n_out = sum(r.output_len for r in ok)
+    m: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": n_out / duration if duration > 0 else 0.0,
+        "total_token_throughput": (n_in + n_out) / duration if duration > 0 else 0.0}
+    if goodput:
+        good = sum(meets_slos(r, goodput) for r in results)
+        m["request_goodput"] = good / duration if duration > 0 else 0.0
+        m["num_good_requests"] = good
+        m["goodput_slos_ms"] = dict(goodput)
+    values = {"ttft": [r.ttft for r in ok],
+              "tpot": [r.tpot for r in ok if r.tpot is not None],
+              "itl": [g for r in ok for g in r.itl],
+              "e2el": [r.latency for r in ok]}
+    for name in METRICS:
+        m.update(_stats(values[name], name, list(percentiles)))
+    m.update(
+        input_lens=[r.prompt_len for r in results],
+        output_lens=[r.output_len if r.success else 0 for r in results],
+        ttfts=[r.ttft if r.success else None for r in results],
+        tpots=[r.tpot for r in results],
+        e2els=[r.latency if r.success else None for r in results],
+        itls=[r.itl if r.success else [] for r in results],
+        start_times=[r.start for r in results],
+        errors=[r.error for r in results])
+    return m
+
+
+# ---- output ------------------------------------------------------------------------------------
+def _rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _jsonable(x: Any) -> Any:
+    """Non-finite floats as strings ("inf"), so the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else ("-inf" if x < 0 else None)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def format_table(runs: list[dict[str, Any]], percentiles: list[float]) -> str:
+    top = _pword(max(percentiles)) if percentiles else None
+
+    def f(v, w=7, d=1):
+        return f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+    groups = " | ".join(f"{n + ' ms':<8}{'mean':>7} {'median':>7} {('p' + top) if top else '':>7}"
+                        for n in ("TTFT", "TPOT", "ITL"))
+    head = f"{'rate':>6} {'done':>5} {'fail':>5} {'req/s':>7} {'out tok/s':>9} {'goodput':>7} | {groups}"
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        cells = []
+        for n in ("ttft", "tpot", "itl"):
+            tail = r.get(f"p{top}_{n}_ms") if top else None
+            cells.append(f"{'':<8}{f(r[f'mean_{n}_ms'])} {f(r[f'median_{n}_ms'])} {f(tail)}")
+        rate = r["request_rate"]
+        lines.append(f"{rate if isinstance(rate, str) else _rate_label(rate):>6} "
+                     f"{r['completed']:>5} {r['failed']:>5} {f(r['request_throughput'], 7, 2)} "
+                     f"{f(r['output_throughput'], 9, 1)} {f(r.get('request_goodput'), 7, 2)} | "
+                     + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib, which is not installed "
+                           "(pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_runs(runs: list[dict[str, Any]], path: str, percentiles: list[float]) -> str:
+    """Latency CDFs per rate (TTFT, TPOT, ITL, e2e) and, for a sweep, throughput/goodput and
+    p50/p-top TTFT/TPOT versus request rate; written to `path` (PNG)."""
+    plt = _import_pyplot()
+    sweep = len(runs) > 1
+    rows = 3 if sweep else 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows))
+    panels = [("ttfts", "TTFT"), ("tpots", "TPOT"), ("itls", "ITL"), ("e2els", "e2e latency")]
+    for ax, (key, title) in zip(axes.flat, panels):
+        for run in runs:
+            vals = run[key]
+            if key == "itls":
+                vals = [g for gaps in vals for g in gaps]
+            v = np.sort(np.asarray([x for x in vals if x is not None], dtype=float) * 1e3)
+            if v.size:
+                ax.step(np.concatenate([[v[0]], v]), np.arange(v.size + 1) / v.size, where="post",
+                        label=f"{_rate_label(_rate_value(run['request_rate']))} req/s")
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if sweep:
+        rates = [_rate_value(r["request_rate"]) for r in runs]
+        finite = [x for x in rates if math.isfinite(x)]
+        inf_at = 2 * max(finite) if finite else 1.0
+        xs = [x if math.isfinite(x) else inf_at for x in rates]
+        ticks = [_rate_label(x) for x in rates]
+        ax = axes[2, 0]
+        ax.plot(xs, [r["request_throughput"] for r in runs], "o-", label="throughput")
+        if "request_goodput" in runs[0]:
+            ax.plot(xs, [r["request_goodput"] for r in runs], "s--", label="goodput")
+        ax.set_ylabel("req/s")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [r["output_throughput"] for r in runs], "^:", color="gray",
+                 label="output tok/s")
+        ax2.set_ylabel("output tok/s")
+        ax.set_title("throughput vs request rate")
+        ax.legend(loc="upper left", fontsize=8)
+        ax2.legend(loc="lower right", fontsize=8)
+        ax = axes[2, 1]
+        top = _pword(max(percentiles)) if percentiles else None
+        for n in ("ttft", "tpot"):
+            ax.plot(xs, [r[f"median_{n}_ms"] for r in runs], "o-", label=f"p50 {n.upper()}")
+            if top:
+                ax.plot(xs, [r[f"p{top}_{n}_ms"] for r in runs], "s--", label=f"p{top} {n.upper()}")
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title("latency vs request rate")
+        ax.legend(fontsize=8)
+        for a in axes[2]:
+            a.set_xticks(xs)
+            a.set_xticklabels(ticks)
+            a.set_xlabel("request rate (req/s)")
+            a.grid(alpha=0.3)
+    fig.tight_layout()
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _rate_value(rate: Any) -> float:
+    return float(rate)  # float("inf") for the string "inf"
+
+
+# ---- command line ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench serve",
+        description="Load-test an OpenAI-compatible endpoint: TTFT, TPOT, ITL, e2e latency, "
+                    "throughput and goodput at one or more request rates.")
+    g = p.add_argument_group("target")
+    g.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (else --host/--port)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions or /v1/chat/completions")
+    g.add_argument("--model", default=None, help="model name to send (omitted when not given)")
+    g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    g.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="seconds per request (0: none)")
+    g.add_argument("--skip-preflight", action="store_true",
+                   help="no test request before the run")
+    g.add_argument("--ready-check-timeout", type=float, default=0.0,
+                   help="keep retrying the test request's connection this many seconds")
+    g = p.add_argument_group("load")
+    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                   help="requests per second, one or more (a sweep); inf = all at once")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times (1 = Poisson, < 1 burstier)")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("requests")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so every request produces max_tokens tokens")
+    g.add_argument("--extra-body", default=None,
+                   help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset-name", default="random",
+                   choices=["random", "sharegpt", "prefix-repetition"])
+    g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
+    g.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=None,
+                   help="random/prefix-repetition: send token-id prompts (default: yes for "
+                        "completions, no for chat); --no-token-ids sends one word per token")
+    g.add_argument("--vocab-size", type=int, default=32000)
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of a prefix shared by every random prompt")
+    g.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="output tokens of every ShareGPT request (default: the reference reply's)")
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g = p.add_argument_group("output")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
+    g.add_argument("--metric-percentiles", default="50,90,99",
+                   help="comma-separated percentiles to report")
+    g.add_argument("--result-file", default=None,
+                   help="default: bench/results/serve-<host>-<timestamp>.json")
+    g.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="latency CDFs and, for a sweep, throughput/latency vs rate (matplotlib)")
+    g.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def build_requests(a: argparse.Namespace, chat: bool) -> list[SampleRequest]:
+    token_ids = (not chat) if a.token_ids is None else a.token_ids
+    if chat and token_ids:
+        raise ValueError("the chat endpoint takes text; drop --token-ids")
+    if a.dataset_name == "random":
+        return random_requests(a.num_prompts, a.random_input_len, a.random_output_len,
+                               a.random_range_ratio, a.random_prefix_len, a.vocab_size, a.seed,
+                               token_ids)
+    if a.dataset_name == "prefix-repetition":
+        return prefix_repetition_requests(
+            a.num_prompts, a.prefix_repetition_num_prefixes, a.prefix_repetition_prefix_len,
+            a.prefix_repetition_suffix_len, a.prefix_repetition_output_len, a.vocab_size, a.seed,
+            token_ids)
+    if not a.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (make one with "
+                         "python -m pdserve.bench.datasets make-sharegpt OUT.json)")
+    return load_sharegpt(a.dataset_path, a.num_prompts, a.seed, a.sharegpt_output_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        percentiles = [float(x) for x in a.metric_percentiles.split(",") if x.strip()]
+        if any(not 0 <= x <= 100 for x in percentiles):
+            raise ValueError
+    except ValueError:
+        p.error(f"--metric-percentiles: comma-separated numbers in [0, 100], got {a.metric_percentiles!r}")
+    try:
+        slos = parse_goodput(a.goodput)
+    except ValueError as e:
+        p.error(str(e))
+    if any(not r > 0 for r in a.request_rate):
+        p.error("--request-rate values must be > 0 (inf for all at once)")
+    if not a.burstiness > 0:
+        p.error("--burstiness must be > 0")
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    try:
+        extra = json.loads(a.extra_body) if a.extra_body else {}
+        if not isinstance(extra, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        p.error(f"--extra-body: {e}")
+    if a.plot:
+        try:
+            _import_pyplot()
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    base_url = a.base_url or f"http://{a.host}:{a.port}"
+    if not urlparse(base_url).scheme:
+        base_url = "http://" + base_url
+    target = Target(base_url, a.endpoint, a.model, a.api_key or os.environ.get("OPENAI_API_KEY"),
+                    a.temperature, a.ignore_eos, extra, a.request_timeout or None)
+    try:
+        requests = build_requests(a, target.chat)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("error: the dataset produced no requests (--num-prompts?)", file=sys.stderr)
+        return 2
+
+    if not a.skip_preflight:
+        r = asyncio.run(preflight(target, requests[0], a.ready_check_timeout))
+        if not r.success:
+            hint = " (is the server running?)" if r.connect_error else ""
+            print(f"error: the test request to {target.url} failed: {r.error}{hint}",
+                  file=sys.stderr)
+            return 1
+
+    n_in = sum(r.prompt_len for r in requests)
+    n_out = sum(r.expected_output_len for r in requests)
+    print(f"pdserve bench serve: {len(requests)} {a.dataset_name} requests ({n_in} prompt / "
+          f"{n_out} output tokens) to {target.url}; rates "
+          f"{', '.join(_rate_label(x) for x in a.request_rate)} req/s, burstiness {a.burstiness:g}"
+          f", max concurrency {a.max_concurrency or 'unlimited'}", flush=True)
+    runs = []
+    for rate in a.request_rate:
+        results, duration = asyncio.run(run_benchmark(
+            target, requests, rate, a.burstiness, a.max_concurrency, a.seed, a.disable_tqdm,
+            desc=f"rate {_rate_label(rate)}"))
+        m = compute_metrics(results, duration, percentiles, slos)
+        run = {"request_rate": _rate_label(rate), "burstiness": a.burstiness,
+               "max_concurrency": a.max_concurrency, "num_prompts": len(requests), **m}
+        runs.append(run)
+        if m["failed"]:
+            first = next(e for e in m["errors"] if e)
+            print(f"rate {_rate_label(rate)}: {m['failed']} of {len(requests)} requests failed; "
+                  f"first error: {first}", file=sys.stderr, flush=True)
+
+    payload: dict[str, Any] = {
+        "benchmark": "serve", "date": datetime.now().isoformat(timespec="seconds"),
+        "base_url": base_url, "endpoint": a.endpoint, "model_id": a.model,
+        "dataset_name": a.dataset_name, "percentiles": percentiles, "runs": runs}
+    if len(runs) == 1:  # a single run's metrics also at the top level, as vLLM writes them
+        payload.update({k: v for k, v in runs[0].items() if k not in payload})
+    payload.update(command=["pdserve", "bench", "serve", *argv], config=vars(a),
+                   hardware=hardware_info(), **git_info())
+    host = (urlparse(base_url).hostname or "local").replace(":", "_")
+    out = a.result_file or \
+        f"bench/results/serve-{host}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    print(format_table(runs, percentiles))
+    print("wrote", write_result(out, _jsonable(payload)))
+    if a.plot:
+        print("plot", plot_runs(runs, a.plot, percentiles))
+    if not any(r["completed"] for r in runs):
+        print("error: no request completed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
