@@ -189,6 +189,8 @@ BAD = [
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": 7}, "stop"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "logprobs"),

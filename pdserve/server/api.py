@@ -279,7 +279,8 @@ class _Server:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
         prompt = self.chat_prompt(req)
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - len(prompt["prompt_token_ids"]))

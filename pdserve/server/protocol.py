@@ -2,11 +2,18 @@
 becomes SamplingParams. Unknown fields are ignored, as OpenAI clients send extras."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
+
+# Requests cross to the worker processes through msgspec, which only carries 64-bit integers: a
+# larger one must be a 400 here, not an OverflowError that kills the engine's I/O thread.
+Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+# n sequences are forked per prompt on the worker; without a cap one request could ask for
+# billions of them (OpenAI's own limit is 128).
+MAX_N = 128
 
 
 class StreamOptions(BaseModel):
@@ -17,19 +24,19 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
-    n: int = 1
+    n: Annotated[int, Field(le=MAX_N)] = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: Optional[float] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
+    stop_token_ids: Optional[list[Int64]] = None
+    seed: Optional[Int64] = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -48,11 +55,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    prompt: Union[str, list[str], list[Int64], list[list[Int64]]]
+    max_tokens: Optional[Int64] = 16
+    logprobs: Optional[Int64] = None
     echo: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
     suffix: Optional[str] = None
 
 
@@ -64,10 +71,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int64] = None
+    max_completion_tokens: Optional[Int64] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int64] = None
     add_generation_prompt: bool = True
 
 
