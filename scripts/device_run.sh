@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, offline,
-# tp-tests, tp (two GPUs). Logs and JSON go to $OUT.
+# tp-tests, tp (two GPUs), serve (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -19,6 +19,15 @@ for stage in "$@"; do
             export PYTHONPATH="/tmp/site:$PYTHONPATH";;
     tp-tests) python3 -m pytest -q -m gpu tests/test_gpu_tp.py tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tp-tests.log" | tail -40;;
     tp) python3 -m pdserve bench tp --models qwen2.5-7b --tp-sizes 1 2 --batch-sizes 1 8 --output "$OUT/tp-h200x2.json" 2>&1 | grep -v "^Processed" | tee "$OUT/tp.log" | tail -20;;
+    serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512
+           python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
+             --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-server.log" 2>&1 &
+           for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+           python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 300 \
+             --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
+             --vocab-size 151936 --request-rate 1 2 4 8 16 32 inf --goodput ttft:500 tpot:50 \
+             --disable-tqdm --plot "$OUT/serve-h200.png" --result-file "$OUT/serve-h200.json" 2>&1 | tail -30
+           kill -TERM %1; wait;;
     *) echo "unknown stage $stage";;
   esac
 done
