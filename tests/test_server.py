@@ -141,6 +141,17 @@ def test_logprobs_echo_n(client):
                                      echo=True, logprobs=1, temperature=0)
     assert both.choices[0].logprobs.token_logprobs[:len(lp.tokens)] == lp.token_logprobs
     assert len(both.choices[0].logprobs.tokens) == len(lp.tokens) + 2
+    # streamed: the same text and logprobs, the prompt's in the first chunk
+    chunks = [c for c in client.completions.create(model=MODEL, prompt="Roses are red,",
+                                                    max_tokens=2, echo=True, logprobs=1,
+                                                    temperature=0, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == both.choices[0].text
+    streamed_lp = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed_lp[0] is None and len(streamed_lp) == len(both.choices[0].logprobs.tokens)
+    assert all(abs(a - b) < 1e-5 for a, b in zip(streamed_lp[1:],
+                                                  both.choices[0].logprobs.token_logprobs[1:]))
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == \
+        both.choices[0].logprobs.text_offset
     many = client.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=3, n=2, seed=3,
                                      temperature=1.0)
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
@@ -179,7 +190,6 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "stream"),
     ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
     ("/v1/completions", {"prompt": "x " * 600}, "max_model_len"),
     ("/v1/completions", {"prompt": [10 ** 7]}, "vocabulary"),

@@ -186,8 +186,6 @@ class _Server:
         if req.best_of is not None and req.best_of != req.n:
             raise ValueError("best_of other than n is not supported")
         prompt_lp = req.echo and req.logprobs is not None
-        if prompt_lp and req.stream:
-            raise ValueError("echo with logprobs is not supported with stream=true yet")
         # max_tokens 0 scores the prompt only (echo): one token is generated and dropped
         score_only = req.echo and req.max_tokens == 0
         if req.max_tokens is None or (req.max_tokens < 1 and not score_only):
@@ -200,8 +198,10 @@ class _Server:
         gens = [self.run(f"{cid}-{i}", p, params) for i, p in enumerate(prompts)]
         n = params.n
         if req.stream:
-            return await self.stream(gens, lambda i, out: self.completion_chunks(cid, req, n, i, out),
-                                     cid, "text_completion", req)
+            offsets: dict = {}
+            return await self.stream(
+                gens, lambda i, out: self.completion_chunks(cid, req, n, i, out, offsets, score_only),
+                cid, "text_completion", req)
         finals = await self.collect(gens, raw)
         choices = []
         tok = self.engine.tokenizer
@@ -232,19 +232,36 @@ class _Server:
                 "model": self.model_name, "choices": choices, "usage": usage}
 
     def completion_chunks(self, cid: str, req: CompletionRequest, n: int, i: int,
-                          out: RequestOutput) -> list[dict]:
+                          out: RequestOutput, offsets: dict, score_only: bool) -> list[dict]:
+        """Stream chunks of one engine step. The first chunk of an echoed choice carries the
+        prompt (and, with logprobs, the prompt's logprobs, the first null); text_offset counts
+        from the start of the choice's whole text (offsets: characters sent so far per choice)."""
         chunks = []
+        k = req.logprobs
         for c in out.outputs:
             if not c.new_token_ids and not c.finished:
                 continue
-            text = c.new_text
-            if req.echo and len(c.token_ids) == len(c.new_token_ids) and out.prompt:
-                text = out.prompt + text  # the first chunk of this choice carries the prompt
-            lp = None
-            if req.logprobs is not None:
-                k = len(c.new_token_ids)
-                entries = (c.logprobs or [])[len(c.logprobs or []) - k:]
-                lp = self.completion_logprobs(c.new_token_ids, entries, 0, req.logprobs)
+            key = (i, c.index)
+            first = key not in offsets
+            text, lp = "", None
+            if req.echo and first:
+                tok = self.engine.tokenizer
+                text = out.prompt if out.prompt is not None else (
+                    tok.decode(out.prompt_token_ids) if tok is not None else "")
+                if k is not None:
+                    lp = self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [],
+                                                  0, k)
+            if not score_only:
+                if k is not None:
+                    new = len(c.new_token_ids)
+                    entries = (c.logprobs or [])[len(c.logprobs or []) - new:] if new else []
+                    part = self.completion_logprobs(c.new_token_ids, entries,
+                                                    offsets.get(key, 0) + len(text), k)
+                    lp = part if lp is None else {f: lp[f] + part[f] for f in lp}
+                text += c.new_text
+            offsets[key] = offsets.get(key, 0) + len(text)
+            if not text and lp is None and not c.finished:
+                continue
             chunks.append({"id": cid, "object": "text_completion", "created": int(time.time()),
                            "model": self.model_name,
                            "choices": [{"index": i * n + c.index, "text": text, "logprobs": lp,
