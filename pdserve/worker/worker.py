@@ -2,8 +2,8 @@
 
     client ──(zmq, msgspec messages)──> rank 0: LLMEngine (scheduler, KV manager, sampling,
                                         │        detokenizer) + its model shard
-                                        │ each step: the SchedulerOutput's chunks, forks and
-                                        ▼ block copies (zmq, pickled)
+                                        │ each step: the SchedulerOutput, block tables as
+                                        ▼ deltas (zmq; step_broadcast.py)
                                    rank 1..N-1: model shard only, same forward
                                         (the all-reduces / logits gather inside meet rank 0's)
 
@@ -26,8 +26,10 @@ import msgspec
 import zmq
 
 from ..config import EngineConfig
+from .step_broadcast import StepDecoder, StepEncoder
 
 _IDLE_POLL_MS = 500  # how often an idle rank checks that its client is still alive
+_STOP = b"stop"      # driver -> followers: no more steps (a step is a pickle, never this)
 
 
 class _StepProfiler:
@@ -140,17 +142,14 @@ class _Driver:
             s = ctx.socket(zmq.PUSH)
             s.connect(addr)
             self.followers.append(s)
+        self.step_encoder = StepEncoder()
         self.engine = LLMEngine(cfg, on_schedule=self._broadcast if self.followers else None)
         self.decoder = msgspec.msgpack.Decoder(m.ToWorker)
         self.encoder = msgspec.msgpack.Encoder()
         self.draining = False
 
     def _broadcast(self, sched) -> None:
-        # What the forward needs (new requests' params decide whether prompt logits are
-        # gathered); block tables are pickled as they are at this step.
-        payload = pickle.dumps((sched.chunks, sched.forks, sched.block_copies,
-                                sched.new_requests, sched.finished_ids),
-                               protocol=pickle.HIGHEST_PROTOCOL)
+        payload = self.step_encoder.encode(sched)
         for s in self.followers:
             s.send(payload, copy=False)
 
@@ -186,7 +185,7 @@ class _Driver:
                     return
         finally:
             for s in self.followers:
-                s.send(pickle.dumps(None))
+                s.send(_STOP)
             eng.runner.release()
 
     def _stats(self):
@@ -225,8 +224,8 @@ class _Driver:
 def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
     """Ranks >= 1: run every step rank 0 sends until it sends None."""
     from ..engine.llm_engine import build_model_runner
-    from ..engine.scheduler import SchedulerOutput
     runner, _, _ = build_model_runner(cfg)
+    decoder = StepDecoder()
     steps = ctx.socket(zmq.PULL)
     steps.bind(wc.addresses.steps[rank - 1])
     profiler = _StepProfiler(rank)
@@ -236,13 +235,11 @@ def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) ->
                 if not _client_alive(wc.client_pid):
                     return
                 continue
-            msg = pickle.loads(steps.recv())
-            if msg is None:
+            payload = steps.recv()
+            if payload == _STOP:
                 return
-            chunks, forks, copies, new, finished = msg
             profiler.step()
-            runner.execute(SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies,
-                                           new_requests=new, finished_ids=finished))
+            runner.execute(decoder.decode(payload))
     finally:
         runner.release()
 
