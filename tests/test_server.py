@@ -288,3 +288,16 @@ def test_sigterm_drains_in_flight_streams(tmp_path):
     assert got[-1] == "data: [DONE]" and len(got) == 60 + 1
     assert _stopped_cleanly(proc.wait(60))
     _assert_gone(pids)
+
+
+def test_stream_many_prompts_and_n(client):
+    kw = dict(model=MODEL, prompt=["Apples are", "The sky is"], max_tokens=6, n=2, temperature=0)
+    full = client.completions.create(**kw)
+    texts = {c.index: c.text for c in full.choices}
+    assert sorted(texts) == [0, 1, 2, 3]
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == texts
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: both samples agree
