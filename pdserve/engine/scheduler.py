@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .request import Request, RequestStatus
@@ -28,8 +29,7 @@ class NewRequestData:
     output_token_ids: list[int]
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):  # a NamedTuple: built for every running sequence every step
     request_id: str
     token_ids: list[int]      # tokens fed this step
     start_pos: int            # position of token_ids[0] (= cached tokens)
