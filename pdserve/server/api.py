@@ -260,8 +260,10 @@ class _Server:
                     lp = part if lp is None else {f: lp[f] + part[f] for f in lp}
                 text += c.new_text
             offsets[key] = offsets.get(key, 0) + len(text)
-            if not text and lp is None and not c.finished:
-                continue
+            if score_only and not first and not c.finished:
+                continue  # the scoring run's one generated token is not shown
+            # otherwise a chunk per step with new tokens, even with no text (no tokenizer, or
+            # an incomplete UTF-8 sequence): clients count chunks as token arrivals
             chunks.append({"id": cid, "object": "text_completion", "created": int(time.time()),
                            "model": self.model_name,
                            "choices": [{"index": i * n + c.index, "text": text, "logprobs": lp,
