@@ -152,6 +152,11 @@ def test_logprobs_echo_n(client):
                                                   both.choices[0].logprobs.token_logprobs[1:]))
     assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == \
         both.choices[0].logprobs.text_offset
+    scored_stream = list(client.completions.create(
+        model=MODEL, prompt="Roses are red,", max_tokens=0, echo=True, logprobs=1, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in scored_stream if c.choices) == "Roses are red,"
+    assert scored_stream[-1].usage.completion_tokens == 0
     many = client.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=3, n=2, seed=3,
                                      temperature=1.0)
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]

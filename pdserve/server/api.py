@@ -128,9 +128,10 @@ class _Server:
                 with contextlib.suppress(BaseException):
                     await g.aclose()
 
-    def usage(self, finals: list[RequestOutput]) -> dict:
+    def usage(self, finals: list[RequestOutput], score_only: bool = False) -> dict:
+        """score_only: the one token generated to score a prompt (max_tokens 0) is not counted."""
         prompt = sum(len(o.prompt_token_ids) for o in finals)
-        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        completion = 0 if score_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": 0}}
@@ -201,7 +202,7 @@ class _Server:
             offsets: dict = {}
             return await self.stream(
                 gens, lambda i, out: self.completion_chunks(cid, req, n, i, out, offsets, score_only),
-                cid, "text_completion", req)
+                cid, "text_completion", req, score_only=score_only)
         finals = await self.collect(gens, raw)
         choices = []
         tok = self.engine.tokenizer
@@ -224,12 +225,9 @@ class _Server:
                 choices.append({"index": i * n + c.index, "text": prefix + text,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
-        usage = self.usage(finals)
-        if score_only:
-            usage["completion_tokens"] = 0
-            usage["total_tokens"] = usage["prompt_tokens"]
         return {"id": cid, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage}
+                "model": self.model_name, "choices": choices,
+                "usage": self.usage(finals, score_only)}
 
     def completion_chunks(self, cid: str, req: CompletionRequest, n: int, i: int,
                           out: RequestOutput, offsets: dict, score_only: bool) -> list[dict]:
@@ -367,7 +365,8 @@ class _Server:
         task.result()  # re-raise ValueError / EngineDeadError
         return finals  # type: ignore[return-value]
 
-    async def stream(self, gens, to_chunks, cid: str, obj: str, req, first: list | None = None):
+    async def stream(self, gens, to_chunks, cid: str, obj: str, req, first: list | None = None,
+                     score_only: bool = False):
         """An SSE response. The first output is awaited before answering, so a request the
         engine rejects still gets a plain 400."""
         it = self.merged(gens).__aiter__()
@@ -399,7 +398,7 @@ class _Server:
                     yield "data: " + json.dumps({
                         "id": cid, "object": obj, "created": int(time.time()),
                         "model": self.model_name, "choices": [],
-                        "usage": self.usage(list(finals.values()))}) + "\n\n"
+                        "usage": self.usage(list(finals.values()), score_only)}) + "\n\n"
                 yield "data: [DONE]\n\n"
             except (ValueError, EngineDeadError) as e:
                 yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error",
