@@ -28,8 +28,11 @@ TTFT_MS = 100.0    # the synthetic server's default first-chunk delay
 ITL_MS = 20.0      # and gap between chunks
 SLOW_TTFT_MS = 300.0
 SLOW_ITL_MS = 60.0
-TOL_MS = 25.0      # slack on TTFT / e2e for a loaded 2-core machine (25% of TTFT)
-ITL_TOL_MS = 5.0   # on a mean or median ITL / TPOT
+# Lower bounds are tight (a client cannot see a token before the server sends it); upper bounds
+# leave room for a noisy 2-core CI machine (scheduler hiccups, a first connection), and still
+# catch a clock that counts the wrong interval.
+TOL_MS = 60.0      # slack on TTFT / e2e
+ITL_TOL_MS = 10.0  # on a mean or median ITL / TPOT
 
 # ---- the synthetic server ----------------------------------------------------------------------
 # A Starlette app under uvicorn in a process of its own (like a real server: no GIL shared with the
@@ -220,7 +223,7 @@ def test_max_concurrency_one_serializes_requests(server):
     assert m["completed"] == 5
     for a, b in zip(results, results[1:]):  # each starts after the one before has finished
         assert b.start >= a.start + a.latency
-    assert 80 - 2 <= m["mean_e2el_ms"] <= 80 + TOL_MS
+    assert 80 - 2 <= m["median_e2el_ms"] <= 80 + TOL_MS  # median: one slow first connection
     # one at a time: throughput = 1 / (time per request), within what connection reuse costs
     assert m["request_throughput"] * m["mean_e2el_ms"] / 1e3 == pytest.approx(1.0, rel=0.15)
     results2, duration2 = _run(t, _reqs(["normal"] * 5, 4), max_concurrency=5)
