@@ -36,6 +36,16 @@ def _prompts(n, lo, hi, seed=0):
     return [torch.randint(1, 4096, (k,), generator=g).tolist() for k in lens]
 
 
+def assert_greedy_matches_hf(hf, prompts, outs, max_tokens: int) -> None:
+    """Each output's tokens equal HF fp32 greedy generate on the same prompt."""
+    hf32 = hf.float()
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf32.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens,
+                                do_sample=False, eos_token_id=-1, pad_token_id=0)
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+
+
 @pytest.mark.parametrize("eager", [True, False])
 def test_bf16_logits_close_to_fp32_reference(hf_dir, eager):
     d, hf = hf_dir
@@ -59,12 +69,7 @@ def test_fp32_greedy_matches_hf_mixed_batch(hf_dir, backend, eager):
               max_num_batched_tokens=96, enforce_eager=eager, attention_backend=backend)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    hf32 = hf.float()
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf32.generate(torch.tensor([p], device="cuda"), max_new_tokens=32,
-                                do_sample=False, eos_token_id=-1, pad_token_id=0)
-        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+    assert_greedy_matches_hf(hf, prompts, outs, 32)
     if not eager:
         assert llm.llm_engine.runner.graphs is not None
     llm.llm_engine.check_integrity()

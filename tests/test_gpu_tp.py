@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 
-from .test_gpu_model import _prompts, hf_dir  # noqa: E402,F401  (the same checkpoint)
+from .test_gpu_model import _prompts, assert_greedy_matches_hf, hf_dir  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("eager, nccl_only", [(True, False), (False, False), (False, True)],
@@ -28,9 +28,4 @@ def test_tp2_fp32_greedy_matches_hf(hf_dir, eager, nccl_only):  # noqa: F811
         llm.llm_engine.check_integrity()
     # drained: both ranks released their graphs, left the process group and exited cleanly
     assert [p.exitcode for p in llm.llm_engine._procs] == [0, 0]
-    hf32 = hf.float()
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf32.generate(torch.tensor([p], device="cuda"), max_new_tokens=32,
-                                do_sample=False, eos_token_id=-1, pad_token_id=0)
-        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+    assert_greedy_matches_hf(hf, prompts, outs, 32)

@@ -15,6 +15,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from .utils import assert_processes_gone  # noqa: E402
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -48,15 +50,6 @@ def _stopped_cleanly(code: int) -> bool:
     return code in (0, -signal.SIGTERM)
 
 
-def _assert_gone(pids, timeout_s=15.0):
-    from .test_tp import _running
-    deadline = time.monotonic() + timeout_s
-    for pid in pids:
-        while _running(pid):
-            assert time.monotonic() < deadline, f"worker {pid} still running"
-            time.sleep(0.1)
-
-
 def _stop(proc) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -71,7 +64,7 @@ def server():
     pids = httpx.get(base + "/admin/check").json()["worker_pids"]
     yield base
     assert _stopped_cleanly(_stop(proc))
-    _assert_gone(pids)
+    assert_processes_gone(pids)
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +285,7 @@ def test_sigterm_drains_in_flight_streams(tmp_path):
                         proc.send_signal(signal.SIGTERM)
     assert got[-1] == "data: [DONE]" and len(got) == 60 + 1
     assert _stopped_cleanly(proc.wait(60))
-    _assert_gone(pids)
+    assert_processes_gone(pids)
 
 
 def test_stream_many_prompts_and_n(client):

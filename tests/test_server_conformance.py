@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from .test_server import MODEL, _assert_gone, _metric, _start, _stop, _stopped_cleanly
+from .test_server import MODEL, _metric, _start, _stop, _stopped_cleanly
+from .utils import assert_processes_gone
 
 httpx = pytest.importorskip("httpx")
 
@@ -33,7 +34,7 @@ def server():
         assert health.status_code == 200, f"the engine died during the tests: {health.text}"
     finally:
         assert _stopped_cleanly(_stop(proc))
-        _assert_gone(pids)
+        assert_processes_gone(pids)
 
 
 # ---- schemathesis ------------------------------------------------------------------------------
@@ -169,14 +170,18 @@ CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("German
             ("Spain", "Madrid")]
 DISTRACTORS = ["banana", "bicycle", "purple", "seven", "umbrella"]
 
-MC_TASK = """\
-task: pdserve_capitals_mc
+# Both tasks read a local JSONL file ({data}) and keep the datasets cache in tmp_path ({cache}).
+_TASK_HEAD = """\
+task: pdserve_capitals_{kind}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {data}
-  cache_dir: {cache}
+    test: {{data}}
+  cache_dir: {{cache}}
 test_split: test
+"""
+
+MC_TASK = _TASK_HEAD.format(kind="mc") + """\
 output_type: multiple_choice
 doc_to_text: "The capital of {{{{country}}}} is"
 doc_to_choice: "{{{{choices}}}}"
@@ -188,14 +193,7 @@ metric_list:
     higher_is_better: true
 """
 
-GEN_TASK = """\
-task: pdserve_capitals_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-test_split: test
+GEN_TASK = _TASK_HEAD.format(kind="gen") + """\
 output_type: generate_until
 doc_to_text: "Q: What is the capital of {{{{country}}}}?\\nA: The capital of {{{{country}}}} is"
 doc_to_target: "{{{{capital}}}}"

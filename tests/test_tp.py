@@ -19,6 +19,8 @@ from pdserve.engine.llm_engine import AddRequest
 from pdserve.worker.client import EngineClient, EngineDeadError
 from pdserve.config import EngineConfig
 
+from .utils import assert_processes_gone
+
 LLAMA_8Q_2KV = {  # KV heads split over ranks; odd vocab (the last vocab shard is padded)
     "architectures": ["LlamaForCausalLM"], "vocab_size": 501, "hidden_size": 128,
     "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8,
@@ -63,23 +65,6 @@ def _assert_same_model(ref, got):
                 assert abs(lr[tid].logprob - lg[tid].logprob) < 1e-4, (tid, lr[tid], lg[tid])
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _assert_gone(pids, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    for pid in pids:
-        while _running(pid):
-            assert time.monotonic() < deadline, f"worker pid {pid} still running"
-            time.sleep(0.05)
-
-
 @pytest.mark.parametrize("cfg", [LLAMA_8Q_2KV, QWEN2_1KV], ids=["llama-8q2kv", "qwen2-1kv"])
 def test_tp2_equals_tp1_dummy(tmp_path, cfg):
     path = _folder(tmp_path, cfg)
@@ -91,7 +76,7 @@ def test_tp2_equals_tp1_dummy(tmp_path, cfg):
         assert llm.llm_engine.num_free_blocks() == 64
         pids = llm.llm_engine.pids
     _assert_same_model(ref, got)
-    _assert_gone(pids)
+    assert_processes_gone(pids)
 
 
 def test_tp2_equals_tp1_safetensors(tmp_path):
@@ -132,7 +117,7 @@ def test_killed_rank_fails_fast(tmp_path, victim):
     assert not client.has_unfinished_requests()
     with pytest.raises(EngineDeadError):  # and it stays dead, clearly
         client.add_requests([AddRequest("late", [1, 2, 3], sp)])
-    _assert_gone(client.pids)
+    assert_processes_gone(client.pids)
 
 
 def test_abort_frees_blocks_on_the_worker(tmp_path):
@@ -169,7 +154,7 @@ def test_workers_exit_when_their_client_is_killed(tmp_path):
         assert len(pids) == 2
         proc.kill()  # no chance to clean up: the workers must notice by themselves
         proc.wait()
-        _assert_gone(pids, timeout_s=10.0)
+        assert_processes_gone(pids, timeout_s=10.0)
     finally:
         proc.kill()
 

@@ -1,6 +1,8 @@
 """Test helpers: run the engine's model over a token sequence through the paged KV cache."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pdserve.engine.scheduler import ScheduledChunk
@@ -48,3 +50,21 @@ def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0, **overrides):
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def assert_processes_gone(pids, timeout_s: float = 15.0) -> None:
+    """Every pid has exited within timeout_s (worker processes after a stop or a failure)."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while _running(pid):
+            assert time.monotonic() < deadline, f"worker pid {pid} still running"
+            time.sleep(0.05)

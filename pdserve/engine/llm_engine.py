@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from ..config import EngineConfig
 from ..layers.parallel_state import get_tp_group
-from ..loader.model_loader import load_model, load_tokenizer, resolve_source
+from ..loader.model_loader import ModelSource, load_model, load_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
@@ -102,12 +102,12 @@ def _kv_budget_bytes(cfg: EngineConfig) -> int:
     return 1 << 30
 
 
-def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
-                       ) -> tuple[ModelRunner, int, int]:
+def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
+                       source: ModelSource | None = None) -> tuple[ModelRunner, int, int]:
     """Loads this rank's shard of the model and builds its runner and KV pool (every TP rank
     runs this; the tp group must be initialised first). Returns (runner, num_blocks,
     max_model_len)."""
-    source = resolve_source(config.model)
+    source = source or resolve_source(config.model)
     device, dtype = config.torch_device, config.torch_dtype
     model = load_model(source, config.load_format, dtype, device,
                        config.resolved_attention_backend, config.seed)
@@ -135,7 +135,8 @@ class LLMEngine:
             eos = ModelConfig.from_hf(source.hf_config).eos_token_id
             eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
         self.eos_token_ids = eos_ids
-        self.runner, self.num_kv_blocks, self.max_model_len = build_model_runner(config, eos_ids)
+        self.runner, self.num_kv_blocks, self.max_model_len = build_model_runner(
+            config, eos_ids, source)
         self.model = self.runner.model
         self.model_config = self.model.config
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size)

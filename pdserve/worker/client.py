@@ -158,20 +158,23 @@ class EngineClient:
     # ---- the LLMEngine request API -----------------------------------------------------------
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
         try:
-            self._encoder.encode(m.AddRequests(list(requests)))  # cheap next to the worker's reply
+            payload = self._encoder.encode(m.AddRequests(list(requests)))
         except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an int over 64 bits
             raise ValueError(f"a request cannot be sent to the worker: {e}") from None
-        msg = self._request(m.AddRequests(list(requests)), m.Accepted)
+        msg = self._request(payload, m.Accepted)
         for r, err in zip(requests, msg.errors):
             if err is None:
                 self._pending.add(r.request_id)
         return msg.errors
 
     def _request(self, msg, reply_type):
-        """Sends msg and returns the worker's reply of reply_type; Outputs arriving meanwhile are
-        kept for step()."""
+        """Sends msg (a message, or one already encoded) and returns the worker's reply of
+        reply_type; Outputs arriving meanwhile are kept for step()."""
         self._check_alive()
-        self._send(msg)
+        if isinstance(msg, bytes):
+            self._requests.send(msg, copy=False)
+        else:
+            self._send(msg)
         while True:
             reply = self._recv(None)
             if isinstance(reply, reply_type):
