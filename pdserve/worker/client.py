@@ -286,15 +286,24 @@ class EngineClient:
         """The next message from the worker, or None after timeout_s (or once wakeup_fd is
         readable). Raises EngineDeadError (or ValueError for a configuration the worker
         rejected) when a rank fails or exits."""
-        ms = None if timeout_s is None else int(timeout_s * 1000)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if wakeup_fd is not None:
             self._poller.register(wakeup_fd, zmq.POLLIN)
         try:
-            events = dict(self._poller.poll(ms))
+            while True:
+                # Wake at least once a second to look at the ranks ourselves: a rank's exit must
+                # end the wait even if its sentinel is never reported.
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                events = dict(self._poller.poll(max(0, int(left * 1000))))
+                if events or any(not p.is_alive() for p in self._procs):
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
         finally:
             if wakeup_fd is not None:
                 self._poller.unregister(wakeup_fd)
-        if self._outputs not in events and not any(p.sentinel in events for p in self._procs):
+        if wakeup_fd is not None and wakeup_fd in events and self._outputs not in events \
+                and all(p.is_alive() for p in self._procs):
             return None
         if self._outputs in events:
             msg = self._decoder.decode(self._outputs.recv())
