@@ -23,9 +23,9 @@ for stage in "$@"; do
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
              --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-server.log" 2>&1 &
            for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
-           python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 300 \
+           python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-200} \
              --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
-             --vocab-size 151936 --request-rate 1 2 4 8 16 32 inf --goodput ttft:500 tpot:50 \
+             --vocab-size 151936 --request-rate ${SERVE_RATES:-2 4 8 16 32 64 inf} --goodput ttft:500 tpot:50 \
              --disable-tqdm --plot "$OUT/serve-h200.png" --result-file "$OUT/serve-h200.json" 2>&1 | tail -30
            kill -TERM %1; wait;;
     *) echo "unknown stage $stage";;
