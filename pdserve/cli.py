@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["tp"]:
             from .bench.tp import main as bench_tp
             return bench_tp(argv[2:])
-        print("usage: pdserve bench {offline,latency,tp,serve} [options]   (pdserve bench offline --help)",
+        if sub == ["pd"]:
+            from .bench.pd import main as bench_pd
+            return bench_pd(argv[2:])
+        print("usage: pdserve bench {offline,latency,tp,pd,serve} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     p = argparse.ArgumentParser(prog="pdserve")

@@ -32,6 +32,15 @@ class EngineConfig:
     # caller talks to over messages; "auto": uni for tp 1, mp otherwise.
     distributed_executor_backend: str = "auto"
     disable_custom_all_reduce: bool = False  # CUDA TP: NCCL for every all-reduce (no one-shot P2P)
+    # P/D disaggregation (set by the router for its workers): how KV moves between workers
+    # (a registered connector name, pdserve/disagg/connector.py), whether a consumer's pull runs
+    # inside its step ("sync") or beside its steps ("async"), how long a pull may take before
+    # the request is recomputed locally, and how long a producer keeps unclaimed KV.
+    kv_connector: str | None = None
+    kv_transfer_mode: str = "async"
+    kv_transfer_timeout_s: float = 30.0
+    kv_hold_timeout_s: float = 300.0
+    max_kv_loads: int = 64              # consumer: pulls in flight at once
 
     def __post_init__(self):
         def positive(name, allow_none=False):
@@ -62,6 +71,16 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs worker processes "
                              "(distributed_executor_backend 'mp' or 'auto')")
+        if self.kv_connector is not None:
+            from .disagg.connector import get_connector_class
+            get_connector_class(self.kv_connector)
+        if self.kv_transfer_mode not in ("sync", "async"):
+            raise ValueError(f"kv_transfer_mode must be sync or async, got {self.kv_transfer_mode!r}")
+        for name in ("kv_transfer_timeout_s", "kv_hold_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        positive("max_kv_loads")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .disagg.kv_transfer import KVSource
+
 
 @dataclass(frozen=True)
 class Logprob:
@@ -43,3 +45,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it has
     # no prefix); each the token's logprob given the tokens before it, plus the top-k.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # P/D producer (a kv_hold request): where its prompt KV waits for a consumer.
+    kv_transfer: KVSource | None = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..config import EngineConfig
+from ..disagg.kv_transfer import KVLoadDone, KVPeer, KVSource
 from ..layers.parallel_state import get_tp_group
 from ..loader.model_loader import ModelSource, load_model, load_tokenizer, resolve_source
 from ..models.config import ModelConfig
@@ -39,6 +40,8 @@ class AddRequest:
     params: SamplingParams
     final_only: bool = False
     arrival_time: float | None = None
+    kv_hold: bool = False            # P/D producer: keep the KV when finished (output.kv_transfer)
+    kv_source: KVSource | None = None  # P/D consumer: pull the prompt's KV from a producer
 
 
 @dataclass(eq=False)
@@ -60,6 +63,7 @@ class _Group:
     metrics: dict[str, float] = field(default_factory=dict)
     num_unfinished: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer: KVSource | None = None
 
     @property
     def finished(self) -> bool:
@@ -103,10 +107,11 @@ def _kv_budget_bytes(cfg: EngineConfig) -> int:
 
 
 def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
-                       source: ModelSource | None = None) -> tuple[ModelRunner, int, int]:
+                       source: ModelSource | None = None, kv_dir: str | None = None
+                       ) -> tuple[ModelRunner, int, int]:
     """Loads this rank's shard of the model and builds its runner and KV pool (every TP rank
-    runs this; the tp group must be initialised first). Returns (runner, num_blocks,
-    max_model_len)."""
+    runs this; the tp group must be initialised first). kv_dir: where a KV connector may put
+    files (CPU pools shared with other workers). Returns (runner, num_blocks, max_model_len)."""
     source = source or resolve_source(config.model)
     device, dtype = config.torch_device, config.torch_dtype
     model = load_model(source, config.load_format, dtype, device,
@@ -116,8 +121,18 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
         model, num_blocks, config.block_size, dtype, device, config.seed, eos_token_ids,
         max_model_len,
         min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0,
-        is_driver=get_tp_group().is_driver)
+        is_driver=get_tp_group().is_driver, kv_connector=config.kv_connector,
+        kv_path=None if kv_dir is None else f"{kv_dir}/kv-rank{get_tp_group().rank}",
+        kv_sync=config.kv_transfer_mode == "sync")
     return runner, num_blocks, max_model_len
+
+
+def kv_export(runner: ModelRunner, worker: str) -> KVPeer:
+    """This worker's KV pools as a consumer needs them (every TP rank calls it: the handles are
+    gathered from all ranks)."""
+    tp = get_tp_group()
+    handles = tp.all_gather_object(runner.connector.export())
+    return KVPeer(worker, runner.connector.name, tp.size, runner.model.config.num_kv_heads, handles)
 
 
 class LLMEngine:
@@ -125,7 +140,8 @@ class LLMEngine:
     sends it to the other ranks there)."""
 
     def __init__(self, config: EngineConfig,
-                 on_schedule: Callable[[SchedulerOutput], None] | None = None):
+                 on_schedule: Callable[[SchedulerOutput], None] | None = None,
+                 kv_dir: str | None = None):
         self.config = config
         source = resolve_source(config.model)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
@@ -135,12 +151,18 @@ class LLMEngine:
             eos = ModelConfig.from_hf(source.hf_config).eos_token_id
             eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
         self.eos_token_ids = eos_ids
+        if config.kv_connector is not None and kv_dir is None:
+            import tempfile
+            kv_dir = tempfile.mkdtemp(prefix="pdserve-kv-")
         self.runner, self.num_kv_blocks, self.max_model_len = build_model_runner(
-            config, eos_ids, source)
+            config, eos_ids, source, kv_dir)
         self.model = self.runner.model
         self.model_config = self.model.config
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_kv_loads)
+        self._load_started: dict[str, float] = {}   # P/D consumer: pulls in flight, since when
+        self._kv_events: list[KVLoadDone] = []
         self._on_schedule = on_schedule
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, tuple[_Group, _Seq]] = {}
@@ -173,9 +195,12 @@ class LLMEngine:
         return None, list(ids)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, final_only: bool = False) -> None:
+                    arrival_time: float | None = None, final_only: bool = False,
+                    kv_hold: bool = False, kv_source: KVSource | None = None) -> None:
         """Queue a request. final_only: step() reports it once, when it finishes, instead of
-        after every token (what an offline batch wants; streaming leaves it False)."""
+        after every token (what an offline batch wants; streaming leaves it False).
+        P/D: kv_hold keeps its KV when it finishes (the output's kv_transfer says where);
+        kv_source continues a request whose prompt KV waits on a producer."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -187,18 +212,27 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(room for at least one generated token is needed)")
+        done_ids: list[int] = []
+        if kv_hold or kv_source is not None:
+            self._check_kv_request(ids, params, kv_source)
+            if kv_source is not None:
+                done_ids = list(kv_source.output_token_ids)
         seqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            req = Request(f"{request_id}#{i}", ids, params, seed, self.max_model_len)
+            req = Request(f"{request_id}#{i}", ids, params, seed, self.max_model_len,
+                          output_token_ids=list(done_ids), hold_kv=kv_hold)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                tuple(params.stop or ()))
+                for t in done_ids:  # the producer reported these already
+                    detok.add(t)
+                detok.take_new_text(False)
             # token_ids is the request's own output list: the scheduler appends, nobody copies.
             seqs.append(_Seq(req, CompletionOutput(i, "", req.output_token_ids,
                                                    [] if params.logprobs is not None else None),
-                             detok))
+                             detok, reported_tokens=len(done_ids)))
         first = seqs[0].req
         for s in seqs[1:]:
             s.req.status = RequestStatus.FORK_PENDING
@@ -206,7 +240,10 @@ class LLMEngine:
         group = _Group(request_id, text, ids, params, seqs, final_only,
                        {"arrival": arrival_time or time.monotonic()}, num_unfinished=len(seqs),
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        self.scheduler.add(first)
+        if kv_source is not None:
+            self.scheduler.add_remote(first, kv_source)
+        else:
+            self.scheduler.add(first)
         self._groups[request_id] = group
         for s in seqs:
             self._seq_group[s.req.request_id] = (group, s)
@@ -217,11 +254,78 @@ class LLMEngine:
         errors: list[str | None] = []
         for r in requests:
             try:
-                self.add_request(r.request_id, r.prompt, r.params, r.arrival_time, r.final_only)
+                self.add_request(r.request_id, r.prompt, r.params, r.arrival_time, r.final_only,
+                                 r.kv_hold, r.kv_source)
                 errors.append(None)
             except ValueError as e:
                 errors.append(str(e))
         return errors
+
+    def _check_kv_request(self, ids: list[int], params: SamplingParams,
+                          kv_source: KVSource | None) -> None:
+        if self.runner.connector is None and kv_source is not None:
+            raise ValueError("this engine has no kv_connector: it cannot pull KV")
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise ValueError("a P/D request needs n=1 and no prompt_logprobs")
+        if kv_source is None:
+            return
+        if kv_source.num_tokens != len(ids):
+            raise ValueError(f"kv_source covers {kv_source.num_tokens} tokens; the prompt has "
+                             f"{len(ids)}")
+        if len(kv_source.block_ids) != self.kv.blocks_for(kv_source.num_tokens):
+            raise ValueError(f"kv_source has {len(kv_source.block_ids)} blocks for "
+                             f"{kv_source.num_tokens} tokens (block size {self.config.block_size})")
+        if not kv_source.output_token_ids or not all(
+                0 <= t < self.model_config.vocab_size for t in kv_source.output_token_ids):
+            raise ValueError("kv_source needs the producer's sampled token(s), in the vocabulary")
+        if len(ids) + len(kv_source.output_token_ids) >= self.max_model_len:
+            raise ValueError("the request does not fit max_model_len here")
+
+    # ---- P/D --------------------------------------------------------------------------------
+    def kv_export(self, worker: str) -> KVPeer:
+        return kv_export(self.runner, worker)
+
+    def connect_kv(self, peers: list[KVPeer]) -> None:
+        """Make producers reachable (checked here first; every rank adds them next step)."""
+        if self.runner.connector is None:
+            raise ValueError("this engine has no kv_connector")
+        for p in peers:
+            self.runner.connector.add_peer(p)  # ValueError on a mismatched layout
+            self.scheduler.add_kv_peer(p)
+
+    def release_kv(self, request_ids: Iterable[str]) -> None:
+        """A producer's held KV is no longer needed (pulled, or the request went elsewhere)."""
+        for rid in request_ids:
+            self.kv.release_held(f"{rid}#0")
+
+    def expire_held_kv(self, now: float | None = None) -> int:
+        """Releases KV held longer than kv_hold_timeout_s (a consumer that never pulled)."""
+        now = time.monotonic() if now is None else now
+        old = [rid for rid, (_, t) in self.kv.held.items()
+               if now - t > self.config.kv_hold_timeout_s]
+        for rid in old:
+            self.kv.release_held(rid)
+        return len(old)
+
+    def take_kv_events(self) -> list[KVLoadDone]:
+        out, self._kv_events = self._kv_events, []
+        return out
+
+    def _finish_loads(self) -> None:
+        done = self.runner.poll_loads()
+        now = time.monotonic()
+        for d in done:
+            self._load_started.pop(d.request_id, None)
+        limit = self.config.kv_transfer_timeout_s
+        for rid, t in list(self._load_started.items()):
+            if now - t > limit:
+                del self._load_started[rid]
+                done.append(KVLoadDone(rid, False, 0, now - t, f"timed out after {limit:g} s"))
+        if done:
+            self.scheduler.finish_loads(done)
+            for d in done:
+                rid = d.request_id.rsplit("#", 1)[0]
+                self._kv_events.append(KVLoadDone(rid, d.ok, d.nbytes, d.seconds, d.error))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -245,6 +349,12 @@ class LLMEngine:
         if self._on_schedule is not None:
             self._on_schedule(sched)
         sampled = self.runner.execute(sched)
+        for load in sched.kv_loads:
+            self._load_started[load.request_id] = time.monotonic()
+        if self._load_started:
+            self._finish_loads()
+            if sched.is_empty and not sampled:
+                time.sleep(2e-4)  # only pulls in flight: don't spin on the poll
         for rid, entries in self.runner.take_prompt_logprobs().items():
             group = self._seq_group[rid][0]
             group.prompt_logprobs.extend(self._logprob_entry(tok) for tok in entries)
@@ -278,7 +388,10 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             out.finish_reason, out.stop_reason = status.value, reason
-            self.scheduler.finish(req, status)
+            held = self.scheduler.finish(req, status, time.monotonic())
+            if held is not None:  # P/D producer: where a consumer finds this prompt's KV
+                group.kv_transfer = KVSource("", group.request_id, held, req.num_computed_tokens,
+                                             list(req.output_token_ids))
             group.num_unfinished -= 1
 
     def _logprob_entry(self, tok: SampledToken) -> dict[int, Logprob]:
@@ -313,7 +426,8 @@ class LLMEngine:
                                          o.finish_reason, o.stop_reason, o.new_token_ids, o.new_text))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              dict(group.metrics),
-                             None if group.prompt_logprobs is None else list(group.prompt_logprobs))
+                             None if group.prompt_logprobs is None else list(group.prompt_logprobs),
+                             group.kv_transfer)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -14,6 +14,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"          # in the waiting queue (new or preempted)
     RUNNING = "running"
     FORK_PENDING = "fork_pending"  # n > 1 sibling waiting for the first sequence's prefill
+    WAITING_FOR_KV = "waiting_for_kv"  # P/D consumer: prompt KV on a producer, no blocks here yet
+    LOADING_KV = "loading_kv"          # P/D consumer: blocks allocated, KV being pulled into them
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -36,6 +38,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     siblings: list["Request"] = field(default_factory=list)  # FORK_PENDING sequences forked from this one
     num_preemptions: int = 0
+    hold_kv: bool = False                   # P/D producer: keep the blocks when finished
 
     num_tokens: int = 0                     # prompt + output; kept by append_output (hot path)
 

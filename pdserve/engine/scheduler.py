@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..disagg.kv_transfer import KVLoad, KVLoadDone, KVPeer, KVSource
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .request import Request, RequestStatus
 
@@ -51,6 +52,11 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)   # since the last step: runner drops state
+    # P/D consumer, handled by every rank before the forward: producers to reach, the driver's
+    # verdicts on earlier loads (ok: the blocks may be read now; not ok: cancel), new loads.
+    kv_peers: list[KVPeer] = field(default_factory=list)
+    kv_verdicts: list[tuple[str, bool]] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,10 +66,21 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def has_kv_work(self) -> bool:
+        return bool(self.kv_peers or self.kv_verdicts or self.kv_loads)
+
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_kv_loads: int = 64):
         self.kv = kv
+        self.max_kv_loads = max_kv_loads  # P/D consumer: loads in flight at once (back-pressure)
+        self.kv_waiting: deque[Request] = deque()      # prompt KV on a producer, no blocks yet
+        self.loading: dict[str, Request] = {}          # blocks allocated, KV being pulled
+        self.kv_sources: dict[str, KVSource] = {}
+        self._kv_verdicts: list[tuple[str, bool]] = []
+        self._kv_peers: list[KVPeer] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -84,8 +101,24 @@ class Scheduler:
             self.requests[s.request_id] = s
         self.waiting.append(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a sequence (and its unforked siblings) for good, freeing its blocks."""
+    def add_remote(self, req: Request, source: KVSource) -> None:
+        """Queue a sequence whose first source.num_tokens positions are computed on a producer:
+        its blocks are allocated when the pool has room, then the KV is pulled (kv_loads), then
+        it runs from there like any other sequence."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.kv_sources[req.request_id] = source
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.kv_waiting.append(req)
+
+    def add_kv_peer(self, peer: KVPeer) -> None:
+        self._kv_peers.append(peer)
+
+    def finish(self, req: Request, status: RequestStatus, now: float = 0.0) -> list[int] | None:
+        """Remove a sequence (and its unforked siblings) for good, freeing its blocks (or, for a
+        producer's hold_kv sequence that did not abort, keeping them: returns its table)."""
+        held = None
         for r in [req, *req.siblings]:
             if r.status.finished:
                 continue
@@ -93,19 +126,63 @@ class Scheduler:
                 self.running.remove(r)
             elif r.status is RequestStatus.WAITING:
                 self.waiting.remove(r)
+            elif r.status is RequestStatus.WAITING_FOR_KV:
+                self.kv_waiting.remove(r)
+            elif r.status is RequestStatus.LOADING_KV:
+                del self.loading[r.request_id]
+                self._kv_verdicts.append((r.request_id, False))  # cancel before reuse
+            self.kv_sources.pop(r.request_id, None)
             r.status = status
-            self.kv.free(r.request_id)
+            if r.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+                held = self.kv.hold(r.request_id, now)
+            else:
+                self.kv.free(r.request_id)
             del self.requests[r.request_id]
             if r.request_id in self._known_to_runner:
                 self._known_to_runner.discard(r.request_id)
                 self._finished_since_step.append(r.request_id)
         req.siblings = []
+        return held
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def _num_seq_slots_used(self) -> int:
-        return sum(1 + len(r.siblings) for r in self.running)
+        return sum(1 + len(r.siblings) for r in self.running) + len(self.loading)
+
+    def finish_loads(self, done: list[KVLoadDone]) -> None:
+        """The pulls that ended: ok -> the sequence runs from the producer's position (its next
+        forward follows the runner's ok verdict); failed -> its blocks are freed (the runner
+        cancels the pull before anything reuses them) and it is recomputed here from scratch."""
+        for d in done:
+            req = self.loading.pop(d.request_id, None)
+            if req is None:
+                continue  # aborted meanwhile: its verdict is already queued
+            self._kv_verdicts.append((d.request_id, d.ok))
+            source = self.kv_sources.pop(d.request_id)
+            if d.ok:
+                req.num_computed_tokens = source.num_tokens
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            else:
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+
+    def _start_loads(self, out: SchedulerOutput) -> None:
+        while self.kv_waiting and len(self.loading) < self.max_kv_loads:
+            req = self.kv_waiting[0]
+            if self._num_seq_slots_used() + 1 > self.max_num_seqs:
+                break
+            source = self.kv_sources[req.request_id]
+            if self.kv.allocate_slots(req.request_id, 0, source.num_tokens) is None:
+                break
+            self.kv_waiting.popleft()
+            req.status = RequestStatus.LOADING_KV
+            self.loading[req.request_id] = req
+            out.kv_loads.append(KVLoad(req.request_id, source.worker, source.block_ids,
+                                       list(self.kv.block_tables[req.request_id])))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
@@ -117,8 +194,9 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_since_step)
-        self._finished_since_step = []
+        out = SchedulerOutput(finished_ids=self._finished_since_step,
+                              kv_peers=self._kv_peers, kv_verdicts=self._kv_verdicts)
+        self._finished_since_step, self._kv_peers, self._kv_verdicts = [], [], []
         budget = self.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
 
@@ -156,6 +234,9 @@ class Scheduler:
             out.block_copies.extend(copies)
             picked.append((req, n))
             budget -= n
+
+        if self.kv_waiting and not out.preempted_ids:
+            self._start_loads(out)
 
         forked: list[Request] = []
         for req, n in picked:
@@ -207,6 +288,6 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         held = set(self.kv.block_tables)
-        assert held <= {r.request_id for r in self.running}, \
-            f"block tables held by non-running requests: {held - {r.request_id for r in self.running}}"
+        live = {r.request_id for r in self.running} | set(self.loading)
+        assert held <= live, f"block tables held by non-running requests: {held - live}"
         assert self._num_seq_slots_used() <= self.max_num_seqs

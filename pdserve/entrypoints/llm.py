@@ -13,6 +13,12 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
 
+# Several workers behind a router (P/D disaggregation): how many of each role, their TP sizes
+# (default tensor_parallel_size) and the routing policy (pdserve/disagg/router.py).
+_DEPLOYMENT_ARGS = ("prefill", "decode", "collocated", "prefill_tp", "decode_tp", "collocated_tp",
+                    "routing_policy")
+
+
 class LLM:
     """LLM(model=None, **engine_args): model is an HF folder, a .gguf file or a preset name
     (with load_format="dummy"); None loads the embedded SmolLM2-135M-Instruct. Engine args are
@@ -20,13 +26,24 @@ class LLM:
     max_model_len, seed, num_kv_blocks, kv_cache_memory_gb, load_format, skip_tokenizer_init,
     tensor_parallel_size, distributed_executor_backend, ...).
 
+    P/D disaggregation: prefill=N, decode=M (and/or collocated=K) start that many workers, each
+    its own processes and TP group (prefill_tp / decode_tp / collocated_tp), behind a Router
+    that picks a path per request (routing_policy: "disagg", "collocated", "round-robin").
+
     With tensor_parallel_size > 1 (or distributed_executor_backend="mp") the engine runs in
     worker processes and llm_engine is an EngineClient with the same request API; call
     shutdown() (or use `with LLM(...) as llm:`) to stop them, else they stop at exit."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
+        deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
         config = EngineConfig(model=model, **engine_args)
-        if config.executor_backend == "mp":
+        if deploy:
+            from ..disagg.router import Router, plan_workers
+            policy = deploy.pop("routing_policy", None)
+            specs = plan_workers(config, kv_connector=config.kv_connector or "shared", **deploy)
+            disagg = any(s.role == "prefill" for s in specs)
+            self.llm_engine = Router(specs, policy or ("disagg" if disagg else "collocated"))
+        elif config.executor_backend == "mp":
             from ..worker.client import EngineClient
             self.llm_engine = EngineClient(config)
         else:

@@ -64,6 +64,14 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim)
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable obj, in rank order (setup only: it syncs the host)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
 
 _TP = TPGroup()
 

@@ -98,7 +98,8 @@ def _cleanup(ctx: zmq.Context, procs: list[_Rank], tmpdir: str) -> None:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0):
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0,
+                 name: str = "worker"):
         source = resolve_source(config.model)
         tp = config.tensor_parallel_size
         ModelConfig.from_hf(source.hf_config).check_tensor_parallel(tp)
@@ -122,7 +123,7 @@ class EngineClient:
         self._outputs.bind(addrs.outputs)
         config_path = os.path.join(self._tmp, "worker-config.pickle")
         with open(config_path, "wb") as f:
-            pickle.dump(WorkerConfig(config, addrs, os.getpid()), f)
+            pickle.dump(WorkerConfig(config, addrs, os.getpid(), self._tmp, name), f)
         self._procs: list[_Rank] = []
         self._finalizer = weakref.finalize(self, _cleanup, self._ctx, self._procs, self._tmp)
         for r in range(tp):
@@ -136,7 +137,9 @@ class EngineClient:
         self._pending: set[str] = set()
         self._ready: deque[list[RequestOutput]] = deque()
         self._dead: str | None = None
+        self.name = name
         self.stats: m.WorkerStats | None = None  # as of the last Outputs received
+        self.kv_events: list = []  # P/D consumer: KVLoadDone reports, for the router to take
         self._closed = False
         try:
             msg = self._recv(startup_timeout_s, starting=True)
@@ -154,6 +157,28 @@ class EngineClient:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def pollables(self) -> list:
+        """What a caller driving several clients waits on: readable when step(0) has news."""
+        return [self._outputs, *(p.sentinel for p in self._procs)]
+
+    def readable(self) -> bool:
+        """True when step(0) has something: buffered or arrived outputs, or a rank's exit."""
+        return bool(self._ready) or bool(self._outputs.poll(0)) or any(
+            not p.is_alive() for p in self._procs)
+
+    # ---- P/D --------------------------------------------------------------------------------
+    def connect_kv(self, peers: list) -> list[str | None]:
+        """Let this (consumer) worker pull from these producers; an error or None per peer."""
+        return self._request(m.ConnectKV(list(peers)), m.Accepted).errors
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead is None and not self._closed:
+            self._send(m.ReleaseKV(list(request_ids)))
 
     # ---- the LLMEngine request API -----------------------------------------------------------
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
@@ -214,7 +239,7 @@ class EngineClient:
         """The outputs of the worker's next step that reported anything (blocks until then, or
         until timeout_s, or until wakeup_fd is readable: then []). Outputs of aborted requests
         are dropped."""
-        if not self._pending:
+        if not self._pending and timeout_s != 0:
             return []
         if self._ready:
             outs = self._ready.popleft()
@@ -307,8 +332,11 @@ class EngineClient:
             return None
         if self._outputs in events:
             msg = self._decoder.decode(self._outputs.recv())
-            if isinstance(msg, m.Outputs) and msg.stats is not None:
-                self.stats = msg.stats
+            if isinstance(msg, m.Outputs):
+                if msg.stats is not None:
+                    self.stats = msg.stats
+                if msg.kv_loads:
+                    self.kv_events.extend(msg.kv_loads)
             if not isinstance(msg, m.Failed):
                 return msg
             if starting and msg.error_type == "ValueError":

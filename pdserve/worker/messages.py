@@ -2,10 +2,10 @@
 rank 0, encoded as msgpack by msgspec. SamplingParams and RequestOutput travel as the dataclasses
 they are (msgspec re-runs SamplingParams' validation on arrival).
 
-    client ── AddRequests / Abort / CheckIntegrity / Drain ──────────────────> worker rank 0
+    client ── AddRequests / Abort / CheckIntegrity / Drain / ConnectKV / ReleaseKV ─> worker rank 0
     client <── Ready / Accepted / Outputs / IntegrityReport / Drained / Failed ── worker rank 0
 
-Every AddRequests is answered by exactly one Accepted (one error or None per request, in order)
+Every AddRequests (and ConnectKV) is answered by exactly one Accepted (one error or None per request, in order)
 and every CheckIntegrity by one IntegrityReport; Outputs arrive once per engine step that
 advanced a request.
 """
@@ -15,6 +15,7 @@ from typing import Union
 
 import msgspec
 
+from ..disagg.kv_transfer import KVLoadDone, KVPeer
 from ..engine.llm_engine import AddRequest
 from ..outputs import RequestOutput
 
@@ -24,6 +25,17 @@ class AddRequests(msgspec.Struct, tag=True):
 
 
 class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class ConnectKV(msgspec.Struct, tag=True):
+    """P/D consumer: producers it may pull KV from. Answered by Accepted (one error or None per
+    peer)."""
+    peers: list[KVPeer]
+
+
+class ReleaseKV(msgspec.Struct, tag=True):
+    """P/D producer: drop the KV held for these (finished kv_hold) requests."""
     request_ids: list[str]
 
 
@@ -54,6 +66,7 @@ class WorkerInfo(msgspec.Struct):
     tensor_parallel_size: int
     weight_bytes_per_rank: int     # parameter bytes on rank 0 (tied weights once)
     kv_bytes_per_token_per_rank: int
+    kv_export: Union[KVPeer, None] = None  # with a kv_connector: how consumers reach its pools
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -67,6 +80,7 @@ class Accepted(msgspec.Struct, tag=True):
 class Outputs(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
     stats: Union[WorkerStats, None] = None
+    kv_loads: list[KVLoadDone] = []   # P/D consumer: pulls that ended this step
 
 
 class Drained(msgspec.Struct, tag=True):
@@ -84,5 +98,5 @@ class Failed(msgspec.Struct, tag=True):
     message: str
 
 
-ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain]
+ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain, ConnectKV, ReleaseKV]
 FromWorker = Union[Ready, Accepted, Outputs, IntegrityReport, Drained, Failed]

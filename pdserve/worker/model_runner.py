@@ -44,7 +44,8 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = (),
                  max_model_len: int = 4096, cuda_graph_max_batch: int = 0,
-                 is_driver: bool = True):
+                 is_driver: bool = True, kv_connector: str | None = None,
+                 kv_path: str | None = None, kv_sync: bool = True):
         cfg = model.config
         # Under TP every rank runs the forward and the logits gather; only the driver (rank 0)
         # samples, and the others learn the tokens from its next SchedulerOutput.
@@ -58,8 +59,18 @@ class ModelRunner:
         # One block beyond the pool: the scratch block. Padding rows (CUDA-graph buckets) write
         # and read only there, so no slot id ever needs a "none" sentinel.
         self.scratch_block = num_blocks
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks + 1, block_size,
-                                    attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device)
+        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
+        self.connector = None
+        self.kv_sync = kv_sync
+        if kv_connector is None:
+            self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+        else:  # P/D: a pool other workers can pull from, and the means to pull from theirs
+            from ..disagg.connector import get_connector_class
+            from ..layers.parallel_state import get_tp_group
+            cls = get_connector_class(kv_connector)
+            self.kv_cache = cls.allocate(shape, kv_dtype, device, kv_path)
+            tp = get_tp_group()
+            self.connector = cls(self.kv_cache, tp.rank, tp.size, cfg.num_kv_heads)
         model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.seqs: dict[str, _SeqState] = {}
@@ -76,6 +87,24 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.connector is not None:
+            self.connector.close()
+
+    def _kv_work(self, out: SchedulerOutput) -> None:
+        """P/D consumer: reach new producers, apply the driver's verdicts (before this forward
+        reads or reuses those blocks), start new pulls."""
+        if self.connector is None:
+            raise ValueError("KV transfer needs a kv_connector")
+        for peer in out.kv_peers:
+            self.connector.add_peer(peer)
+        for rid, ok in out.kv_verdicts:
+            self.connector.finish(rid, ok)
+        for load in out.kv_loads:
+            self.connector.start_load(load, self.kv_sync)
+
+    def poll_loads(self):
+        """Pulls this rank saw end since the last call (the driver decides for all ranks)."""
+        return [] if self.connector is None else self.connector.poll()
 
     def _add(self, data) -> None:
         gen = None
@@ -90,6 +119,8 @@ class ModelRunner:
             self.seqs.pop(rid, None)
         for data in out.new_requests:  # every rank: prompt logprobs need the params everywhere
             self._add(data)
+        if out.has_kv_work:
+            self._kv_work(out)
         if out.is_empty:
             return {}
         for src, dst in out.block_copies:

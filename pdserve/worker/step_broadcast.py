@@ -43,7 +43,8 @@ class StepEncoder:
                 self.mirror[c.request_id] = list(live)
             rows.append((c.request_id, c.token_ids, c.start_pos, c.sample, mode, blocks))
         return pickle.dumps((rows, sched.forks, sched.block_copies, sched.new_requests,
-                             sched.finished_ids), protocol=pickle.HIGHEST_PROTOCOL)
+                             sched.finished_ids, sched.kv_peers, sched.kv_verdicts,
+                             sched.kv_loads), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class StepDecoder:
@@ -53,7 +54,7 @@ class StepDecoder:
         self.tables: dict[str, list[int]] = {}
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        rows, forks, copies, new, finished = pickle.loads(payload)
+        rows, forks, copies, new, finished, peers, verdicts, loads = pickle.loads(payload)
         for rid in finished:
             self.tables.pop(rid, None)
         chunks = []
@@ -65,4 +66,5 @@ class StepDecoder:
                 table = self.tables[rid] = blocks
             chunks.append(ScheduledChunk(rid, tokens, start, table, sample))
         return SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies,
-                               new_requests=new, finished_ids=finished)
+                               new_requests=new, finished_ids=finished, kv_peers=peers,
+                               kv_verdicts=verdicts, kv_loads=loads)

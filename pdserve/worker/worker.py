@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 import traceback
 from dataclasses import dataclass, replace
 
@@ -75,6 +76,8 @@ class WorkerConfig:
     engine: EngineConfig
     addresses: WorkerAddresses
     client_pid: int             # ranks exit when this process is gone
+    workdir: str | None = None  # the worker's own directory (KV pool files of a P/D worker)
+    name: str = "worker"        # how P/D peers name this worker
 
 
 def worker_main(wc: WorkerConfig, rank: int) -> None:
@@ -143,7 +146,8 @@ class _Driver:
             s.connect(addr)
             self.followers.append(s)
         self.step_encoder = StepEncoder()
-        self.engine = LLMEngine(cfg, on_schedule=self._broadcast if self.followers else None)
+        self.engine = LLMEngine(cfg, on_schedule=self._broadcast if self.followers else None,
+                                kv_dir=wc.workdir)
         self.decoder = msgspec.msgpack.Decoder(m.ToWorker)
         self.encoder = msgspec.msgpack.Encoder()
         self.draining = False
@@ -161,13 +165,15 @@ class _Driver:
         attn = eng.model.layers[0].self_attn
         weight_bytes = sum(p.numel() * p.element_size()
                            for p in {id(p): p for p in eng.model.parameters()}.values())
+        export = None if eng.runner.connector is None else eng.kv_export(self.wc.name)
         self._send(m.Ready(m.WorkerInfo(
             eng.max_model_len, eng.num_kv_blocks, eng.config.block_size,
             eng.model_config.vocab_size, list(eng.eos_token_ids),
             eng.config.tensor_parallel_size, weight_bytes,
             2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
-            * eng.runner.kv_cache.element_size())))
+            * eng.runner.kv_cache.element_size(), export)))
         profiler = _StepProfiler(0)
+        last_expiry = time.monotonic()
         try:
             while True:
                 busy = eng.has_unfinished_requests()
@@ -178,11 +184,15 @@ class _Driver:
                 if eng.has_unfinished_requests():
                     profiler.step()
                     outs = eng.step()
-                    if outs:
-                        self._send(m.Outputs(outs, self._stats()))
+                    loads = eng.take_kv_events()
+                    if outs or loads:
+                        self._send(m.Outputs(outs, self._stats(), loads))
                 elif self.draining:
                     self._send(m.Drained())
                     return
+                if eng.kv.held and time.monotonic() - last_expiry > 1.0:
+                    last_expiry = time.monotonic()
+                    eng.expire_held_kv(last_expiry)
         finally:
             for s in self.followers:
                 s.send(_STOP)
@@ -219,12 +229,25 @@ class _Driver:
                 self._send(m.IntegrityReport(error, self._stats()))
             elif isinstance(msg, m.Drain):
                 self.draining = True
+            elif isinstance(msg, m.ConnectKV):
+                errors = []
+                for peer in msg.peers:
+                    try:
+                        eng.connect_kv([peer])
+                        errors.append(None)
+                    except ValueError as e:
+                        errors.append(str(e))
+                self._send(m.Accepted(errors))
+            elif isinstance(msg, m.ReleaseKV):
+                eng.release_kv(msg.request_ids)
 
 
 def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
     """Ranks >= 1: run every step rank 0 sends until it sends None."""
-    from ..engine.llm_engine import build_model_runner
-    runner, _, _ = build_model_runner(cfg)
+    from ..engine.llm_engine import build_model_runner, kv_export
+    runner, _, _ = build_model_runner(cfg, kv_dir=wc.workdir)
+    if runner.connector is not None:
+        kv_export(runner, wc.name)  # its part of the driver's gather
     decoder = StepDecoder()
     steps = ctx.socket(zmq.PULL)
     steps.bind(wc.addresses.steps[rank - 1])

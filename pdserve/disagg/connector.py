@@ -1,0 +1,324 @@
+"""KV connectors: how a consumer (decode) rank gets a request's KV blocks from a producer
+(prefill) worker. One interface; transports register under a name (EngineConfig.kv_connector).
+
+Every rank of a worker in a P/D deployment owns one connector over its own KV cache:
+
+    producer rank:  allocate() the cache where peers can reach it; export() a handle for it
+    consumer rank:  add_peer(KVPeer)           once per producer worker (its ranks' handles)
+                    start_load(KVLoad, sync)   copy blocks, all layers, the heads this rank holds
+                    poll() -> finished loads   (async: each step; sync loads finish in start_load)
+                    finish(rid, ok)            the driver's verdict: ok -> make the data visible
+                                               to compute; not ok -> cancel (no write after it)
+
+A load never blocks the producer: it does not take part (one-sided pull), so neither side waits
+for a matching send/receive. The driver of the consumer (rank 0) decides when a load is done and
+tells its other ranks in the next step, so all ranks admit the request together.
+
+Faults for tests: PDSERVE_KV_FAULT=fail makes loads fail half-way; =hang makes them never
+finish (until cancelled).
+"""
+from __future__ import annotations
+
+import abc
+import os
+import pickle
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_transfer import HeadCopy, KVLoad, KVLoadDone, KVPeer, plan_head_copies
+
+_CONNECTORS: dict[str, type["KVConnector"]] = {}
+
+
+def register_connector(cls: type["KVConnector"]) -> type["KVConnector"]:
+    _CONNECTORS[cls.name] = cls
+    return cls
+
+
+def connector_names() -> list[str]:
+    return sorted(_CONNECTORS)
+
+
+def get_connector_class(name: str) -> type["KVConnector"]:
+    try:
+        return _CONNECTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown kv_connector {name!r}; known: {connector_names()}") from None
+
+
+class KVConnector(abc.ABC):
+    name: str = ""
+
+    def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
+        self.kv = kv_cache
+        self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
+        self.fault = os.environ.get("PDSERVE_KV_FAULT") or None
+
+    @classmethod
+    def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 path: str) -> torch.Tensor:
+        """A zeroed KV cache this connector can export (path: a file name the worker owns)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    @abc.abstractmethod
+    def export(self) -> bytes:
+        """This rank's handle for consumers (KVPeer.handles[rank])."""
+
+    @abc.abstractmethod
+    def add_peer(self, peer: KVPeer) -> None:
+        """Make a producer worker's pools reachable (idempotent)."""
+
+    @abc.abstractmethod
+    def start_load(self, load: KVLoad, sync: bool) -> None:
+        """Begin copying a request's blocks. sync: return only once it is finished (poll()
+        reports it)."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[KVLoadDone]:
+        """Loads that finished (or failed) since the last call."""
+
+    @abc.abstractmethod
+    def finish(self, request_id: str, ok: bool) -> None:
+        """The driver's verdict on a load: ok -> the next forward may read its blocks; not ok ->
+        cancel it; either way nothing writes to its blocks after this returns."""
+
+    def close(self) -> None:
+        pass
+
+
+def _open_ipc_here(rebuild, args, device: torch.device) -> torch.Tensor:
+    """Map a producer's IPC-exported CUDA tensor into THIS GPU's context (not the producer GPU's,
+    which torch would pick): cudaIpcOpenMemHandle on our device with lazy peer access gives a
+    pointer kernels here can read over NVLink. The tensor says it is on our device; its bytes
+    live on the producer's."""
+    import inspect
+    names = list(inspect.signature(rebuild).parameters)
+    args = list(args)
+    args[names.index("storage_device")] = device.index
+    args[names.index("event_sync_required")] = False  # we order with our own handshake
+    return rebuild(*args)
+
+
+@dataclass(eq=False)
+class _Load:
+    load: KVLoad
+    start: float
+    end: float = 0.0
+    nbytes: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    cancel: bool = False
+    error: str | None = None
+    event: object = None           # CUDA: recorded on the transfer stream after the last copy
+    t0: object = None              # CUDA: recorded before the first copy (for the duration)
+    reported: bool = False
+
+
+@register_connector
+class SharedPullConnector(KVConnector):
+    """One-sided pull between processes of one host. The producer's KV pool is exported once:
+    on CUDA as an IPC handle (the consumer maps the peer GPU's memory and one kernel per head
+    range, on its own GPU and a dedicated stream, reads the blocks straight over NVLink; an
+    event marks the end), on CPU as a shared file mapping. The producer never takes part."""
+
+    name = "shared"
+
+    def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
+        super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
+        self._path: str | None = None
+        self.peers: dict[str, tuple[list[torch.Tensor], list[HeadCopy]]] = {}
+        self.loads: dict[str, _Load] = {}
+        self._finished: deque[_Load] = deque()
+        self._lock = threading.Lock()
+        self.cuda = kv_cache.device.type == "cuda"
+        self._stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
+        self._queue: deque[_Load] = deque()     # CPU async loads, run by one thread in order
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def allocate(cls, shape, dtype, device, path):
+        if device.type == "cuda":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        numel = 1
+        for s in shape:
+            numel *= s
+        t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+        t._pdserve_path = path  # noqa: SLF001 - export() needs it
+        return t
+
+    def export(self) -> bytes:
+        if self.cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+            return pickle.dumps(("cuda", reduce_tensor(self.kv)))
+        path = getattr(self.kv, "_pdserve_path", None)
+        if path is None:
+            raise ValueError("this KV cache was not allocated by the shared connector")
+        return pickle.dumps(("file", path, tuple(self.kv.shape), str(self.kv.dtype)))
+
+    def add_peer(self, peer: KVPeer) -> None:
+        if peer.worker in self.peers:
+            return
+        pools = []
+        for h in peer.handles:
+            spec = pickle.loads(h)
+            if spec[0] == "cuda":
+                pools.append(_open_ipc_here(*spec[1], self.kv.device))
+            else:
+                _, path, shape, dtype = spec
+                dtype = getattr(torch, dtype.removeprefix("torch."))
+                numel = 1
+                for s in shape:
+                    numel *= s
+                pools.append(torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape))
+        mine = self.kv.shape
+        for p in pools:
+            if p.shape[0] != mine[0] or p.shape[3] != mine[3] or p.shape[5] != mine[5] \
+                    or p.dtype != self.kv.dtype:
+                raise ValueError(f"worker {peer.worker}'s KV layout {tuple(p.shape)} {p.dtype} "
+                                 f"does not match this one's {tuple(mine)} {self.kv.dtype}")
+        plan = plan_head_copies(peer.num_kv_heads, peer.tp, self.tp_size, self.tp_rank)
+        self.peers[peer.worker] = (pools, plan)
+
+    # ---- loads -----------------------------------------------------------------------------
+    def start_load(self, load: KVLoad, sync: bool) -> None:
+        if load.worker not in self.peers:
+            raise ValueError(f"no KV peer {load.worker!r} (ConnectKV first)")
+        item = _Load(load, time.perf_counter())
+        self.loads[load.request_id] = item
+        if self.fault == "hang":
+            return                                     # never finishes; finish(ok=False) ends it
+        if self.cuda:
+            self._launch_cuda(item)
+            if sync:
+                item.event.synchronize()
+                self._complete(item)
+        elif sync:
+            self._copy_cpu(item)
+            self._complete(item)
+        else:
+            with self._lock:
+                self._queue.append(item)
+                self._wake.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._cpu_loop, daemon=True,
+                                                name="kv-pull")
+                self._thread.start()
+
+    def _copy_cpu(self, item: _Load) -> None:
+        pools, plan = self.peers[item.load.worker]
+        src_idx = torch.tensor(item.load.src_block_ids, dtype=torch.long)
+        dst_idx = torch.tensor(item.load.dst_block_ids, dtype=torch.long)
+        try:
+            for layer in range(self.kv.shape[0]):       # a layer at a time: cancel between them
+                if item.cancel:
+                    item.error = "cancelled"
+                    return
+                if self.fault == "fail" and layer == self.kv.shape[0] // 2:
+                    raise RuntimeError("injected KV transfer fault (PDSERVE_KV_FAULT=fail)")
+                for hc in plan:
+                    src = pools[hc.src_rank][layer].index_select(1, src_idx)[:, :, :, hc.src_heads]
+                    self.kv[layer][:, :, :, hc.dst_heads].index_copy_(1, dst_idx, src)
+                    item.nbytes += src.numel() * src.element_size()
+        except Exception as e:  # noqa: BLE001 - reported as a failed load, the engine recovers
+            item.error = f"{type(e).__name__}: {e}"
+
+    def _cpu_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                item = self._queue.popleft()
+            self._copy_cpu(item)
+            self._complete(item)
+
+    def _launch_cuda(self, item: _Load) -> None:
+        """One kernel per head range, on this GPU's transfer stream, reading the producer's GPU
+        memory directly (peer access through the IPC mapping; pdserve/kernels/kv_pull.py)."""
+        from ..kernels.kv_pull import pull_kv_blocks
+        pools, plan = self.peers[item.load.worker]
+        dev = self.kv.device
+        self._stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self._stream):  # ids first: the timed part is the copy itself
+            src_idx = torch.tensor(item.load.src_block_ids, dtype=torch.long).to(dev)
+            dst_idx = torch.tensor(item.load.dst_block_ids, dtype=torch.long).to(dev)
+        item.t0 = torch.cuda.Event(enable_timing=True)
+        item.t0.record(self._stream)
+        if self.fault == "fail":
+            item.error = "injected KV transfer fault (PDSERVE_KV_FAULT=fail)"
+            plan = plan[: len(plan) // 2]
+        with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+            for hc in plan:
+                src = pools[hc.src_rank]
+                pull_kv_blocks(src, self.kv, src_idx, dst_idx, hc.src_heads, hc.dst_heads)
+                n = len(item.load.src_block_ids)
+                item.nbytes += (src.shape[0] * 2 * n * src.shape[3]
+                                * (hc.src_heads.stop - hc.src_heads.start) * src.shape[5]
+                                * src.element_size())
+        item.event = torch.cuda.Event(enable_timing=True)
+        item.event.record(self._stream)
+
+    def _complete(self, item: _Load) -> None:
+        if item.event is not None:  # the copies' own duration on the GPU
+            item.end = item.start + item.t0.elapsed_time(item.event) / 1e3
+        else:
+            item.end = time.perf_counter()
+        item.done.set()
+        with self._lock:
+            self._finished.append(item)
+
+    def poll(self) -> list[KVLoadDone]:
+        if self.cuda:
+            for item in self.loads.values():
+                if not item.done.is_set() and item.event is not None and item.event.query():
+                    self._complete(item)
+        out = []
+        with self._lock:
+            while self._finished:
+                item = self._finished.popleft()
+                if item.reported:
+                    continue
+                item.reported = True
+                out.append(KVLoadDone(item.load.request_id, item.error is None, item.nbytes,
+                                      item.end - item.start, item.error))
+        return out
+
+    def finish(self, request_id: str, ok: bool) -> None:
+        item = self.loads.pop(request_id, None)
+        if item is None:
+            return
+        if self.cuda:
+            if item.event is not None:
+                if ok:
+                    torch.cuda.current_stream(self.kv.device).wait_event(item.event)
+                else:
+                    item.event.synchronize()   # GPU copies always end; wait so none lands later
+            return
+        if ok:
+            item.done.wait()   # the driver's copy is done; this rank's may still be running
+            if item.error is not None:  # ranks disagree: this rank's KV is wrong, stop here
+                raise RuntimeError(f"KV pull of {request_id} failed on rank {self.tp_rank} "
+                                   f"only: {item.error}")
+            return
+        item.cancel = True
+        with self._lock:
+            if item in self._queue:
+                self._queue.remove(item)
+                return
+        if self.fault != "hang":
+            item.done.wait()                   # CPU copies end at the next layer boundary
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self.cuda:  # let the producers' IPC allocations go before this process exits
+            torch.cuda.synchronize(self.kv.device)
+        self.loads.clear()
+        self.peers.clear()

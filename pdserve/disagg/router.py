@@ -1,0 +1,579 @@
+"""Router: admits requests, picks a path per request, and drives the workers on it.
+
+    add_requests ──> policy.choose ──> collocated: worker W runs the whole request
+                                  └──> disagg:     prefill worker P (max_tokens 1, kv_hold)
+                                                     │ finished: its first token + KVSource
+                                                     ▼
+                                                   decode worker D (kv_source: pulls P's blocks,
+                                                     continues from the first token)
+                                                     │ KVLoadDone
+                                                     ▼
+                                                   ReleaseKV to P
+
+It has the request API of an EngineClient (add_requests / abort_request / step /
+has_unfinished_requests / check_integrity / drain / shutdown), so the offline LLM and the server
+drive one worker or a P/D deployment the same way. Each worker is an EngineClient (its own
+processes, TP group and GPUs); the router waits on all of them at once.
+
+Faults: a worker that dies is removed from routing; its requests that have not produced a token
+are routed again, the others finish with finish_reason "abort" (stop_reason says why). A pull
+that fails or times out is recomputed on the decode worker (the worker does that itself).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
+import zmq
+
+from ..config import EngineConfig
+from ..engine.llm_engine import AddRequest
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from ..worker.client import EngineClient, EngineDeadError
+from ..worker.messages import WorkerStats
+
+ROLES = ("prefill", "decode", "collocated")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: str                     # prefill | decode | collocated
+    config: EngineConfig
+
+
+def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocated: int = 0,
+                 prefill_tp: int | None = None, decode_tp: int | None = None,
+                 collocated_tp: int | None = None, kv_connector: str = "shared") -> list[WorkerSpec]:
+    """Worker specs for a deployment: each its own TP group; on CUDA consecutive GPUs from the
+    base device (prefill workers first, then decode, then collocated)."""
+    for name, v in (("prefill", prefill), ("decode", decode), ("collocated", collocated)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"number of {name} workers must be a non-negative integer, got {v!r}")
+    if prefill + decode + collocated == 0:
+        raise ValueError("a deployment needs at least one worker")
+    if (prefill == 0) != (decode == 0):
+        raise ValueError("prefill and decode workers come together (--prefill N --decode M)")
+    specs = []
+    dev = base.torch_device
+    next_gpu = dev.index or 0
+    for role, count, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp),
+                            ("collocated", collocated, collocated_tp)):
+        tp = tp or base.tensor_parallel_size
+        for i in range(count):
+            device = base.device
+            if dev.type == "cuda":
+                device = f"cuda:{next_gpu}"
+                next_gpu += tp
+            cfg = dataclasses.replace(
+                base, device=device, tensor_parallel_size=tp, distributed_executor_backend="mp",
+                kv_connector=kv_connector if role != "collocated" else None)
+            specs.append(WorkerSpec(f"{role}-{i}", role, cfg))
+    return specs
+
+
+class Path(NamedTuple):
+    kind: str                     # "collocated" | "disagg"
+    worker: str                   # collocated: the worker; disagg: the decode worker
+    prefill: str | None = None    # disagg: the prefill worker
+
+
+@dataclass
+class WorkerView:
+    name: str
+    role: str
+    outstanding: int              # requests the router has on it now
+    kv_usage: float               # fraction of its KV pool in use (as of its last report)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy sees of a request (the cost model will want more)."""
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+
+
+class RoutingPolicy(abc.ABC):
+    """Chooses a path for each request among the live workers. The adaptive (cost-model) policy
+    plugs in here."""
+    name = ""
+
+    @abc.abstractmethod
+    def choose(self, req: RouteRequest, workers: list[WorkerView]) -> Path:
+        ...
+
+    @staticmethod
+    def least_loaded(workers: list[WorkerView], role: str) -> WorkerView | None:
+        cands = [w for w in workers if w.role == role]
+        return min(cands, key=lambda w: (w.outstanding, w.kv_usage), default=None)
+
+    def collocated(self, workers: list[WorkerView]) -> Path | None:
+        w = self.least_loaded(workers, "collocated") or self.least_loaded(workers, "decode")
+        return None if w is None else Path("collocated", w.name)
+
+    def disagg(self, workers: list[WorkerView]) -> Path | None:
+        p, d = self.least_loaded(workers, "prefill"), self.least_loaded(workers, "decode")
+        return None if p is None or d is None else Path("disagg", d.name, p.name)
+
+
+class CollocatedPolicy(RoutingPolicy):
+    name = "collocated"
+
+    def choose(self, req, workers):
+        return self.collocated(workers) or self.disagg(workers)
+
+
+class DisaggPolicy(RoutingPolicy):
+    name = "disagg"
+
+    def choose(self, req, workers):
+        return self.disagg(workers) or self.collocated(workers)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Alternates between the disaggregated and the collocated path (each least-loaded within
+    its roles) where both exist."""
+    name = "round-robin"
+
+    def __init__(self):
+        self._turn = itertools.count()
+
+    def choose(self, req, workers):
+        paths = [p for p in (self.disagg(workers), self.collocated(workers)) if p is not None]
+        return paths[next(self._turn) % len(paths)] if paths else None
+
+
+POLICIES = {p.name: p for p in (CollocatedPolicy, DisaggPolicy, RoundRobinPolicy)}
+
+
+def make_policy(name: str | RoutingPolicy) -> RoutingPolicy:
+    if isinstance(name, RoutingPolicy):
+        return name
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
+    return POLICIES[name]()
+
+
+@dataclass
+class RouterStats:
+    requests: dict[str, int] = field(default_factory=lambda: {"collocated": 0, "disagg": 0})
+    transfers: int = 0            # pulls that completed
+    transfer_bytes: int = 0       # on each decode worker's rank 0
+    transfer_seconds: float = 0.0
+    transfer_failures: int = 0    # pulls that failed or timed out (recomputed on the decode side)
+    rerouted: int = 0             # requests sent again after their worker died
+    failed: int = 0               # requests lost with a dead worker
+
+
+@dataclass(eq=False)
+class _Route:
+    req: AddRequest               # as the user sent it (prompt as token ids)
+    prompt: str | None
+    num_prompt_tokens: int
+    path: Path
+    stage: str                    # "collocated" | "prefill" | "decode"
+    arrival: float
+    first: RequestOutput | None = None   # the prefill worker's output (disagg)
+    produced: bool = False        # a token reached the user
+
+
+def _sum_stats(stats) -> WorkerStats:
+    total = WorkerStats(0, 0, 0, 0, 0)
+    for s in stats:
+        for f in WorkerStats.__struct_fields__:
+            setattr(total, f, getattr(total, f) + getattr(s, f))
+    return total
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, client: EngineClient):
+        self.spec, self.client = spec, client
+        self.outstanding = 0
+        self.alive = True
+
+    def view(self) -> WorkerView:
+        s = self.client.stats
+        usage = 0.0 if s is None else s.num_kv_blocks_used / max(1, s.num_kv_blocks)
+        return WorkerView(self.spec.name, self.spec.role, self.outstanding, usage)
+
+
+class Router:
+    def __init__(self, specs: list[WorkerSpec], policy: str | RoutingPolicy = "disagg",
+                 startup_timeout_s: float = 900.0):
+        if len({s.name for s in specs}) != len(specs):
+            raise ValueError("worker names must be unique")
+        for s in specs:
+            if s.role not in ROLES:
+                raise ValueError(f"unknown worker role {s.role!r}; roles: {ROLES}")
+        self.policy = make_policy(policy)
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futures = [pool.submit(EngineClient, s.config, startup_timeout_s, s.name)
+                       for s in specs]
+            clients, error = [], None
+            for f in futures:
+                try:
+                    clients.append(f.result())
+                except BaseException as e:  # noqa: BLE001 - stop the others, then raise it
+                    error = error or e
+        if error is not None:
+            for c in clients:
+                c.shutdown(5.0)
+            raise error
+        self.workers = {s.name: _Worker(s, c) for s, c in zip(specs, clients)}
+        first = clients[0]
+        self.tokenizer = first.tokenizer
+        self.eos_token_ids = first.eos_token_ids
+        self.max_model_len = min(c.max_model_len for c in clients)
+        self.num_kv_blocks = min(c.num_kv_blocks for c in clients)
+        self.info = first.info
+        self.route_stats = RouterStats()
+        self._routes: dict[str, _Route] = {}
+        self._closed = False
+        producers = [w.client.info.kv_export for w in self.workers.values()
+                     if w.spec.role == "prefill"]
+        for w in self.workers.values():
+            if w.spec.role == "decode" and producers:
+                errors = w.client.connect_kv(producers)
+                bad = next((e for e in errors if e is not None), None)
+                if bad is not None:
+                    self.shutdown()
+                    raise ValueError(f"{w.spec.name} cannot pull from the prefill workers: {bad}")
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True); "
+                                 "pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt" in prompt and "prompt_token_ids" not in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            ids = prompt.get("prompt_token_ids")
+        else:
+            ids = prompt
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return None, list(ids)
+
+    def _live(self) -> list[WorkerView]:
+        return [w.view() for w in self.workers.values() if w.alive]
+
+    def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
+        """Routes each request; returns, per request, None or why it was rejected. A worker
+        found dead while sending leaves routing and its share is routed again."""
+        self._check_open()
+        errors: list[str | None] = [None] * len(requests)
+        now = time.monotonic()
+        todo: list[tuple[int, AddRequest, str | None]] = []
+        for i, r in enumerate(requests):
+            try:
+                if r.request_id in self._routes or any(r.request_id == q.request_id
+                                                       for _, q, _ in todo):
+                    raise ValueError(f"request id {r.request_id!r} is already in use")
+                if not isinstance(r.params, SamplingParams):
+                    raise ValueError("sampling params must be a SamplingParams")
+                text, ids = self._prompt_ids(r.prompt)
+                todo.append((i, dataclasses.replace(r, prompt={"prompt_token_ids": ids},
+                                                    arrival_time=r.arrival_time or now), text))
+            except ValueError as e:
+                errors[i] = str(e)
+        while todo:
+            batches: dict[str, list[tuple[int, AddRequest, _Route]]] = {}
+            for i, req, text in todo:
+                n = len(req.prompt["prompt_token_ids"])
+                live = self._live()
+                path = self.policy.choose(RouteRequest(req.request_id, n, req.params), live)
+                if path is not None and path.kind == "disagg" and (
+                        req.params.n != 1 or req.params.prompt_logprobs is not None
+                        or req.params.max_tokens <= 1):
+                    path = self.policy.collocated(live) or path
+                if path is None:
+                    errors[i] = "no live worker can serve requests"
+                    continue
+                route = _Route(req, text, n, path,
+                               "prefill" if path.kind == "disagg" else "collocated",
+                               req.arrival_time)
+                target, sent = self._first_leg(route)
+                batches.setdefault(target, []).append((i, sent, route))
+            todo = []
+            for name, items in batches.items():
+                w = self.workers[name]
+                try:
+                    res = w.client.add_requests([sent for _, sent, _ in items])
+                except EngineDeadError as e:
+                    self._worker_died(w, e, raise_if_none_left=False)
+                    todo += [(i, r.req, r.prompt) for i, _, r in items]
+                    continue
+                for (i, sent, route), err in zip(items, res):
+                    if err is not None:
+                        errors[i] = err
+                        continue
+                    self._routes[sent.request_id] = route
+                    w.outstanding += 1
+                    self.route_stats.requests[route.path.kind] += 1
+        return errors
+
+    def _first_leg(self, route: _Route) -> tuple[str, AddRequest]:
+        req = route.req
+        if route.path.kind == "collocated":
+            return route.path.worker, req
+        p = req.params
+        first = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+        return route.path.prefill, dataclasses.replace(req, params=first, final_only=True,
+                                                      kv_hold=True)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            route = self._routes.pop(rid, None)
+            if route is None:
+                continue
+            w = self.workers[route.path.prefill if route.stage == "prefill" else route.path.worker]
+            w.outstanding -= 1
+            if w.alive:
+                w.client.abort_request(rid)
+            if route.path.kind == "disagg":
+                p = self.workers[route.path.prefill]
+                if p.alive and route.stage == "decode":
+                    p.client.release_kv([rid])  # harmless if already released
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._routes)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._routes)
+
+    # ---- progress ---------------------------------------------------------------------------
+    def step(self, timeout_s: float | None = None, wakeup_fd: int | None = None
+             ) -> list[RequestOutput]:
+        """Outputs of whatever the workers reported next (blocks until something, timeout_s or
+        wakeup_fd readable: then [])."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            outs = self._collect()
+            if outs or not self._routes:
+                return outs
+            poller = zmq.Poller()
+            for w in self.workers.values():
+                if w.alive:
+                    for p in w.client.pollables():
+                        poller.register(p, zmq.POLLIN)
+            if wakeup_fd is not None:
+                poller.register(wakeup_fd, zmq.POLLIN)
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            events = dict(poller.poll(max(0, int(left * 1000))))
+            if wakeup_fd is not None and wakeup_fd in events:
+                return self._collect()
+            if deadline is not None and time.monotonic() >= deadline and not events:
+                return []
+
+    def _collect(self) -> list[RequestOutput]:
+        results: list[RequestOutput] = []
+        for w in list(self.workers.values()):
+            if not w.alive:
+                continue
+            try:
+                for _ in range(1000):
+                    if not w.client.readable():
+                        break
+                    for out in w.client.step(0):
+                        self._on_output(w, out, results)
+                if w.client.kv_events:
+                    self._on_loads(w)
+            except EngineDeadError as e:
+                self._worker_died(w, e, results)
+        return results
+
+    def _on_output(self, w: _Worker, out: RequestOutput, results: list[RequestOutput]) -> None:
+        route = self._routes.get(out.request_id)
+        if route is None:
+            return
+        if route.stage == "prefill":
+            self._on_prefilled(w, route, out, results)
+            return
+        if out.prompt is None:
+            out.prompt = route.prompt
+        if route.first is not None:  # disagg: the first token and its logprobs came from P
+            first = route.first.outputs[0]
+            for o in out.outputs:
+                if o.logprobs is not None and first.logprobs:
+                    o.logprobs = first.logprobs[:1] + o.logprobs
+            out.metrics = {**out.metrics, "arrival": route.arrival,
+                           "first_token": route.first.metrics.get("first_token", 0.0)}
+        if out.finished:
+            del self._routes[out.request_id]
+            w.outstanding -= 1
+        route.produced = True
+        results.append(out)
+
+    def _on_prefilled(self, p: _Worker, route: _Route, out: RequestOutput,
+                      results: list[RequestOutput]) -> None:
+        p.outstanding -= 1
+        route.first = out
+        route.produced = True
+        rid = route.req.request_id
+        o = out.outputs[0]
+        params = route.req.params
+        done = (o.finish_reason == "abort"
+                or (o.finish_reason == "stop" and params.min_tokens <= 1)
+                or route.num_prompt_tokens + len(o.token_ids) >= self.max_model_len
+                or out.kv_transfer is None)
+        if done:
+            if out.kv_transfer is not None:
+                p.client.release_kv([rid])
+            del self._routes[rid]
+            out.prompt = route.prompt
+            results.append(out)
+            return
+        if not route.req.final_only:  # stream the first token now
+            results.append(RequestOutput(
+                rid, route.prompt, out.prompt_token_ids,
+                [CompletionOutput(o.index, o.text, list(o.token_ids), o.logprobs, None, None,
+                                  list(o.token_ids), o.text)],
+                False, dict(out.metrics)))
+        source = msgspec.structs.replace(out.kv_transfer, worker=p.spec.name)
+        d = self.workers[route.path.worker]
+        sent = dataclasses.replace(route.req, kv_source=source)
+        err = None
+        if d.alive:
+            try:
+                err = d.client.add_requests([sent])[0]
+            except EngineDeadError as e:
+                self._worker_died(d, e, results)
+                err = f"worker {d.spec.name} died"
+        else:
+            err = f"worker {d.spec.name} is gone"
+        if err is not None:
+            p.client.release_kv([rid])
+            self._fail(route, f"decode worker rejected the request: {err}", results)
+            return
+        route.stage = "decode"
+        d.outstanding += 1
+
+    def _on_loads(self, d: _Worker) -> None:
+        events, d.client.kv_events = d.client.kv_events, []
+        for ev in events:
+            route = self._routes.get(ev.request_id)
+            if ev.ok:
+                self.route_stats.transfers += 1
+                self.route_stats.transfer_bytes += ev.nbytes
+                self.route_stats.transfer_seconds += ev.seconds
+            else:
+                self.route_stats.transfer_failures += 1
+            if route is not None and route.path.prefill is not None:
+                p = self.workers[route.path.prefill]
+                if p.alive:
+                    p.client.release_kv([ev.request_id])
+
+    # ---- faults ----------------------------------------------------------------------------
+    def _fail(self, route: _Route, why: str, results: list[RequestOutput]) -> None:
+        self._routes.pop(route.req.request_id, None)
+        self.route_stats.failed += 1
+        tokens = list(route.first.outputs[0].token_ids) if route.first is not None else []
+        results.append(RequestOutput(
+            route.req.request_id, route.prompt, route.req.prompt["prompt_token_ids"],
+            [CompletionOutput(0, "", tokens, None, "abort", why)], True,
+            {"arrival": route.arrival}))
+
+    def _worker_died(self, w: _Worker, error: Exception,
+                     results: list[RequestOutput] | None = None, raise_if_none_left: bool = True) -> None:
+        """Remove w from routing. Its requests that produced nothing are routed again; the
+        others fail (their tokens cannot be continued elsewhere without their KV)."""
+        if not w.alive:
+            return
+        w.alive = False
+        w.outstanding = 0
+        w.client.shutdown(1.0)
+        results = results if results is not None else []
+        retry = []
+        for route in list(self._routes.values()):
+            on_w = (route.path.worker == w.spec.name and route.stage != "prefill") or \
+                   (route.path.prefill == w.spec.name and route.stage == "prefill")
+            if not on_w:
+                continue
+            if not route.produced and not self._closed:
+                del self._routes[route.req.request_id]
+                retry.append(route)
+            else:
+                self._fail(route, f"worker {w.spec.name} died: {error}", results)
+        if retry:
+            self.route_stats.rerouted += len(retry)
+            errors = self.add_requests([dataclasses.replace(r.req, arrival_time=r.arrival)
+                                        for r in retry]) if self._live() else \
+                ["no live worker"] * len(retry)
+            for r, err in zip(retry, errors):
+                if err is not None:
+                    self._routes[r.req.request_id] = r
+                    self._fail(r, f"worker {w.spec.name} died and rerouting failed: {err}", results)
+        if not self._live() and raise_if_none_left:
+            raise EngineDeadError(f"every worker is gone (last: {w.spec.name}: {error})")
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def check_workers(self) -> dict[str, WorkerStats]:
+        """Every live worker's invariants (AssertionError naming the worker); their stats."""
+        out = {}
+        for name, w in self.workers.items():
+            if w.alive:
+                try:
+                    out[name] = w.client.check_integrity()
+                except AssertionError as e:
+                    raise AssertionError(f"{name}: {e}") from None
+        return out
+
+    def check_integrity(self) -> WorkerStats:
+        """As EngineClient.check_integrity: the live workers' stats summed."""
+        return _sum_stats(self.check_workers().values())
+
+    @property
+    def stats(self) -> WorkerStats | None:
+        """The live workers' stats as of their last reports, summed (what metrics show)."""
+        known = [w.client.stats for w in self.workers.values() if w.alive and w.client.stats]
+        return _sum_stats(known) if known else None
+
+    def num_free_blocks(self) -> int:
+        return min(s.num_kv_blocks - s.num_kv_blocks_used for s in self.check_workers().values())
+
+    @property
+    def pids(self) -> list[int]:
+        return [pid for w in self.workers.values() for pid in w.client.pids]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the router was shut down")
+
+    def drain(self, timeout_s: float = 60.0) -> list[RequestOutput]:
+        """No more requests: finish the ones in flight, then stop every worker."""
+        collected = []
+        deadline = time.monotonic() + timeout_s
+        while self._routes and time.monotonic() < deadline:
+            try:
+                collected += self.step(timeout_s=max(0.0, deadline - time.monotonic()))
+            except EngineDeadError:
+                break
+        self.shutdown(max(1.0, deadline - time.monotonic()))
+        return collected
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._routes.clear()
+        # decode workers first: they may still be reading the prefill workers' pools
+        order = sorted(self.workers.values(), key=lambda w: w.spec.role != "decode")
+        for w in order:
+            w.client.shutdown(timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

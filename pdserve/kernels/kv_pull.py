@@ -1,0 +1,235 @@
+"""Pull a request's KV blocks from a source KV pool into a destination pool, one launch.
+
+P/D disaggregation: the decode worker copies the blocks the prefill worker filled. On GPU the
+source pool is normally another GPU's memory (CUDA IPC mapping, or just a tensor on another
+device of this process); the kernel runs on the DESTINATION GPU and reads the peer memory
+directly over NVLink: no temporaries, no gather / copy / scatter.
+
+Both pools: [L, 2, NB, BS, H, D], contiguous (NB and H may differ between src and dst)::
+
+    src[l, kv, src_blocks[i]]                 dst[l, kv, dst_blocks[i]]
+    one block = BS token rows of H*D elems    one block = BS token rows of H'*D elems
+          h0*D   (h0+nh)*D                          g0*D   (g0+nh)*D
+    t=0  |....|###########|......|           t=0  |.|###########|..|
+    t=1  |....|###########|......|   ---->   t=1  |.|###########|..|
+    ...                                       ...
+          \\ src_heads = h0:h0+nh              \\ dst_heads = g0:g0+nh
+    (full heads on both sides: the block is one contiguous run of BS*H*D elements)
+
+Effect, for every l, kv in {0, 1}, i < n:
+    dst[l, kv, dst_blocks[i], :, dst_heads, :] = src[l, kv, src_blocks[i], :, src_heads, :]
+
+Launch grid (n, L*2, tiles per block): one program per (block pair i, layer-and-kv, tile). A
+block's copy is a [ROWS, COLS] matrix: ROWS = BS token rows of COLS = nh*D contiguous elements
+(row strides H*D and H'*D), or, when both sides copy all their heads, ROWS = 1 row of
+COLS = BS*H*D elements (the whole block is contiguous on both sides). Tiles are
+[BLOCK_R, BLOCK_C] power-of-two boxes of about 16 KB with masks at the edges; every access runs
+along the contiguous row, so loads and stores vectorize to 16 bytes when D is a multiple of
+16 / itemsize. All element offsets are int64 (a pool may exceed 2**31 elements). Data are moved
+as integers of the element's width (bit-exact for any dtype, fp8 included).
+
+The typical request (28 layers x 2 x 128 blocks x 16 tokens x 2 heads x 128 dims, bf16, 58 MB)
+is 7168 programs of 8 KB each. Measured on two H200s (NVLink), peer pull: 58 MB in 165 us
+(356 GB/s; a contiguous 58 MB torch peer copy_: 354 GB/s), 470 MB at 372 GB/s (copy_ of 1 GB:
+391 GB/s); same device: ~1.9 TB/s of copied data. Tile size (4-64 KB) and num_warps (2-16) made
+no difference there.
+
+Cross-device: the kernel is launched on dst's device (its current stream) with src's raw
+pointer. Triton's launcher only checks that each pointer is a device pointer
+(cuPointerGetAttribute), which a peer allocation or an IPC mapping is under unified
+addressing; what makes the peer read legal is peer access from dst's device to src's device.
+A CUDA-IPC mapping opened by torch (cudaIpcMemLazyEnablePeerAccess) has it; for a tensor of
+another device of this process, pull_kv_blocks enables it once per device pair (through torch,
+see _enable_peer_access). Without it the launcher refuses the pointer ("Pointer argument (at 0)
+cannot be accessed from Triton (cpu tensor?)", checked on an H200 pair). Ordering: the caller
+makes sure src's writes are complete (e.g. an event the prefill side recorded, or a host-side
+handshake after its synchronize).
+
+Nothing here reads device values on the host: block ids that live on the GPU are NOT
+range-checked (out-of-range ids are undefined behaviour, as in any gather); ids given as CPU
+tensors are checked. Ids on another device than dst's are copied there first (ordered on the
+current streams; nothing waits on the host). The source and destination regions must not
+overlap (src may be dst only with disjoint block sets).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import require
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+TILE_BYTES = 16384          # one program's tile (at most); 8 warps at this size, fewer below
+_NAME = "pull_kv_blocks"
+
+
+@triton.jit
+def _pull_kv_kernel(
+    src_ptr, dst_ptr, sblk_ptr, dblk_ptr,
+    s_lkv, s_blk, s_row, s_off,
+    d_lkv, d_blk, d_row, d_off,
+    s_sblk, s_dblk,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILES_C: tl.constexpr, EVEN: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    lkv = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    tr = tile // TILES_C
+    tc = tile % TILES_C
+    sb = tl.load(sblk_ptr + i * s_sblk).to(tl.int64)
+    db = tl.load(dblk_ptr + i * s_dblk).to(tl.int64)
+
+    r = tr * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tc * BLOCK_C + tl.arange(0, BLOCK_C)
+    r64 = r.to(tl.int64)[:, None]
+    src = src_ptr + (lkv * s_lkv + sb * s_blk + s_off) + r64 * s_row + c[None, :]
+    dst = dst_ptr + (lkv * d_lkv + db * d_blk + d_off) + r64 * d_row + c[None, :]
+    if EVEN:
+        tl.store(dst, tl.load(src))
+    else:
+        m = (r < ROWS)[:, None] & (c < COLS)[None, :]
+        tl.store(dst, tl.load(src, mask=m), mask=m)
+
+
+def _head_range(name: str, s, num_heads: int) -> tuple[int, int]:
+    """(start, stop) of a step-1 slice over num_heads heads; None means all heads."""
+    if s is None:
+        return 0, num_heads
+    require(isinstance(s, slice), f"{_NAME}: {name} must be a slice, got {type(s).__name__}")
+    require(s.step in (None, 1), f"{_NAME}: {name} must have step 1, got {s}")
+    for v in (s.start, s.stop):
+        require(v is None or isinstance(v, int), f"{_NAME}: {name} bounds must be ints, got {s}")
+    start = 0 if s.start is None else s.start
+    stop = num_heads if s.stop is None else s.stop
+    start += num_heads if start < 0 else 0
+    stop += num_heads if stop < 0 else 0
+    require(0 <= start < stop <= num_heads,
+            f"{_NAME}: {name} {s} is not a non-empty range within {num_heads} heads")
+    return start, stop
+
+
+def _validate(src, dst, src_blocks, dst_blocks, src_heads, dst_heads):
+    for name, x in (("src", src), ("dst", dst), ("src_blocks", src_blocks),
+                    ("dst_blocks", dst_blocks)):
+        require(isinstance(x, torch.Tensor),
+                f"{_NAME}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    for name, x in (("src", src), ("dst", dst)):
+        require(x.dim() == 6 and x.shape[1] == 2,
+                f"{_NAME}: {name} must be [num_layers, 2, num_blocks, block_size, num_heads, "
+                f"head_dim], got shape {tuple(x.shape)}")
+        require(x.is_contiguous(), f"{_NAME}: {name} must be contiguous")
+        require(x.element_size() in _BITS_DTYPE and not x.is_complex(),
+                f"{_NAME}: unsupported dtype {x.dtype} for {name}")
+    require(src.dtype == dst.dtype, f"{_NAME}: src dtype {src.dtype} != dst dtype {dst.dtype}")
+    for dim, what in ((0, "num_layers"), (3, "block_size"), (5, "head_dim")):
+        require(src.shape[dim] == dst.shape[dim],
+                f"{_NAME}: src {what} {src.shape[dim]} != dst {what} {dst.shape[dim]} (src "
+                f"{tuple(src.shape)}, dst {tuple(dst.shape)})")
+    require(src.device.type == dst.device.type,
+            f"{_NAME}: src is on {src.device}, dst on {dst.device}")
+    for name, b in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+        require(b.dim() == 1, f"{_NAME}: {name} must be 1-D, got shape {tuple(b.shape)}")
+        require(b.dtype in _INDEX_DTYPES, f"{_NAME}: {name} must be int64 or int32, got {b.dtype}")
+    require(src_blocks.shape[0] == dst_blocks.shape[0],
+            f"{_NAME}: len(src_blocks) {src_blocks.shape[0]} != len(dst_blocks) "
+            f"{dst_blocks.shape[0]}")
+    hs = _head_range("src_heads", src_heads, src.shape[4])
+    hd = _head_range("dst_heads", dst_heads, dst.shape[4])
+    require(hs[1] - hs[0] == hd[1] - hd[0],
+            f"{_NAME}: src_heads {hs[0]}:{hs[1]} and dst_heads {hd[0]}:{hd[1]} differ in length")
+    for name, b, pool in (("src_blocks", src_blocks, src), ("dst_blocks", dst_blocks, dst)):
+        if b.device.type == "cpu" and b.numel():  # host ids: cheap to check; device ids: never
+            lo, hi = int(b.min()), int(b.max())
+            require(0 <= lo and hi < pool.shape[2],
+                    f"{_NAME}: {name} ids must be in [0, {pool.shape[2]}), got [{lo}, {hi}]")
+    return hs, hd
+
+
+_peer_enabled: set[tuple[int, int]] = set()
+
+
+def _enable_peer_access(dev: torch.device, peer: torch.device) -> None:
+    """Lets kernels running on `dev` access memory of `peer` (cudaDeviceEnablePeerAccess with
+    `dev` current), once per pair. torch has no public call for it; its device-to-device copy
+    enables access from the copy's SOURCE device to its DESTINATION device
+    (at::cuda::get_p2p_access(src, dst), which also maps expandable segments), so a one-element
+    copy from `dev` to `peer` does it."""
+    key = (dev.index, peer.index)
+    if key in _peer_enabled:
+        return
+    require(torch.cuda.can_device_access_peer(dev, peer),
+            f"{_NAME}: {dev} cannot access {peer}'s memory (no peer access between them)")
+    with torch.cuda.device(peer):
+        sink = torch.empty(1, dtype=torch.uint8, device=peer)
+    with torch.cuda.device(dev):
+        sink.copy_(torch.zeros(1, dtype=torch.uint8, device=dev))
+        torch.cuda.current_stream(dev).synchronize()
+    _peer_enabled.add(key)
+
+
+def _tiles(rows: int, cols: int, itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) for a [rows, cols] copy of itemsize-byte elements."""
+    tile = TILE_BYTES // itemsize
+    block_c = min(triton.next_power_of_2(cols), tile)
+    block_r = min(triton.next_power_of_2(rows), max(1, tile // block_c))
+    nbytes = block_r * block_c * itemsize
+    num_warps = max(1, min(8, nbytes // 2048))
+    return block_r, block_c, num_warps
+
+
+def pull_kv_blocks(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor,
+                   dst_blocks: torch.Tensor, src_heads: slice | None = None,
+                   dst_heads: slice | None = None) -> None:
+    """dst[l, kv, dst_blocks[i], :, dst_heads, :] = src[l, kv, src_blocks[i], :, src_heads, :]
+    for all l, kv, i, in one launch on dst's device and its current stream (src may live on
+    another GPU). Heads slices: step 1, equal lengths; None means all heads. Asynchronous."""
+    hs, hd = _validate(src, dst, src_blocks, dst_blocks, src_heads, dst_heads)
+    n = src_blocks.shape[0]
+    L, _, _, bs, h_src, d = src.shape
+    h_dst = dst.shape[4]
+    if n == 0 or src.numel() == 0:
+        return
+    nh = hs[1] - hs[0]
+    if nh == h_src and nh == h_dst:        # whole blocks on both sides: one contiguous run
+        rows, cols = 1, bs * nh * d
+    else:
+        rows, cols = bs, nh * d
+    block_r, block_c, num_warps = _tiles(rows, cols, src.element_size())
+    tiles_r, tiles_c = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
+    even = rows % block_r == 0 and cols % block_c == 0
+    bits = _BITS_DTYPE[src.element_size()]
+    s_bits, d_bits = src.view(bits), dst.view(bits)
+    if dst.is_cuda:
+        if src.device != dst.device:
+            _enable_peer_access(dst.device, src.device)
+        guard = torch.cuda.device(dst.device)
+    else:
+        guard = contextlib.nullcontext()   # interpreter runs (CPU tensors)
+    with guard:
+        src_blocks = src_blocks.to(dst.device, non_blocking=True)
+        dst_blocks = dst_blocks.to(dst.device, non_blocking=True)
+        _pull_kv_kernel[(n, L * 2, tiles_r * tiles_c)](
+            s_bits, d_bits, src_blocks, dst_blocks,
+            src.stride(1), src.stride(2), src.stride(3), hs[0] * d,
+            dst.stride(1), dst.stride(2), dst.stride(3), hd[0] * d,
+            src_blocks.stride(0), dst_blocks.stride(0),
+            ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, TILES_C=tiles_c,
+            EVEN=even, num_warps=num_warps,
+        )
+
+
+def pull_kv_blocks_ref(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor,
+                       dst_blocks: torch.Tensor, src_heads: slice | None = None,
+                       dst_heads: slice | None = None) -> None:
+    """The spec, in plain torch: gather on src's device, copy to dst's, scatter."""
+    hs, hd = _validate(src, dst, src_blocks, dst_blocks, src_heads, dst_heads)
+    sb = src_blocks.to(src.device).long()
+    db = dst_blocks.to(dst.device).long()
+    rows = src[:, :, sb, :, hs[0]:hs[1], :].to(dst.device)    # [L, 2, n, BS, nh, D]
+    view = dst[:, :, :, :, hd[0]:hd[1], :]
+    view[:, :, db] = rows                                        # index_put on a view: in place

@@ -1,0 +1,307 @@
+"""P/D disaggregation on CPU: KV moved between engines (in-process and as worker processes) must
+give exactly what one engine gives; heterogeneous TP re-shards KV heads; failed, hung and aborted
+transfers leave no block behind; a dead worker leaves routing."""
+import dataclasses
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.disagg.router import RoundRobinPolicy
+from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.llm_engine import AddRequest, LLMEngine
+
+from .test_tp import LLAMA_8Q_2KV, QWEN2_1KV, _folder
+from .utils import assert_processes_gone
+
+PROMPTS = [[5, 17, 99, 3], list(range(200, 214)), [42] * 9, list(range(30, 70)), [7]]
+ENGINE = dict(skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=16, load_format="dummy")  # chunked prefill too
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+# ---- head re-sharding plan (pure) ----------------------------------------------------------
+def test_kv_head_ranges_match_the_qkv_split():
+    assert [list(kv_head_range(r, 2, 4)) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [list(kv_head_range(r, 4, 2)) for r in range(4)] == [[0], [0], [1], [1]]
+    assert [list(kv_head_range(r, 2, 1)) for r in range(2)] == [[0], [0]]
+
+
+@pytest.mark.parametrize("heads,src_tp,dst_tp", [
+    (4, 1, 1), (4, 2, 1), (4, 1, 2), (4, 2, 4), (4, 4, 2), (2, 4, 1), (2, 1, 4), (8, 4, 2),
+    (1, 2, 1), (2, 2, 4)])
+def test_head_plan_covers_every_head_once_from_a_holder(heads, src_tp, dst_tp):
+    for dst in range(dst_tp):
+        mine = list(kv_head_range(dst, dst_tp, heads))
+        plan = plan_head_copies(heads, src_tp, dst_tp, dst)
+        filled = []
+        for hc in plan:
+            src_heads = list(kv_head_range(hc.src_rank, src_tp, heads))
+            got = src_heads[hc.src_heads]
+            assert got == mine[hc.dst_heads]      # the right global heads land in the right place
+            filled += range(hc.dst_heads.start, hc.dst_heads.stop)
+        assert filled == list(range(len(mine)))
+    assert plan_head_copies(4, 2, 1, 0) == [HeadCopy(0, slice(0, 2), slice(0, 2)),
+                                             HeadCopy(1, slice(0, 2), slice(2, 4))]
+
+
+# ---- block holding (pure) ------------------------------------------------------------------
+def test_held_blocks_count_until_released():
+    kv = KVCacheManager(8, 4)
+    kv.allocate_slots("a", 0, 9)
+    table = kv.hold("a", now=1.0)
+    assert len(table) == 3 and kv.num_free_blocks() == 5
+    kv.check_integrity()
+    assert kv.release_held("a") and not kv.release_held("a")
+    assert kv.num_free_blocks() == 8
+    kv.check_integrity()
+
+
+# ---- two engines in one process ------------------------------------------------------------
+def _run(engine, reqs):
+    engine.add_requests(reqs)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+def _handoff(P, D, prompt, params, rid="x"):
+    """Prefill on P (one token, KV held), pull into D, decode there. Returns D's output and the
+    number of tokens D computed."""
+    first = _run(P, [AddRequest(rid, {"prompt_token_ids": prompt}, _one(params),
+                                kv_hold=True)])[rid]
+    src = msgspec.structs.replace(first.kv_transfer, worker="p")
+    computed = []
+    real = D.runner.execute
+    D.runner.execute = lambda s: (computed.append(s.num_tokens), real(s))[1]
+    try:
+        out = _run(D, [AddRequest(rid, {"prompt_token_ids": prompt}, params, kv_source=src)])[rid]
+    finally:
+        D.runner.execute = real
+    P.release_kv([rid])
+    return first, out, sum(computed)
+
+
+def _one(params):
+    return dataclasses.replace(params, max_tokens=1)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_handoff_between_engines_equals_one_engine(tmp_path, mode):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode=mode, **ENGINE)
+    P, D = LLMEngine(cfg), LLMEngine(cfg)
+    D.connect_kv([P.kv_export("p")])
+    for i, prompt in enumerate(PROMPTS):
+        ref = _run(P, [AddRequest(f"ref{i}", {"prompt_token_ids": prompt}, GREEDY)])[f"ref{i}"]
+        first, out, computed = _handoff(P, D, prompt, GREEDY, f"r{i}")
+        assert first.outputs[0].token_ids == ref.outputs[0].token_ids[:1]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        # D ran only the decode tokens: the prompt's KV came over, not recomputed
+        assert computed == len(ref.outputs[0].token_ids) - 1
+        for a, b in zip(ref.outputs[0].logprobs[1:], out.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+    assert [e.ok for e in D.take_kv_events()] == [True] * len(PROMPTS)
+    for e in (P, D):
+        e.check_integrity()
+        assert e.kv.pool.num_used_blocks == 0
+
+
+def test_bad_kv_source_is_a_clear_error(tmp_path):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    cfg = EngineConfig(model=path, kv_connector="shared", **ENGINE)
+    P, D = LLMEngine(cfg), LLMEngine(cfg)
+    D.connect_kv([P.kv_export("p")])
+    first = _run(P, [AddRequest("a", [1, 2, 3, 4, 5], _one(GREEDY), kv_hold=True)])["a"]
+    src = msgspec.structs.replace(first.kv_transfer, worker="p")
+    with pytest.raises(ValueError, match="covers 5 tokens"):
+        D.add_request("b", [1, 2, 3], GREEDY, kv_source=src)
+    with pytest.raises(ValueError, match="blocks for"):
+        D.add_request("b", [1, 2, 3, 4, 5], GREEDY,
+                      kv_source=msgspec.structs.replace(src, block_ids=src.block_ids[:1]))
+    with pytest.raises(ValueError, match="n=1"):
+        D.add_request("b", [1, 2, 3, 4, 5], SamplingParams(n=2), kv_source=src)
+    plain = LLMEngine(EngineConfig(model=path, **ENGINE))
+    with pytest.raises(ValueError, match="no kv_connector"):
+        plain.add_request("b", [1, 2, 3, 4, 5], GREEDY, kv_source=src)
+    with pytest.raises(ValueError, match="unknown kv_connector"):
+        EngineConfig(model=path, kv_connector="carrier-pigeon", **ENGINE)
+    assert not D.has_unfinished_requests()
+    P.release_kv(["a"])
+    P.check_integrity()
+    assert P.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("fault,mode", [("fail", "sync"), ("fail", "async"), ("hang", "async")])
+def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, monkeypatch, fault,
+                                                                 mode):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode=mode,
+                       kv_transfer_timeout_s=0.5, **ENGINE)
+    P = LLMEngine(cfg)
+    monkeypatch.setenv("PDSERVE_KV_FAULT", fault)
+    D = LLMEngine(cfg)
+    D.connect_kv([P.kv_export("p")])
+    prompt = PROMPTS[3]
+    ref = _run(P, [AddRequest("ref", prompt, GREEDY)])["ref"]
+    _, out, computed = _handoff(P, D, prompt, GREEDY)
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert computed == len(prompt) + len(ref.outputs[0].token_ids) - 1  # recomputed here
+    (ev,) = D.take_kv_events()
+    assert not ev.ok and ("injected" in ev.error or "timed out" in ev.error)
+    for e in (P, D):
+        e.check_integrity()
+        assert e.kv.pool.num_used_blocks == 0
+
+
+def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path, monkeypatch):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode="async",
+                       kv_transfer_timeout_s=60, **ENGINE)
+    P = LLMEngine(cfg)
+    monkeypatch.setenv("PDSERVE_KV_FAULT", "hang")  # the pull stays in flight
+    D = LLMEngine(cfg)
+    D.connect_kv([P.kv_export("p")])
+    first = _run(P, [AddRequest("a", PROMPTS[3], _one(GREEDY), kv_hold=True)])["a"]
+    src = msgspec.structs.replace(first.kv_transfer, worker="p")
+    D.add_request("a", PROMPTS[3], GREEDY, kv_source=src)
+    D.step()
+    assert "a#0" in D.scheduler.loading and D.kv.pool.num_used_blocks > 0
+    D.abort_request("a")
+    D.step()                                   # the cancel verdict reaches the runner
+    assert not D.runner.connector.loads
+    D.check_integrity()
+    assert D.kv.pool.num_used_blocks == 0
+    P.release_kv(["a"])
+    assert P.kv.pool.num_used_blocks == 0
+
+
+def test_unclaimed_kv_expires_on_the_producer(tmp_path):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    P = LLMEngine(EngineConfig(model=path, kv_connector="shared", kv_hold_timeout_s=5, **ENGINE))
+    _run(P, [AddRequest("a", PROMPTS[3], _one(GREEDY), kv_hold=True)])
+    assert P.kv.pool.num_used_blocks > 0
+    assert P.expire_held_kv(time.monotonic() + 1) == 0
+    assert P.expire_held_kv(time.monotonic() + 10) == 1
+    P.check_integrity()
+    assert P.kv.pool.num_used_blocks == 0
+
+
+# ---- worker processes behind the router ------------------------------------------------------
+def _outputs(llm, params=GREEDY, prompts=PROMPTS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _assert_same(ref, got):
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids
+        for lr, lg in zip(r.logprobs, g.logprobs):
+            assert lr.keys() == lg.keys()
+            assert all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 for t in lr)
+
+
+def _assert_clean(router):
+    for name, stats in router.check_workers().items():
+        assert stats.num_kv_blocks_used == 0, name
+        assert stats.num_running == stats.num_waiting == 0, name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One engine's greedy outputs for each model config (in-process, TP=1)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    refs = {}
+    for cfg in (LLAMA_8Q_2KV, QWEN2_1KV):
+        path = _folder(tmp, cfg)
+        refs[cfg["architectures"][0]] = _outputs(LLM(path, **ENGINE))
+    return refs
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_1p1d_equals_collocated(tmp_path, reference, mode):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, prefill=1, decode=1, kv_transfer_mode=mode, **ENGINE) as llm:
+        router = llm.llm_engine
+        _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
+        assert router.route_stats.requests == {"collocated": 0, "disagg": len(PROMPTS)}
+        assert router.route_stats.transfers == len(PROMPTS) and router.route_stats.transfer_failures == 0
+        assert router.route_stats.transfer_bytes > 0
+        _assert_clean(router)
+        pids = router.pids
+    assert_processes_gone(pids)
+
+
+@pytest.mark.parametrize("cfg,ptp,dtp", [(LLAMA_8Q_2KV, 2, 1), (LLAMA_8Q_2KV, 1, 2),
+                                         (QWEN2_1KV, 2, 1)],
+                         ids=["llama-p2d1", "llama-p1d2", "qwen2-1kv-p2d1"])
+def test_heterogeneous_tp_equals_collocated(tmp_path, reference, cfg, ptp, dtp):
+    path = _folder(tmp_path, cfg)
+    with LLM(path, prefill=1, decode=1, prefill_tp=ptp, decode_tp=dtp, **ENGINE) as llm:
+        _assert_same(reference[cfg["architectures"][0]], _outputs(llm))
+        assert llm.llm_engine.route_stats.transfers == len(PROMPTS)
+        _assert_clean(llm.llm_engine)
+
+
+def test_router_round_robin_streaming_abort_and_fault(tmp_path, reference, monkeypatch):
+    """One deployment (1 prefill, 1 decode, 1 collocated) through several situations."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    monkeypatch.setenv("PDSERVE_KV_FAULT", "")
+    with LLM(path, prefill=1, decode=1, collocated=1, routing_policy="round-robin",
+             **ENGINE) as llm:
+        router = llm.llm_engine
+        _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
+        assert router.route_stats.requests["disagg"] == 3 and router.route_stats.requests["collocated"] == 2
+
+        # streaming through P then D: the first token comes from P, the rest from D, in order
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        router.policy = RoundRobinPolicy()  # a fresh turn: disagg first
+        router.add_requests([AddRequest("s", {"prompt_token_ids": PROMPTS[1]}, sp)])
+        streamed, final = [], None
+        while router.has_unfinished_requests():
+            for o in router.step():
+                streamed += o.outputs[0].new_token_ids
+                final = o
+        assert streamed == final.outputs[0].token_ids == reference["LlamaForCausalLM"][1].token_ids
+
+        # aborts at every stage leave nothing behind
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        for n_steps in (0, 1, 3, 6):
+            router.policy = RoundRobinPolicy()
+            router.add_requests([AddRequest(f"a{n_steps}", {"prompt_token_ids": PROMPTS[3]},
+                                            long)])
+            for _ in range(n_steps):
+                router.step(timeout_s=2)
+            router.abort_request(f"a{n_steps}")
+            assert not router.has_unfinished_requests()
+        _assert_clean(router)
+
+
+def test_dead_workers_leave_routing(tmp_path, reference):
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, prefill=1, decode=1, **ENGINE) as llm:
+        router = llm.llm_engine
+        # the prefill worker dies: requests go to the decode worker as collocated ones
+        os.kill(router.workers["prefill-0"].client.pids[0], signal.SIGKILL)
+        got = _outputs(llm)
+        _assert_same(reference["LlamaForCausalLM"], got)
+        assert not router.workers["prefill-0"].alive
+        # the decode worker dies mid-generation: its requests fail fast, nothing hangs
+        sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        router.add_requests([AddRequest("d", {"prompt_token_ids": PROMPTS[0]}, sp)])
+        router.step(timeout_s=5)
+        os.kill(router.workers["decode-0"].client.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="every worker is gone"):
+            while router.has_unfinished_requests():
+                router.step(timeout_s=10)
+        assert time.monotonic() - t0 < 10
