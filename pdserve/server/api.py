@@ -15,11 +15,11 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import sys
 import time
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +34,12 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        ErrorResponse, TokenizeRequest)
 
 _ids = itertools.count()
+_json = msgspec.json.Encoder()
+
+
+def _sse(obj: dict) -> bytes:
+    """One server-sent event carrying obj as JSON."""
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -70,16 +76,19 @@ class _Server:
             raise ValueError("this server has no tokenizer (started with skip_tokenizer_init)")
         return self.engine.tokenizer
 
-    async def run(self, rid: str, prompt: Any, params) -> AsyncIterator[RequestOutput]:
+    async def run(self, rid: str, prompt: Any, params) -> AsyncIterator[list[RequestOutput]]:
+        """The request's outputs in batches: all that have arrived since the consumer last
+        asked (see AsyncEngine.generate_batches)."""
         timer = RequestTimer(self.metrics)
         # Closed explicitly: an abandoned async generator would abort its request only when
         # the garbage collector finalizes it.
-        gen = self.engine.generate(AddRequest(rid, prompt, params))
+        gen = self.engine.generate_batches(AddRequest(rid, prompt, params))
         try:
-            async for out in gen:
-                timer.on_output(out)
+            async for batch in gen:
+                for out in batch:
+                    timer.on_output(out)
                 self.metrics.update_stats(self.engine.stats)
-                yield out
+                yield batch
         except (ValueError, GeneratorExit, asyncio.CancelledError):
             raise
         except BaseException:
@@ -88,9 +97,9 @@ class _Server:
         finally:
             await gen.aclose()
 
-    async def merged(self, gens: list[AsyncIterator[RequestOutput]]
-                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(index of the generator, output) from several requests as they come."""
+    async def merged(self, gens: list[AsyncIterator[list[RequestOutput]]]
+                     ) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+        """(index of the generator, batch of outputs) from several requests as they come."""
         if len(gens) == 1:
             try:
                 async for out in gens[0]:
@@ -350,9 +359,9 @@ class _Server:
         finals: list[RequestOutput | None] = [None] * len(gens)
 
         async def consume():
-            async for i, out in self.merged(gens):
-                if out.finished:
-                    finals[i] = out
+            async for i, batch in self.merged(gens):
+                if batch[-1].finished:
+                    finals[i] = batch[-1]
 
         task = asyncio.create_task(consume())
         while not task.done():
@@ -377,32 +386,36 @@ class _Server:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def body():
+            # One write per batch of outputs (every event of every step that arrived since the
+            # last write), each event encoded by msgspec: per-event cost is what caps a stream
+            # server's tokens/s.
             finals = {}
             try:
-                for ch in first or []:
-                    yield f"data: {json.dumps(ch)}\n\n"
+                if first:
+                    yield b"".join(_sse(ch) for ch in first)
                 pending = [head] if head is not None else []
                 while True:
                     if pending:
-                        i, out = pending.pop()
+                        i, batch = pending.pop()
                     else:
                         try:
-                            i, out = await it.__anext__()
+                            i, batch = await it.__anext__()
                         except StopAsyncIteration:
                             break
-                    if out.finished:
-                        finals[i] = out
-                    for ch in to_chunks(i, out):
-                        yield f"data: {json.dumps(ch)}\n\n"
+                    if batch[-1].finished:
+                        finals[i] = batch[-1]
+                    data = b"".join(_sse(ch) for out in batch for ch in to_chunks(i, out))
+                    if data:
+                        yield data
+                tail = b""
                 if include_usage:
-                    yield "data: " + json.dumps({
-                        "id": cid, "object": obj, "created": int(time.time()),
-                        "model": self.model_name, "choices": [],
-                        "usage": self.usage(list(finals.values()), score_only)}) + "\n\n"
-                yield "data: [DONE]\n\n"
+                    tail = _sse({"id": cid, "object": obj, "created": int(time.time()),
+                                 "model": self.model_name, "choices": [],
+                                 "usage": self.usage(list(finals.values()), score_only)})
+                yield tail + b"data: [DONE]\n\n"
             except (ValueError, EngineDeadError) as e:
-                yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error",
-                                                       "param": None, "code": 500}}) + "\n\n"
+                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                      "code": 500}})
             finally:
                 await it.aclose()
 

@@ -44,6 +44,18 @@ class AsyncEngine:
     async def generate(self, req: AddRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the worker produces them. ValueError if the worker rejects
         it, EngineDeadError if the worker dies. Leaving early aborts the request."""
+        gen = self.generate_batches(req)
+        try:
+            async for batch in gen:
+                for out in batch:
+                    yield out
+        finally:
+            await gen.aclose()  # leaving early aborts now, not when the GC finalizes gen
+
+    async def generate_batches(self, req: AddRequest) -> AsyncIterator[list[RequestOutput]]:
+        """Like generate(), but each item is every output of the request that has arrived by
+        then (one or more engine steps, oldest first): a consumer that fell behind catches up
+        with one write instead of one per step."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         stream: asyncio.Queue = asyncio.Queue()
@@ -62,11 +74,19 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                batch = [await stream.get()]
+                while not stream.empty():
+                    batch.append(stream.get_nowait())
+                for i, item in enumerate(batch):
+                    if isinstance(item, BaseException):
+                        if i:
+                            yield batch[:i]
+                        raise item
+                    if item.finished:
+                        finished = True
+                        del batch[i + 1:]  # nothing follows a final output
+                        break
+                yield batch
         finally:
             self._streams.pop(req.request_id, None)
             if not finished:
