@@ -33,6 +33,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > 1)")
 
 
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("P/D disaggregation (several workers behind a router)")
+    g.add_argument("--prefill", type=int, default=0, help="prefill workers")
+    g.add_argument("--decode", type=int, default=0, help="decode workers")
+    g.add_argument("--collocated", type=int, default=0, help="collocated workers")
+    g.add_argument("--prefill-tp", type=int, default=None, help="TP of each prefill worker (default -tp)")
+    g.add_argument("--decode-tp", type=int, default=None, help="TP of each decode worker (default -tp)")
+    g.add_argument("--collocated-tp", type=int, default=None,
+                   help="TP of each collocated worker (default -tp)")
+    g.add_argument("--routing-policy", default=None, choices=["disagg", "collocated", "round-robin"],
+                   help="default: disagg with prefill workers, else collocated")
+    g.add_argument("--kv-connector", default="shared", help="how KV moves (registered connectors)")
+    g.add_argument("--kv-transfer-mode", default="async", choices=["sync", "async"],
+                   help="sync: a decode worker pulls inside its step; async: beside its steps")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds before a pull is given up and the prompt recomputed")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -55,7 +73,9 @@ def engine_config(a):
         enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size,
         disable_custom_all_reduce=a.disable_custom_all_reduce,
         distributed_executor_backend=a.distributed_executor_backend,
-        skip_tokenizer_init=a.skip_tokenizer_init)
+        skip_tokenizer_init=a.skip_tokenizer_init,
+        **({"kv_transfer_mode": a.kv_transfer_mode, "kv_transfer_timeout_s": a.kv_transfer_timeout}
+           if hasattr(a, "kv_transfer_mode") else {}))
 
 
 def _make_llm(a):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, offline,
-# tp-tests, tp, pd-tests, pd (two GPUs), serve (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# tp-tests, tp, pd-tests, pd (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -30,6 +30,21 @@ for stage in "$@"; do
              --vocab-size 151936 --request-rate ${SERVE_RATES:-2 4 8 16 32 64 inf} --goodput ttft:500 tpot:50 \
              --disable-tqdm --plot "$OUT/serve-h200.png" --result-file "$OUT/serve-h200.json" 2>&1 | tail -30
            kill -TERM %1; wait;;
+    serve-pd) # one sweep per deployment on the same workload: 1 worker, 1 prefill + 1 decode, 2 collocated
+           for dep in ${SERVE_DEPS:-single: 1p1d:--prefill_1_--decode_1 2col:--collocated_2}; do
+             dep=${dep//_/ }
+             name=${dep%%:*}; flags=${dep#*:}
+             python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
+               --device cuda --port 8000 --gpu-memory-utilization 0.8 $flags > "$OUT/serve-$name.log" 2>&1 &
+             pid=$!
+             for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
+               --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
+               --vocab-size 151936 --request-rate ${SERVE_RATES:-8 16 inf} --goodput ttft:500 tpot:50 \
+               --disable-tqdm --result-file "$OUT/serve-$name.json" 2>&1 | tail -6
+             curl -s localhost:8000/metrics | grep -E "^pdserve:(requests_by_path|kv_transfer)" 
+             kill -TERM $pid; wait $pid
+           done;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -305,3 +305,16 @@ def test_dead_workers_leave_routing(tmp_path, reference):
             while router.has_unfinished_requests():
                 router.step(timeout_s=10)
         assert time.monotonic() - t0 < 10
+
+
+def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, monkeypatch):
+    """Every pull dies half-way (worker processes inherit the fault): each request is recomputed
+    on the decode worker, outputs are still exact, and no block is left on either side."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    monkeypatch.setenv("PDSERVE_KV_FAULT", "fail")
+    with LLM(path, prefill=1, decode=1, **ENGINE) as llm:
+        router = llm.llm_engine
+        _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
+        assert router.route_stats.transfer_failures == len(PROMPTS)
+        assert router.route_stats.transfers == 0
+        _assert_clean(router)

@@ -58,9 +58,12 @@ def _stop(proc) -> int:
         proc.kill()
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc, base = _start(["--max-num-seqs", "64", "--max-model-len", "512"])
+@pytest.fixture(scope="module", params=["single", "1p1d"])
+def server(request):
+    """One worker, and (the same tests again) one prefill + one decode worker behind the router:
+    a P/D deployment must be indistinguishable to clients."""
+    extra = ["--prefill", "1", "--decode", "1"] if request.param == "1p1d" else []
+    proc, base = _start(["--max-num-seqs", "64", "--max-model-len", "512", *extra])
     pids = httpx.get(base + "/admin/check").json()["worker_pids"]
     yield base
     assert _stopped_cleanly(_stop(proc))

@@ -236,6 +236,10 @@ class Router:
         self.info = first.info
         self.route_stats = RouterStats()
         self._routes: dict[str, _Route] = {}
+        # KV a prefill worker holds for a request sent on to a decode worker: request id ->
+        # prefill worker, until the decode worker reports the pull (which may come after the
+        # request has finished) or the request fails.
+        self._held: dict[str, str] = {}
         self._closed = False
         producers = [w.client.info.kv_export for w in self.workers.values()
                      if w.spec.role == "prefill"]
@@ -342,9 +346,9 @@ class Router:
             if w.alive:
                 w.client.abort_request(rid)
             if route.path.kind == "disagg":
-                p = self.workers[route.path.prefill]
-                if p.alive and route.stage == "decode":
-                    p.client.release_kv([rid])  # harmless if already released
+                # Also at the prefill stage: the prefill may have finished (KV held) with its
+                # output still on the way. The worker reads the abort first, then this.
+                self._release_held(rid, route.path.prefill)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._routes)
@@ -453,31 +457,35 @@ class Router:
         else:
             err = f"worker {d.spec.name} is gone"
         if err is not None:
-            p.client.release_kv([rid])
             self._fail(route, f"decode worker rejected the request: {err}", results)
             return
+        self._held[rid] = p.spec.name
         route.stage = "decode"
         d.outstanding += 1
 
     def _on_loads(self, d: _Worker) -> None:
         events, d.client.kv_events = d.client.kv_events, []
         for ev in events:
-            route = self._routes.get(ev.request_id)
             if ev.ok:
                 self.route_stats.transfers += 1
                 self.route_stats.transfer_bytes += ev.nbytes
                 self.route_stats.transfer_seconds += ev.seconds
             else:
                 self.route_stats.transfer_failures += 1
-            if route is not None and route.path.prefill is not None:
-                p = self.workers[route.path.prefill]
-                if p.alive:
-                    p.client.release_kv([ev.request_id])
+            self._release_held(ev.request_id)
+
+    def _release_held(self, rid: str, prefill: str | None = None) -> None:
+        """Tell the prefill worker holding rid's KV to drop it (harmless if nothing is held)."""
+        name = self._held.pop(rid, None) or prefill
+        if name is not None and self.workers[name].alive:
+            self.workers[name].client.release_kv([rid])
 
     # ---- faults ----------------------------------------------------------------------------
     def _fail(self, route: _Route, why: str, results: list[RequestOutput]) -> None:
         self._routes.pop(route.req.request_id, None)
         self.route_stats.failed += 1
+        if route.path.kind == "disagg":
+            self._release_held(route.req.request_id, route.path.prefill)
         tokens = list(route.first.outputs[0].token_ids) if route.first is not None else []
         results.append(RequestOutput(
             route.req.request_id, route.prompt, route.req.prompt["prompt_token_ids"],
@@ -521,7 +529,12 @@ class Router:
     def check_workers(self) -> dict[str, WorkerStats]:
         """Every live worker's invariants (AssertionError naming the worker); their stats."""
         out = {}
-        for name, w in self.workers.items():
+        # decode workers first: pull reports that arrive meanwhile release prefill-side KV
+        # before the prefill workers are checked
+        for name, w in sorted(self.workers.items(), key=lambda kv: kv[1].spec.role != "decode"):
+            for d in self.workers.values():
+                if d.alive and d.client.kv_events:
+                    self._on_loads(d)
             if w.alive:
                 try:
                     out[name] = w.client.check_integrity()

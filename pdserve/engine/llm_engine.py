@@ -312,10 +312,11 @@ class LLMEngine:
         return out
 
     def _finish_loads(self) -> None:
-        done = self.runner.poll_loads()
+        # (a load given up on, or aborted, may still report when its copy stops: not news)
+        done = [d for d in self.runner.poll_loads() if d.request_id in self._load_started]
         now = time.monotonic()
         for d in done:
-            self._load_started.pop(d.request_id, None)
+            del self._load_started[d.request_id]
         limit = self.config.kv_transfer_timeout_s
         for rid, t in list(self._load_started.items()):
             if now - t > limit:
@@ -336,6 +337,7 @@ class LLMEngine:
             for s in group.seqs:
                 self.scheduler.finish(s.req, RequestStatus.FINISHED_ABORTED)
                 self._seq_group.pop(s.req.request_id, None)
+                self._load_started.pop(s.req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -475,6 +475,9 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         if engine.dead is None:  # fresh worker state (running, waiting, KV blocks)
             with contextlib.suppress(EngineDeadError, AssertionError):
                 srv.metrics.update_stats(await engine.check_integrity())
+        routes = getattr(engine.client, "route_stats", None)
+        if routes is not None:
+            srv.metrics.update_routes(routes)
         return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/admin/check")
@@ -521,7 +524,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import _engine_args, engine_config
+    from ..cli import _deployment_args, _engine_args, engine_config
     p = argparse.ArgumentParser(prog="pdserve serve")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -529,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model name clients send (default: the --model value or the file name)")
     p.add_argument("--log-level", default="warning")
     _engine_args(p)
+    _deployment_args(p)
     a = p.parse_args(argv)
     import os
 
@@ -536,11 +540,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..worker.client import EngineClient
     config = engine_config(a)
+    make_client = lambda: EngineClient(config)  # noqa: E731
+    if a.prefill or a.decode or a.collocated:  # several workers behind a router (P/D)
+        from ..disagg.router import Router, plan_workers
+        specs = plan_workers(config, a.prefill, a.decode, a.collocated, a.prefill_tp,
+                             a.decode_tp, a.collocated_tp, a.kv_connector)
+        policy = a.routing_policy or ("disagg" if a.prefill else "collocated")
+        make_client = lambda: Router(specs, policy)  # noqa: E731
     name = a.served_model_name or (os.path.basename(os.path.normpath(a.model)) if a.model
                                    else "SmolLM2-135M-Instruct")
 
     async def serve():
-        client = await asyncio.to_thread(EngineClient, config)
+        client = await asyncio.to_thread(make_client)
         engine = AsyncEngine(client, asyncio.get_running_loop())
         app = build_app(engine, name)
         server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port,

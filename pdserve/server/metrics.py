@@ -37,6 +37,26 @@ class Metrics:
                              registry=r)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # P/D deployments (a Router): requests per path, KV hand-offs (totals since start)
+        self.path_requests = Gauge("pdserve:requests_by_path", "Requests routed per path",
+                                   ["path"], registry=r)
+        self.kv_transfers = Gauge("pdserve:kv_transfers", "KV pulls completed", registry=r)
+        self.kv_transfer_bytes = Gauge("pdserve:kv_transfer_bytes",
+                                       "KV bytes pulled (decode workers' rank 0)", registry=r)
+        self.kv_transfer_seconds = Gauge("pdserve:kv_transfer_seconds",
+                                         "Time spent in KV pulls", registry=r)
+        self.kv_transfer_failures = Gauge("pdserve:kv_transfer_failures",
+                                          "KV pulls that failed or timed out (recomputed)",
+                                          registry=r)
+
+    def update_routes(self, rs) -> None:
+        """From a Router's RouterStats."""
+        for path, n in rs.requests.items():
+            self.path_requests.labels(path).set(n)
+        self.kv_transfers.set(rs.transfers)
+        self.kv_transfer_bytes.set(rs.transfer_bytes)
+        self.kv_transfer_seconds.set(rs.transfer_seconds)
+        self.kv_transfer_failures.set(rs.transfer_failures)
 
     def update_stats(self, stats) -> None:
         if stats is not None:

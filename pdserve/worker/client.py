@@ -29,6 +29,7 @@ from ..loader.model_loader import load_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..outputs import RequestOutput
 from . import messages as m
+from .output_delta import DeltaDecoder
 from .worker import WorkerAddresses, WorkerConfig
 
 
@@ -140,6 +141,7 @@ class EngineClient:
         self.name = name
         self.stats: m.WorkerStats | None = None  # as of the last Outputs received
         self.kv_events: list = []  # P/D consumer: KVLoadDone reports, for the router to take
+        self._deltas = DeltaDecoder()
         self._closed = False
         try:
             msg = self._recv(startup_timeout_s, starting=True)
@@ -226,6 +228,7 @@ class EngineClient:
         ids = [i for i in ids if i in self._pending]
         if ids and self._dead is None:
             self._pending.difference_update(ids)
+            self._deltas.forget(ids)
             self._send(m.Abort(ids))
 
     def has_unfinished_requests(self) -> bool:
@@ -251,7 +254,9 @@ class EngineClient:
             if not isinstance(msg, m.Outputs):
                 raise EngineDeadError(f"unexpected {type(msg).__name__} from the worker")
             outs = msg.outputs
-        live = [o for o in outs if o.request_id in self._pending]
+        # outputs travel as deltas: rebuild the cumulative ones (only for requests still
+        # wanted; an aborted request's state is already gone)
+        live = [self._deltas.decode(o) for o in outs if o.request_id in self._pending]
         for o in live:
             if o.finished:
                 self._pending.discard(o.request_id)
@@ -272,7 +277,8 @@ class EngineClient:
                 if msg is None or isinstance(msg, m.Drained):
                     break
                 if isinstance(msg, m.Outputs):
-                    collected.extend(o for o in msg.outputs if o.request_id in self._pending)
+                    collected.extend(self._deltas.decode(o) for o in msg.outputs
+                                     if o.request_id in self._pending)
         self._pending.clear()
         self.shutdown(timeout_s)
         return collected

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from ..config import EngineConfig
+from .output_delta import DeltaEncoder
 from .step_broadcast import StepDecoder, StepEncoder
 
 _IDLE_POLL_MS = 500  # how often an idle rank checks that its client is still alive
@@ -151,6 +152,7 @@ class _Driver:
         self.decoder = msgspec.msgpack.Decoder(m.ToWorker)
         self.encoder = msgspec.msgpack.Encoder()
         self.draining = False
+        self.deltas = DeltaEncoder()   # outputs travel as deltas (output_delta.py)
 
     def _broadcast(self, sched) -> None:
         payload = self.step_encoder.encode(sched)
@@ -186,6 +188,7 @@ class _Driver:
                     outs = eng.step()
                     loads = eng.take_kv_events()
                     if outs or loads:
+                        outs = [self.deltas.encode(o) for o in outs]
                         self._send(m.Outputs(outs, self._stats(), loads))
                 elif self.draining:
                     self._send(m.Drained())
@@ -220,6 +223,7 @@ class _Driver:
                 self._send(m.Accepted(errors))
             elif isinstance(msg, m.Abort):
                 eng.abort_request(msg.request_ids)
+                self.deltas.forget(msg.request_ids)
             elif isinstance(msg, m.CheckIntegrity):
                 try:
                     eng.check_integrity()
