@@ -39,9 +39,9 @@ for stage in "$@"; do
              pid=$!
              for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
              python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
-               --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
+               --random-input-len ${SERVE_IN:-1280} --random-output-len ${SERVE_OUT:-320} --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-8 16 inf} --goodput ttft:500 tpot:50 \
-               --disable-tqdm --result-file "$OUT/serve-$name.json" 2>&1 | tail -6
+               --disable-tqdm --result-file "$OUT/serve-$name${SERVE_TAG:-}.json" 2>&1 | tail -6
              curl -s localhost:8000/metrics | grep -E "^pdserve:(requests_by_path|kv_transfer)" 
              kill -TERM $pid; wait $pid
            done;;

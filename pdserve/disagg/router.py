@@ -179,7 +179,7 @@ class _Route:
     prompt: str | None
     num_prompt_tokens: int
     path: Path
-    stage: str                    # "collocated" | "prefill" | "decode"
+    stage: str                    # "collocated" | "prefill" | "handoff" | "decode"
     arrival: float
     first: RequestOutput | None = None   # the prefill worker's output (disagg)
     produced: bool = False        # a token reached the user
@@ -240,6 +240,8 @@ class Router:
         # prefill worker, until the decode worker reports the pull (which may come after the
         # request has finished) or the request fails.
         self._held: dict[str, str] = {}
+        # prefilled requests waiting (within one collect) to be sent to their decode worker
+        self._handoffs: dict[str, list[tuple[_Route, AddRequest, str]]] = {}
         self._closed = False
         producers = [w.client.info.kv_export for w in self.workers.values()
                      if w.spec.role == "prefill"]
@@ -342,7 +344,8 @@ class Router:
             if route is None:
                 continue
             w = self.workers[route.path.prefill if route.stage == "prefill" else route.path.worker]
-            w.outstanding -= 1
+            if route.stage != "handoff":
+                w.outstanding -= 1
             if w.alive:
                 w.client.abort_request(rid)
             if route.path.kind == "disagg":
@@ -395,6 +398,8 @@ class Router:
                     self._on_loads(w)
             except EngineDeadError as e:
                 self._worker_died(w, e, results)
+        if self._handoffs:
+            self._flush_handoffs(results)
         return results
 
     def _on_output(self, w: _Worker, out: RequestOutput, results: list[RequestOutput]) -> None:
@@ -445,23 +450,34 @@ class Router:
                                   list(o.token_ids), o.text)],
                 False, dict(out.metrics)))
         source = msgspec.structs.replace(out.kv_transfer, worker=p.spec.name)
-        d = self.workers[route.path.worker]
-        sent = dataclasses.replace(route.req, kv_source=source)
-        err = None
-        if d.alive:
-            try:
-                err = d.client.add_requests([sent])[0]
-            except EngineDeadError as e:
-                self._worker_died(d, e, results)
-                err = f"worker {d.spec.name} died"
-        else:
-            err = f"worker {d.spec.name} is gone"
-        if err is not None:
-            self._fail(route, f"decode worker rejected the request: {err}", results)
-            return
-        self._held[rid] = p.spec.name
-        route.stage = "decode"
-        d.outstanding += 1
+        route.stage = "handoff"
+        self._handoffs.setdefault(route.path.worker, []).append(
+            (route, dataclasses.replace(route.req, kv_source=source), p.spec.name))
+
+    def _flush_handoffs(self, results: list[RequestOutput]) -> None:
+        """Send the prefilled requests on to their decode workers: one message (and one reply,
+        which waits for the worker's next step boundary) per decode worker per collect."""
+        pending, self._handoffs = self._handoffs, {}
+        for name, items in pending.items():
+            d = self.workers[name]
+            errors = None
+            if d.alive:
+                try:
+                    errors = d.client.add_requests([sent for _, sent, _ in items])
+                except EngineDeadError as e:
+                    self._worker_died(d, e, results)
+            if errors is None:
+                errors = [f"worker {name} is gone"] * len(items)
+            for (route, _, prefill), err in zip(items, errors):
+                rid = route.req.request_id
+                if self._routes.get(rid) is not route:  # failed meanwhile (its worker died)
+                    self._release_held(rid, prefill)
+                elif err is not None:
+                    self._fail(route, f"decode worker rejected the request: {err}", results)
+                else:
+                    self._held[rid] = prefill
+                    route.stage = "decode"
+                    d.outstanding += 1
 
     def _on_loads(self, d: _Worker) -> None:
         events, d.client.kv_events = d.client.kv_events, []
