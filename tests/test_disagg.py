@@ -227,10 +227,15 @@ def reference(tmp_path_factory):
     return refs
 
 
+CONNECTORS = ["shared", "torch-dist"]  # one-sided pull (shared file) / gloo send-receive
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_1p1d_equals_collocated(tmp_path, reference, mode):
+def test_1p1d_equals_collocated(tmp_path, reference, mode, connector):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    with LLM(path, prefill=1, decode=1, kv_transfer_mode=mode, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=1, kv_transfer_mode=mode, kv_connector=connector,
+             **ENGINE) as llm:
         router = llm.llm_engine
         _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.requests == {"collocated": 0, "disagg": len(PROMPTS)}
@@ -238,26 +243,30 @@ def test_1p1d_equals_collocated(tmp_path, reference, mode):
         assert router.route_stats.transfer_bytes > 0
         _assert_clean(router)
         pids = router.pids
+    assert all(p.exitcode == 0 for w in router.workers.values() for p in w.client._procs)
     assert_processes_gone(pids)
 
 
 @pytest.mark.parametrize("cfg,ptp,dtp", [(LLAMA_8Q_2KV, 2, 1), (LLAMA_8Q_2KV, 1, 2),
                                          (QWEN2_1KV, 2, 1)],
                          ids=["llama-p2d1", "llama-p1d2", "qwen2-1kv-p2d1"])
-def test_heterogeneous_tp_equals_collocated(tmp_path, reference, cfg, ptp, dtp):
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_heterogeneous_tp_equals_collocated(tmp_path, reference, cfg, ptp, dtp, connector):
     path = _folder(tmp_path, cfg)
-    with LLM(path, prefill=1, decode=1, prefill_tp=ptp, decode_tp=dtp, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=1, prefill_tp=ptp, decode_tp=dtp, kv_connector=connector,
+             **ENGINE) as llm:
         _assert_same(reference[cfg["architectures"][0]], _outputs(llm))
         assert llm.llm_engine.route_stats.transfers == len(PROMPTS)
         _assert_clean(llm.llm_engine)
 
 
-def test_router_round_robin_streaming_abort_and_fault(tmp_path, reference, monkeypatch):
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_router_round_robin_streaming_abort(tmp_path, reference, monkeypatch, connector):
     """One deployment (1 prefill, 1 decode, 1 collocated) through several situations."""
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     monkeypatch.setenv("PDSERVE_KV_FAULT", "")
     with LLM(path, prefill=1, decode=1, collocated=1, routing_policy="round-robin",
-             **ENGINE) as llm:
+             kv_connector=connector, **ENGINE) as llm:
         router = llm.llm_engine
         _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.requests["disagg"] == 3 and router.route_stats.requests["collocated"] == 2
@@ -307,14 +316,39 @@ def test_dead_workers_leave_routing(tmp_path, reference):
         assert time.monotonic() - t0 < 10
 
 
-def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, monkeypatch):
-    """Every pull dies half-way (worker processes inherit the fault): each request is recomputed
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, monkeypatch,
+                                                        connector):
+    """Every transfer fails (worker processes inherit the fault): each request is recomputed
     on the decode worker, outputs are still exact, and no block is left on either side."""
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     monkeypatch.setenv("PDSERVE_KV_FAULT", "fail")
-    with LLM(path, prefill=1, decode=1, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=1, kv_connector=connector, **ENGINE) as llm:
         router = llm.llm_engine
         _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.transfer_failures == len(PROMPTS)
         assert router.route_stats.transfers == 0
         _assert_clean(router)
+
+
+def test_two_sided_abort_before_the_load_still_receives():
+    """With a two-sided connector the producer sends regardless: a request dropped while it
+    waits for blocks must still get a receive-and-discard load, or every later receive from that
+    producer would take the wrong message."""
+    from pdserve.disagg.kv_transfer import KVSource
+    from pdserve.engine.request import Request, RequestStatus
+    from pdserve.engine.scheduler import Scheduler
+    kv = KVCacheManager(4, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.discard_unloaded = True
+    kv.allocate_slots("hog", 0, 16)                 # the pool is full: loads must wait
+    a, b = (Request(r, [1, 2, 3, 4, 5], GREEDY, output_token_ids=[9]) for r in ("a#0", "b#0"))
+    sched.add_remote(a, KVSource("p", "a", [3, 4], 5, [9]))
+    sched.add_remote(b, KVSource("p", "b", [5, 6], 5, [9]))
+    assert sched.schedule().kv_loads == []          # no room yet
+    sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    kv.free("hog")
+    out = sched.schedule()
+    assert [(l.request_id, l.dst_block_ids == []) for l in out.kv_loads] == [("a#0", True),
+                                                                            ("b#0", False)]
+    assert out.kv_loads[1].src_block_ids == [5, 6]

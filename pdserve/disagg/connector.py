@@ -10,9 +10,16 @@ Every rank of a worker in a P/D deployment owns one connector over its own KV ca
                     finish(rid, ok)            the driver's verdict: ok -> make the data visible
                                                to compute; not ok -> cancel (no write after it)
 
-A load never blocks the producer: it does not take part (one-sided pull), so neither side waits
-for a matching send/receive. The driver of the consumer (rank 0) decides when a load is done and
+    producer rank (two-sided only):  send_blocks(KVSend) when the router asks (SendKV)
+
+With a one-sided connector a load never involves the producer, so neither side waits for a
+matching send/receive. The driver of the consumer (rank 0) decides when a load is done and
 tells its other ranks in the next step, so all ranks admit the request together.
+
+Registered: "shared" (one-sided same-host pull: CUDA IPC + a Triton peer-read kernel, or a
+shared file mapping on CPU) and "torch-dist" (two-sided send/receive over a per-pair gloo group;
+CPU). Still to come: NCCL point-to-point for GPUs without IPC, and a pinned host-memory relay
+where peer access is absent.
 
 Faults for tests: PDSERVE_KV_FAULT=fail makes loads fail half-way; =hang makes them never
 finish (until cancelled).
@@ -29,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_transfer import HeadCopy, KVLoad, KVLoadDone, KVPeer, plan_head_copies
+from .kv_transfer import (HeadCopy, KVLoad, KVLoadDone, KVPair, KVPeer, KVSend,
+                          plan_head_copies)
 
 _CONNECTORS: dict[str, type["KVConnector"]] = {}
 
@@ -52,6 +60,9 @@ def get_connector_class(name: str) -> type["KVConnector"]:
 
 class KVConnector(abc.ABC):
     name: str = ""
+    # One-sided: the consumer reads the producer's pool (peers: KVPeer). Two-sided: the
+    # producer sends when asked (SendKV) and the consumer receives (peers: KVPair, both ends).
+    two_sided: bool = False
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         self.kv = kv_cache
@@ -69,8 +80,19 @@ class KVConnector(abc.ABC):
         """This rank's handle for consumers (KVPeer.handles[rank])."""
 
     @abc.abstractmethod
-    def add_peer(self, peer: KVPeer) -> None:
-        """Make a producer worker's pools reachable (idempotent)."""
+    def add_peer(self, peer: KVPeer | KVPair) -> None:
+        """Make a peer reachable (idempotent). Every rank of the worker calls it in the same
+        step; a two-sided connector joins the pair's process group here."""
+
+    def check_peer(self, peer: KVPeer | KVPair) -> None:
+        """Rank 0, when a peer is announced: ValueError if it cannot work (before any rank
+        commits to it)."""
+        self.add_peer(peer)
+
+    def send_blocks(self, send: KVSend) -> None:
+        """Two-sided producers: send blocks to a consumer (asynchronously; the blocks are read
+        before this returns, so they may be reused right after)."""
+        raise ValueError(f"the {self.name!r} connector does not send")
 
     @abc.abstractmethod
     def start_load(self, load: KVLoad, sync: bool) -> None:
@@ -322,3 +344,200 @@ class SharedPullConnector(KVConnector):
             torch.cuda.synchronize(self.kv.device)
         self.loads.clear()
         self.peers.clear()
+
+
+@register_connector
+class TorchDistConnector(KVConnector):
+    """Two-sided transfers over torch.distributed point-to-point (gloo between CPU processes;
+    the path for hosts without shared memory, and what CI exercises). Each producer/consumer
+    pair of workers forms its own process group (both workers' ranks, producer first), created
+    from a TCPStore the router hosts, so a worker's TP group and other pairs are untouched.
+
+    Order is the contract: the router asks the producer to send (SendKV) in the same order as it
+    hands the requests to the consumer, and the consumer's scheduler emits their loads in that
+    order (a request aborted before its load still gets a receive-and-discard load), so every
+    send meets its receive. Each message is a status word (1: the producer still held the blocks)
+    then one [layers, 2, blocks, block_size, heads, head_dim] tensor per producer rank that holds
+    heads this consumer rank needs. Sends and receives run on one thread each per connector (a
+    gloo Work completes only through wait()); the received data is scattered into the blocks
+    under a lock that a cancel takes too, so nothing lands after a cancel returns.
+    CUDA (NCCL) is not wired yet: use the "shared" connector there."""
+
+    name = "torch-dist"
+    two_sided = True
+
+    def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
+        super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
+        if kv_cache.device.type != "cpu":
+            raise ValueError("the torch-dist connector runs on CPU (gloo) only so far; "
+                             "use kv_connector='shared' on GPUs")
+        self.to_consumer: dict[str, tuple[object, KVPair]] = {}
+        self.from_producer: dict[str, tuple[object, KVPair]] = {}
+        self.broken: dict[str, str] = {}        # producer -> why its pair is unusable
+        self.loads: dict[str, _Load] = {}
+        self._finished: deque[_Load] = deque()
+        self._lock = threading.Lock()           # scatter vs cancel
+        self._recvs: deque[_Load] = deque()
+        self._sends: deque[tuple] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._loop, args=(q, f), daemon=True, name=n)
+                         for q, f, n in ((self._recvs, self._recv_one, "kv-recv"),
+                                         (self._sends, self._send_one, "kv-send"))]
+        for t in self._threads:
+            t.start()
+
+    def export(self) -> bytes:
+        return b""                              # peers meet through the router's store
+
+    def check_peer(self, peer) -> None:
+        if not isinstance(peer, KVPair):
+            raise ValueError("the torch-dist connector pairs workers with KVPair")
+        if peer.side not in ("producer", "consumer"):
+            raise ValueError(f"bad KVPair side {peer.side!r}")
+
+    def add_peer(self, peer) -> None:
+        import datetime
+
+        import torch.distributed as dist
+        self.check_peer(peer)
+        table = self.to_consumer if peer.side == "producer" else self.from_producer
+        other = peer.consumer if peer.side == "producer" else peer.producer
+        if other in table:
+            return
+        host, port = peer.store.rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=120)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"{peer.producer}->{peer.consumer}", store)
+        rank = self.tp_rank + (0 if peer.side == "producer" else peer.producer_tp)
+        pg = dist.ProcessGroupGloo(prefixed, rank, peer.producer_tp + peer.consumer_tp, timeout)
+        table[other] = (pg, peer)
+
+    # ---- producer ----------------------------------------------------------------------------
+    def send_blocks(self, send: KVSend) -> None:
+        pg, pair = self.to_consumer[send.consumer]
+        idx = torch.tensor(send.block_ids, dtype=torch.long)
+        for dst in range(pair.consumer_tp):
+            parts = [self.kv.index_select(2, idx)[:, :, :, :, hc.src_heads].contiguous()
+                     for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
+                                                pair.consumer_tp, dst)
+                     if hc.src_rank == self.tp_rank]
+            for t in parts:  # at most one: a producer rank's heads form one run per consumer rank
+                self._push(self._sends, (pg, pair.producer_tp + dst, t, send.ok))
+
+    def _send_one(self, job) -> None:
+        pg, dst, t, ok = job
+        try:
+            pg.send([torch.tensor([1 if ok else 0], dtype=torch.int64)], dst, 0).wait()
+            pg.send([t], dst, 0).wait()
+        except Exception:  # noqa: BLE001 - the consumer gave up on this pair (timeout, death)
+            pass
+
+    # ---- consumer ----------------------------------------------------------------------------
+    def start_load(self, load: KVLoad, sync: bool) -> None:
+        if load.worker not in self.from_producer:
+            raise ValueError(f"no KV peer {load.worker!r} (ConnectKV first)")
+        item = _Load(load, time.perf_counter())
+        if load.dst_block_ids:
+            self.loads[load.request_id] = item
+        else:
+            item.cancel = True                  # receive and discard (keeps the pair in step)
+        self._push(self._recvs, item)
+        if sync and load.dst_block_ids and self.fault != "hang":
+            item.done.wait()
+
+    def _recv_one(self, item: _Load) -> None:
+        load = item.load
+        why = self.broken.get(load.worker)
+        pg, pair = self.from_producer[load.worker]
+        try:
+            if why is not None:
+                raise RuntimeError(why)
+            parts = []
+            shape = list(self.kv.shape)
+            shape[2] = len(load.src_block_ids)
+            for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp, pair.consumer_tp,
+                                       self.tp_rank):
+                status = torch.zeros(1, dtype=torch.int64)
+                pg.recv([status], hc.src_rank, 0).wait()
+                shape[4] = hc.dst_heads.stop - hc.dst_heads.start
+                buf = torch.empty(shape, dtype=self.kv.dtype)
+                pg.recv([buf], hc.src_rank, 0).wait()
+                if int(status) != 1:
+                    item.error = "the producer no longer held the blocks"
+                parts.append((hc, buf))
+                item.nbytes += buf.numel() * buf.element_size()
+            if self.fault == "fail":
+                item.error = "injected KV transfer fault (PDSERVE_KV_FAULT=fail)"
+            elif self.fault == "hang":
+                while not item.cancel:
+                    time.sleep(0.01)
+            with self._lock:
+                if not item.cancel and item.error is None:
+                    dst = torch.tensor(load.dst_block_ids, dtype=torch.long)
+                    for hc, buf in parts:
+                        self.kv[:, :, :, :, hc.dst_heads].index_copy_(2, dst, buf)
+        except Exception as e:  # noqa: BLE001 - a broken pair fails its loads; they recompute
+            item.error = f"{type(e).__name__}: {e}"
+            self.broken.setdefault(load.worker, f"pair with {load.worker} broke: {item.error}")
+        item.end = time.perf_counter()
+        item.done.set()
+        if load.dst_block_ids:
+            with self._lock:
+                self._finished.append(item)
+
+    def poll(self) -> list[KVLoadDone]:
+        out = []
+        with self._lock:
+            while self._finished:
+                item = self._finished.popleft()
+                if item.reported:
+                    continue
+                item.reported = True
+                out.append(KVLoadDone(item.load.request_id, item.error is None, item.nbytes,
+                                      item.end - item.start, item.error))
+        return out
+
+    def finish(self, request_id: str, ok: bool) -> None:
+        item = self.loads.pop(request_id, None)
+        if item is None:
+            return
+        if ok:
+            item.done.wait()  # the driver's receive is done; this rank's may still be running
+            if item.error is not None:
+                raise RuntimeError(f"KV receive of {request_id} failed on rank {self.tp_rank} "
+                                   f"only: {item.error}")
+            return
+        with self._lock:      # from here on the receive thread drops the data
+            item.cancel = True
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _push(self, q: deque, job) -> None:
+        with self._wake:
+            q.append(job)
+            self._wake.notify_all()
+
+    def _loop(self, q: deque, handle) -> None:
+        while True:
+            with self._wake:
+                while not q and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                job = q.popleft()
+            handle(job)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        for t in self._threads:
+            t.join(timeout=5.0)
+        # gloo's own threads must stop before the interpreter exits (else: abort at exit)
+        for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        self.to_consumer.clear()
+        self.from_producer.clear()

@@ -63,7 +63,7 @@ def plan_head_copies(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int)
     return plan
 
 
-class KVPeer(msgspec.Struct):
+class KVPeer(msgspec.Struct, tag=True):
     """A producer worker's KV pools as a consumer needs them to pull from: one opaque handle per
     rank (connector-specific), its TP size and the model's KV head count."""
     worker: str
@@ -99,3 +99,25 @@ class KVLoadDone(msgspec.Struct, array_like=True):
     nbytes: int
     seconds: float
     error: str | None = None
+
+
+class KVPair(msgspec.Struct, tag=True):
+    """A producer/consumer pair for a two-sided connector: both sides' ranks form one process
+    group (producer ranks first), meeting at `store` ("host:port", a TCPStore the router hosts)
+    under the prefix "producer->consumer". `side` says which end the receiving worker is."""
+    producer: str
+    consumer: str
+    producer_tp: int
+    consumer_tp: int
+    num_kv_heads: int
+    store: str
+    side: str                      # "producer" | "consumer"
+
+
+class KVSend(msgspec.Struct, array_like=True):
+    """Producer side of a two-sided transfer: send these held blocks of `request_id` to
+    `consumer` (its ranks receive them in the order the sends were asked for)."""
+    request_id: str
+    consumer: str
+    block_ids: list[int]
+    ok: bool = True                # False: the blocks were no longer held (data is filler)

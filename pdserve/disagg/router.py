@@ -38,6 +38,7 @@ from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..worker.client import EngineClient, EngineDeadError
 from ..worker.messages import WorkerStats
+from .kv_transfer import KVPair, KVSend
 
 ROLES = ("prefill", "decode", "collocated")
 
@@ -243,15 +244,54 @@ class Router:
         # prefilled requests waiting (within one collect) to be sent to their decode worker
         self._handoffs: dict[str, list[tuple[_Route, AddRequest, str]]] = {}
         self._closed = False
-        producers = [w.client.info.kv_export for w in self.workers.values()
-                     if w.spec.role == "prefill"]
-        for w in self.workers.values():
-            if w.spec.role == "decode" and producers:
-                errors = w.client.connect_kv(producers)
-                bad = next((e for e in errors if e is not None), None)
-                if bad is not None:
-                    self.shutdown()
-                    raise ValueError(f"{w.spec.name} cannot pull from the prefill workers: {bad}")
+        self._store = None
+        self.two_sided = False
+        try:
+            self._connect_kv()
+        except ValueError:
+            self.shutdown()
+            raise
+
+    def _connect_kv(self) -> None:
+        """Introduce prefill and decode workers. One-sided connectors: each decode worker maps
+        every prefill worker's pools. Two-sided: every (prefill, decode) pair forms a process
+        group at a TCPStore hosted here; both ends are told, and they join on their next step."""
+        from .connector import get_connector_class
+        prefill = [w for w in self.workers.values() if w.spec.role == "prefill"]
+        decode = [w for w in self.workers.values() if w.spec.role == "decode"]
+        if not prefill or not decode:
+            return
+        cls = get_connector_class(decode[0].spec.config.kv_connector)
+        self.two_sided = cls.two_sided
+        plan: dict[str, list] = {}
+        if not cls.two_sided:
+            for d in decode:
+                plan[d.spec.name] = [p.client.info.kv_export for p in prefill]
+        else:
+            import datetime
+            import socket
+
+            import torch.distributed as dist
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self._store = dist.TCPStore("127.0.0.1", port, is_master=True,
+                                        wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=120))
+            heads = prefill[0].client.info.kv_export.num_kv_heads
+            for p in prefill:
+                for d in decode:
+                    pair = dict(producer=p.spec.name, consumer=d.spec.name,
+                                producer_tp=p.spec.config.tensor_parallel_size,
+                                consumer_tp=d.spec.config.tensor_parallel_size,
+                                num_kv_heads=heads, store=f"127.0.0.1:{port}")
+                    plan.setdefault(p.spec.name, []).append(KVPair(**pair, side="producer"))
+                    plan.setdefault(d.spec.name, []).append(KVPair(**pair, side="consumer"))
+        for name, peers in plan.items():
+            errors = self.workers[name].client.connect_kv(peers)
+            bad = next((e for e in errors if e is not None), None)
+            if bad is not None:
+                raise ValueError(f"{name} cannot exchange KV with its peers: {bad}")
 
     # ---- requests ---------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -468,7 +508,11 @@ class Router:
                     self._worker_died(d, e, results)
             if errors is None:
                 errors = [f"worker {name} is gone"] * len(items)
-            for (route, _, prefill), err in zip(items, errors):
+            sends: dict[str, list[KVSend]] = {}
+            for (route, sent, prefill), err in zip(items, errors):
+                if err is None and self.two_sided:  # the producer sends as it is handed over
+                    sends.setdefault(prefill, []).append(
+                        KVSend(sent.kv_source.request_id, name, sent.kv_source.block_ids))
                 rid = route.req.request_id
                 if self._routes.get(rid) is not route:  # failed meanwhile (its worker died)
                     self._release_held(rid, prefill)
@@ -478,6 +522,9 @@ class Router:
                     self._held[rid] = prefill
                     route.stage = "decode"
                     d.outstanding += 1
+            for prefill, batch in sends.items():
+                if self.workers[prefill].alive:
+                    self.workers[prefill].client.send_kv(batch)
 
     def _on_loads(self, d: _Worker) -> None:
         events, d.client.kv_events = d.client.kv_events, []

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..config import EngineConfig
-from ..disagg.kv_transfer import KVLoadDone, KVPeer, KVSource
+from ..disagg.kv_transfer import KVLoadDone, KVPeer, KVSend, KVSource
 from ..layers.parallel_state import get_tp_group
 from ..loader.model_loader import ModelSource, load_model, load_tokenizer, resolve_source
 from ..models.config import ModelConfig
@@ -161,6 +161,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_kv_loads)
+        if self.runner.connector is not None and self.runner.connector.two_sided:
+            self.scheduler.discard_unloaded = True
         self._load_started: dict[str, float] = {}   # P/D consumer: pulls in flight, since when
         self._kv_events: list[KVLoadDone] = []
         self._on_schedule = on_schedule
@@ -290,8 +292,20 @@ class LLMEngine:
         if self.runner.connector is None:
             raise ValueError("this engine has no kv_connector")
         for p in peers:
-            self.runner.connector.add_peer(p)  # ValueError on a mismatched layout
+            self.runner.connector.check_peer(p)  # ValueError on a mismatched layout
             self.scheduler.add_kv_peer(p)
+
+    def send_kv(self, sends: list[KVSend]) -> None:
+        """Two-sided producer: send held KV to consumers (next step, every rank), then drop the
+        hold. A request no longer held is still sent (its block count), marked invalid, so
+        the consumer's receives stay in step; it recomputes that one."""
+        for s in sends:
+            held = self.kv.held.get(f"{s.request_id}#0")
+            ok = held is not None and len(held[0]) == len(s.block_ids)
+            blocks = list(held[0]) if ok else [0] * len(s.block_ids)  # filler: block 0
+            self.scheduler.add_kv_send(KVSend(s.request_id, s.consumer, blocks, ok))
+            # the runner reads the blocks before any later forward writes them
+            self.kv.release_held(f"{s.request_id}#0")
 
     def release_kv(self, request_ids: Iterable[str]) -> None:
         """A producer's held KV is no longer needed (pulled, or the request went elsewhere)."""
@@ -352,7 +366,8 @@ class LLMEngine:
             self._on_schedule(sched)
         sampled = self.runner.execute(sched)
         for load in sched.kv_loads:
-            self._load_started[load.request_id] = time.monotonic()
+            if load.dst_block_ids:  # (not a receive-and-discard)
+                self._load_started[load.request_id] = time.monotonic()
         if self._load_started:
             self._finish_loads()
             if sched.is_empty and not sampled:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..disagg.kv_transfer import KVLoad, KVLoadDone, KVPeer, KVSource
+from ..disagg.kv_transfer import KVLoad, KVLoadDone, KVPeer, KVSend, KVSource
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .request import Request, RequestStatus
 
@@ -57,6 +57,7 @@ class SchedulerOutput:
     kv_peers: list[KVPeer] = field(default_factory=list)
     kv_verdicts: list[tuple[str, bool]] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_sends: list[KVSend] = field(default_factory=list)   # two-sided producer: blocks to send
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +69,7 @@ class SchedulerOutput:
 
     @property
     def has_kv_work(self) -> bool:
-        return bool(self.kv_peers or self.kv_verdicts or self.kv_loads)
+        return bool(self.kv_peers or self.kv_verdicts or self.kv_loads or self.kv_sends)
 
 
 class Scheduler:
@@ -81,6 +82,11 @@ class Scheduler:
         self.kv_sources: dict[str, KVSource] = {}
         self._kv_verdicts: list[tuple[str, bool]] = []
         self._kv_peers: list[KVPeer] = []
+        self._kv_sends: list[KVSend] = []
+        self._kv_discards: list[KVLoad] = []
+        # two-sided transfers: a request dropped before its load still receives (and discards)
+        # what the producer sends, so the next receive meets the next send
+        self.discard_unloaded = False
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -115,6 +121,13 @@ class Scheduler:
     def add_kv_peer(self, peer: KVPeer) -> None:
         self._kv_peers.append(peer)
 
+    def add_kv_send(self, send: KVSend) -> None:
+        self._kv_sends.append(send)
+
+    def has_kv_work(self) -> bool:
+        """KV work for the next step even without requests to run (peers, sends, verdicts)."""
+        return bool(self._kv_peers or self._kv_sends or self._kv_verdicts or self._kv_discards)
+
     def finish(self, req: Request, status: RequestStatus, now: float = 0.0) -> list[int] | None:
         """Remove a sequence (and its unforked siblings) for good, freeing its blocks (or, for a
         producer's hold_kv sequence that did not abort, keeping them: returns its table)."""
@@ -128,6 +141,9 @@ class Scheduler:
                 self.waiting.remove(r)
             elif r.status is RequestStatus.WAITING_FOR_KV:
                 self.kv_waiting.remove(r)
+                if self.discard_unloaded:
+                    src = self.kv_sources[r.request_id]
+                    self._kv_discards.append(KVLoad(r.request_id, src.worker, src.block_ids, []))
             elif r.status is RequestStatus.LOADING_KV:
                 del self.loading[r.request_id]
                 self._kv_verdicts.append((r.request_id, False))  # cancel before reuse
@@ -195,8 +211,10 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_since_step,
-                              kv_peers=self._kv_peers, kv_verdicts=self._kv_verdicts)
+                              kv_peers=self._kv_peers, kv_verdicts=self._kv_verdicts,
+                              kv_sends=self._kv_sends, kv_loads=self._kv_discards)
         self._finished_since_step, self._kv_peers, self._kv_verdicts = [], [], []
+        self._kv_sends, self._kv_discards = [], []
         budget = self.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
 

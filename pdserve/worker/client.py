@@ -178,6 +178,11 @@ class EngineClient:
         """Let this (consumer) worker pull from these producers; an error or None per peer."""
         return self._request(m.ConnectKV(list(peers)), m.Accepted).errors
 
+    def send_kv(self, sends: list) -> None:
+        """Two-sided producer: send held KV (m.SendKV; no reply)."""
+        if sends and self._dead is None and not self._closed:
+            self._send(m.SendKV(list(sends)))
+
     def release_kv(self, request_ids: list[str]) -> None:
         if request_ids and self._dead is None and not self._closed:
             self._send(m.ReleaseKV(list(request_ids)))

@@ -15,7 +15,7 @@ from typing import Union
 
 import msgspec
 
-from ..disagg.kv_transfer import KVLoadDone, KVPeer
+from ..disagg.kv_transfer import KVLoadDone, KVPair, KVPeer, KVSend
 from ..engine.llm_engine import AddRequest
 from ..outputs import RequestOutput
 
@@ -29,9 +29,15 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class ConnectKV(msgspec.Struct, tag=True):
-    """P/D consumer: producers it may pull KV from. Answered by Accepted (one error or None per
+    """P/D: the peers this worker exchanges KV with (one-sided: producers' pools to pull from;
+    two-sided: the pairs it is in, either end). Answered by Accepted (an error or None per
     peer)."""
-    peers: list[KVPeer]
+    peers: list[Union[KVPeer, KVPair]]
+
+
+class SendKV(msgspec.Struct, tag=True):
+    """Two-sided P/D producer: send held KV to consumers, in this order."""
+    sends: list[KVSend]
 
 
 class ReleaseKV(msgspec.Struct, tag=True):
@@ -98,5 +104,5 @@ class Failed(msgspec.Struct, tag=True):
     message: str
 
 
-ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain, ConnectKV, ReleaseKV]
+ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain, ConnectKV, ReleaseKV, SendKV]
 FromWorker = Union[Ready, Accepted, Outputs, IntegrityReport, Drained, Failed]

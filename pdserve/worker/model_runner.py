@@ -99,6 +99,8 @@ class ModelRunner:
             self.connector.add_peer(peer)
         for rid, ok in out.kv_verdicts:
             self.connector.finish(rid, ok)
+        for send in out.kv_sends:
+            self.connector.send_blocks(send)
         for load in out.kv_loads:
             self.connector.start_load(load, self.kv_sync)
 

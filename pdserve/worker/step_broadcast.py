@@ -44,7 +44,7 @@ class StepEncoder:
             rows.append((c.request_id, c.token_ids, c.start_pos, c.sample, mode, blocks))
         return pickle.dumps((rows, sched.forks, sched.block_copies, sched.new_requests,
                              sched.finished_ids, sched.kv_peers, sched.kv_verdicts,
-                             sched.kv_loads), protocol=pickle.HIGHEST_PROTOCOL)
+                             sched.kv_loads, sched.kv_sends), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class StepDecoder:
@@ -54,7 +54,7 @@ class StepDecoder:
         self.tables: dict[str, list[int]] = {}
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        rows, forks, copies, new, finished, peers, verdicts, loads = pickle.loads(payload)
+        rows, forks, copies, new, finished, peers, verdicts, loads, sends = pickle.loads(payload)
         for rid in finished:
             self.tables.pop(rid, None)
         chunks = []
@@ -67,4 +67,4 @@ class StepDecoder:
             chunks.append(ScheduledChunk(rid, tokens, start, table, sample))
         return SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies,
                                new_requests=new, finished_ids=finished, kv_peers=peers,
-                               kv_verdicts=verdicts, kv_loads=loads)
+                               kv_verdicts=verdicts, kv_loads=loads, kv_sends=sends)

@@ -178,12 +178,12 @@ class _Driver:
         last_expiry = time.monotonic()
         try:
             while True:
-                busy = eng.has_unfinished_requests()
+                busy = eng.has_unfinished_requests() or eng.scheduler.has_kv_work()
                 if self.requests.poll(0 if busy else _IDLE_POLL_MS):
                     self._read_messages()
                 if not _client_alive(self.wc.client_pid):
                     return
-                if eng.has_unfinished_requests():
+                if eng.has_unfinished_requests() or eng.scheduler.has_kv_work():
                     profiler.step()
                     outs = eng.step()
                     loads = eng.take_kv_events()
@@ -244,6 +244,8 @@ class _Driver:
                 self._send(m.Accepted(errors))
             elif isinstance(msg, m.ReleaseKV):
                 eng.release_kv(msg.request_ids)
+            elif isinstance(msg, m.SendKV):
+                eng.send_kv(msg.sends)
 
 
 def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
