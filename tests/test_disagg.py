@@ -116,6 +116,21 @@ def test_handoff_between_engines_equals_one_engine(tmp_path, mode):
         assert e.kv.pool.num_used_blocks == 0
 
 
+def test_seeded_sampling_continues_across_the_handoff(tmp_path):
+    """A seeded random request gives the same tokens through P -> D as on one engine: the decode
+    side's generator resumes where the producer's stopped."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    cfg = EngineConfig(model=path, kv_connector="shared", **ENGINE)
+    P, D = LLMEngine(cfg), LLMEngine(cfg)
+    D.connect_kv([P.kv_export("p")])
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    ref = _run(P, [AddRequest("ref", PROMPTS[3], sp)])["ref"].outputs[0].token_ids
+    _, out, _ = _handoff(P, D, PROMPTS[3], sp)
+    assert out.outputs[0].token_ids == ref
+    other = dataclasses.replace(sp, seed=8)  # and the seed matters (the test can fail)
+    assert _run(P, [AddRequest("o", PROMPTS[3], other)])["o"].outputs[0].token_ids != ref
+
+
 def test_bad_kv_source_is_a_clear_error(tmp_path):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     cfg = EngineConfig(model=path, kv_connector="shared", **ENGINE)

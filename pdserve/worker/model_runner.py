@@ -112,6 +112,13 @@ class ModelRunner:
         gen = None
         if data.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(data.seed)
+            if data.output_token_ids and not data.params.greedy:
+                # A continuation (P/D: the producer sampled these tokens): each seeded sample
+                # drew one [vocab] Exp(1) vector from this generator (Sampler), so draw as many
+                # to stand where the producer's left off — the same tokens as on one engine.
+                noise = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
+                for _ in data.output_token_ids:
+                    noise.exponential_(generator=gen)
         self.seqs[data.request_id] = _SeqState(list(data.prompt_token_ids),
                                                list(data.output_token_ids), data.params, gen)
 
