@@ -16,7 +16,7 @@ from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import AddRequest, LLMEngine
 
-from .test_tp import LLAMA_8Q_2KV, QWEN2_1KV, _folder
+from .test_tp import LLAMA_8Q_2KV, QWEN2_1KV, _assert_same_model, _folder
 from .utils import assert_processes_gone
 
 PROMPTS = [[5, 17, 99, 3], list(range(200, 214)), [42] * 9, list(range(30, 70)), [7]]
@@ -217,14 +217,6 @@ def _outputs(llm, params=GREEDY, prompts=PROMPTS):
     return [o.outputs[0] for o in outs]
 
 
-def _assert_same(ref, got):
-    for r, g in zip(ref, got):
-        assert g.token_ids == r.token_ids
-        for lr, lg in zip(r.logprobs, g.logprobs):
-            assert lr.keys() == lg.keys()
-            assert all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 for t in lr)
-
-
 def _assert_clean(router):
     for name, stats in router.check_workers().items():
         assert stats.num_kv_blocks_used == 0, name
@@ -252,7 +244,7 @@ def test_1p1d_equals_collocated(tmp_path, reference, mode, connector):
     with LLM(path, prefill=1, decode=1, kv_transfer_mode=mode, kv_connector=connector,
              **ENGINE) as llm:
         router = llm.llm_engine
-        _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.requests == {"collocated": 0, "disagg": len(PROMPTS)}
         assert router.route_stats.transfers == len(PROMPTS) and router.route_stats.transfer_failures == 0
         assert router.route_stats.transfer_bytes > 0
@@ -270,7 +262,7 @@ def test_heterogeneous_tp_equals_collocated(tmp_path, reference, cfg, ptp, dtp, 
     path = _folder(tmp_path, cfg)
     with LLM(path, prefill=1, decode=1, prefill_tp=ptp, decode_tp=dtp, kv_connector=connector,
              **ENGINE) as llm:
-        _assert_same(reference[cfg["architectures"][0]], _outputs(llm))
+        _assert_same_model(reference[cfg["architectures"][0]], _outputs(llm))
         assert llm.llm_engine.route_stats.transfers == len(PROMPTS)
         _assert_clean(llm.llm_engine)
 
@@ -283,7 +275,7 @@ def test_router_round_robin_streaming_abort(tmp_path, reference, monkeypatch, co
     with LLM(path, prefill=1, decode=1, collocated=1, routing_policy="round-robin",
              kv_connector=connector, **ENGINE) as llm:
         router = llm.llm_engine
-        _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.requests["disagg"] == 3 and router.route_stats.requests["collocated"] == 2
 
         # streaming through P then D: the first token comes from P, the rest from D, in order
@@ -317,7 +309,7 @@ def test_dead_workers_leave_routing(tmp_path, reference):
         # the prefill worker dies: requests go to the decode worker as collocated ones
         os.kill(router.workers["prefill-0"].client.pids[0], signal.SIGKILL)
         got = _outputs(llm)
-        _assert_same(reference["LlamaForCausalLM"], got)
+        _assert_same_model(reference["LlamaForCausalLM"], got)
         assert not router.workers["prefill-0"].alive
         # the decode worker dies mid-generation: its requests fail fast, nothing hangs
         sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -340,7 +332,7 @@ def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, mon
     monkeypatch.setenv("PDSERVE_KV_FAULT", "fail")
     with LLM(path, prefill=1, decode=1, kv_connector=connector, **ENGINE) as llm:
         router = llm.llm_engine
-        _assert_same(reference["LlamaForCausalLM"], _outputs(llm))
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.transfer_failures == len(PROMPTS)
         assert router.route_stats.transfers == 0
         _assert_clean(router)

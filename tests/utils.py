@@ -68,3 +68,17 @@ def assert_processes_gone(pids, timeout_s: float = 15.0) -> None:
         while _running(pid):
             assert time.monotonic() < deadline, f"worker pid {pid} still running"
             time.sleep(0.05)
+
+
+def run_compiled(script: str) -> None:
+    """Runs `script` in a fresh interpreter with Triton's interpreter off (it may compile
+    kernels for a GPU target without a GPU) from the repo root; it must print "compiled-ok"."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_INTERPRET"] = "0"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert res.returncode == 0 and "compiled-ok" in res.stdout, res.stderr[-4000:]

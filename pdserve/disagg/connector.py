@@ -111,6 +111,19 @@ class KVConnector(abc.ABC):
     def close(self) -> None:
         pass
 
+    def _report(self, finished: deque, lock: threading.Lock) -> list[KVLoadDone]:
+        """Loads queued on `finished` (by whichever thread ended them), each reported once."""
+        out = []
+        with lock:
+            while finished:
+                item = finished.popleft()
+                if item.reported:
+                    continue
+                item.reported = True
+                out.append(KVLoadDone(item.load.request_id, item.error is None, item.nbytes,
+                                      item.end - item.start, item.error))
+        return out
+
 
 def _open_ipc_here(rebuild, args, device: torch.device) -> torch.Tensor:
     """Map a producer's IPC-exported CUDA tensor into THIS GPU's context (not the producer GPU's,
@@ -300,16 +313,7 @@ class SharedPullConnector(KVConnector):
             for item in self.loads.values():
                 if not item.done.is_set() and item.event is not None and item.event.query():
                     self._complete(item)
-        out = []
-        with self._lock:
-            while self._finished:
-                item = self._finished.popleft()
-                if item.reported:
-                    continue
-                item.reported = True
-                out.append(KVLoadDone(item.load.request_id, item.error is None, item.nbytes,
-                                      item.end - item.start, item.error))
-        return out
+        return self._report(self._finished, self._lock)
 
     def finish(self, request_id: str, ok: bool) -> None:
         item = self.loads.pop(request_id, None)
@@ -416,9 +420,9 @@ class TorchDistConnector(KVConnector):
     # ---- producer ----------------------------------------------------------------------------
     def send_blocks(self, send: KVSend) -> None:
         pg, pair = self.to_consumer[send.consumer]
-        idx = torch.tensor(send.block_ids, dtype=torch.long)
+        blocks = self.kv.index_select(2, torch.tensor(send.block_ids, dtype=torch.long))
         for dst in range(pair.consumer_tp):
-            parts = [self.kv.index_select(2, idx)[:, :, :, :, hc.src_heads].contiguous()
+            parts = [blocks[:, :, :, :, hc.src_heads].contiguous()
                      for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
                                                 pair.consumer_tp, dst)
                      if hc.src_rank == self.tp_rank]
@@ -487,16 +491,7 @@ class TorchDistConnector(KVConnector):
                 self._finished.append(item)
 
     def poll(self) -> list[KVLoadDone]:
-        out = []
-        with self._lock:
-            while self._finished:
-                item = self._finished.popleft()
-                if item.reported:
-                    continue
-                item.reported = True
-                out.append(KVLoadDone(item.load.request_id, item.error is None, item.nbytes,
-                                      item.end - item.start, item.error))
-        return out
+        return self._report(self._finished, self._lock)
 
     def finish(self, request_id: str, ok: bool) -> None:
         item = self.loads.pop(request_id, None)

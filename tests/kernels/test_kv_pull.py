@@ -6,8 +6,6 @@ at engine shapes, same device and, with two GPUs, src on cuda:0 pulled by cuda:1
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +13,8 @@ import torch
 
 from pdserve.kernels import kv_pull
 from pdserve.kernels.kv_pull import pull_kv_blocks, pull_kv_blocks_ref
+
+from ..utils import run_compiled
 
 
 def _pool(layers, nb, bs, h, d, *, dtype=torch.float32, device="cpu", seed=0):
@@ -190,12 +190,7 @@ def test_kernel_compiles_for_sm90_with_16_byte_accesses():
             assert data and all(".v4.b32" in l for l in data), (rows, cols, data[:4])
         print("compiled-ok")
     """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__)))))
-    assert res.returncode == 0 and "compiled-ok" in res.stdout, res.stderr[-4000:]
+    run_compiled(script)
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -24,6 +22,8 @@ import torch
 from pdserve.kernels import paged_attention as pa
 from pdserve.kernels.paged_attention import (default_num_kv_splits, paged_attention,
                                              paged_attention_ref)
+
+from ..utils import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -386,12 +386,7 @@ def test_kernels_compile_for_sm90():
                 build(pa._paged_attn_reduce, dt, rconst, 4, 1)
         print("compiled-ok")
     """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__)))))
-    assert res.returncode == 0 and "compiled-ok" in res.stdout, res.stderr[-4000:]
+    run_compiled(script)
 
 
 # ----------------------------------------------------------------------------------------------
