@@ -10,9 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+import zmq
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import AddRequest
@@ -173,6 +175,46 @@ def test_drain_finishes_in_flight_then_exits(tmp_path):
     assert not os.path.exists(client._tmp)
     with pytest.raises(EngineDeadError, match="shut down"):
         client.add_requests([AddRequest("late", [1, 2, 3], sp)])
+
+
+def _within(seconds: float, fn):
+    """fn() in a daemon thread: its exception (or None) if it returned in time; fails if not."""
+    box = []
+    def run():
+        try:
+            fn()
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert box, f"{fn} still blocked after {seconds} s"
+    return box[0]
+
+
+@pytest.mark.parametrize("call", ["shutdown", "abort"])
+def test_messages_to_an_exited_worker_never_block(tmp_path, call):
+    """A zmq PUSH socket with no connected peer blocks a send forever. Once rank 0 has exited,
+    its socket is gone: shutdown (after drain, where CI once hung) and fire-and-forget calls must
+    still return, and the next wait must report the death."""
+    path = _folder(tmp_path, QWEN2_1KV)
+    client = EngineClient(EngineConfig(model=path, load_format="dummy", **ENGINE))
+    sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    client.add_requests([AddRequest("a", [1, 2, 3], sp)])
+    os.kill(client.pids[0], signal.SIGKILL)
+    client._procs[0].join(10)
+    deadline = time.monotonic() + 10  # until zmq has dropped the dead peer's pipe
+    while client._requests.poll(0, zmq.POLLOUT) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not client._requests.poll(0, zmq.POLLOUT)
+    if call == "shutdown":
+        assert _within(10, client.shutdown) is None
+    else:
+        assert _within(10, lambda: client.abort_request("a")) is None
+        err = _within(10, lambda: client.add_requests([AddRequest("b", [4], sp)]))
+        assert isinstance(err, EngineDeadError) and "exited with code -9" in str(err)
+    assert_processes_gone(client.pids)
 
 
 def test_bad_request_keeps_worker_serving(tmp_path):

@@ -203,10 +203,7 @@ class EngineClient:
         """Sends msg (a message, or one already encoded) and returns the worker's reply of
         reply_type; Outputs arriving meanwhile are kept for step()."""
         self._check_alive()
-        if isinstance(msg, bytes):
-            self._requests.send(msg, copy=False)
-        else:
-            self._send(msg)
+        self._send(msg)
         while True:
             reply = self._recv(None)
             if isinstance(reply, reply_type):
@@ -294,8 +291,8 @@ class EngineClient:
             return
         self._closed = True
         if self._dead is None:
-            try:
-                self._send(m.Drain())
+            try:  # never wait here: a worker that has already exited takes no message
+                self._requests.send(self._encoder.encode(m.Drain()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         _stop_processes(self._procs, timeout_s)
@@ -309,7 +306,20 @@ class EngineClient:
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _send(self, msg) -> None:
-        self._requests.send(self._encoder.encode(msg), copy=False)
+        """Sends msg (a message, or one already encoded) to rank 0. A PUSH socket with no
+        connected peer blocks forever, so never block: wait for room a second at a time and
+        look at the ranks in between. A message for a worker that has exited is dropped; the
+        next wait reports the death (EngineDeadError)."""
+        payload = msg if isinstance(msg, bytes) else self._encoder.encode(msg)
+        while True:
+            try:
+                self._requests.send(payload, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            if not self._requests.poll(1000, zmq.POLLOUT) and \
+                    any(not p.is_alive() for p in self._procs):
+                return
 
     def _check_alive(self) -> None:
         if self._dead is not None:
