@@ -19,7 +19,7 @@ for stage in "$@"; do
             export PYTHONPATH="/tmp/site:$PYTHONPATH";;
     tp-tests) python3 -m pytest -q -m gpu tests/test_gpu_tp.py tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tp-tests.log" | tail -40;;
     pd-tests) python3 -m pytest -q -m gpu tests/test_gpu_disagg.py tests/test_gpu_tp.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-pd-tests.log" | tail -40;;
-    pd) python3 -m pdserve bench pd --output "$OUT/pd-handoff-h200x2.json" 2>&1 | tee "$OUT/pd.log" | tail -30;;
+    pd) python3 -m pdserve bench pd ${PD_ARGS:-} --output "$OUT/pd-handoff-h200x2${PD_TAG:-}.json" 2>&1 | tee "$OUT/pd.log" | tail -30;;
     tp) python3 -m pdserve bench tp --models qwen2.5-7b --tp-sizes 1 2 --batch-sizes 1 8 --output "$OUT/tp-h200x2.json" 2>&1 | grep -v "^Processed" | tee "$OUT/tp.log" | tail -20;;
     serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \

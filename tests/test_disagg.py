@@ -94,10 +94,11 @@ def _one(params):
     return dataclasses.replace(params, max_tokens=1)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_handoff_between_engines_equals_one_engine(tmp_path, mode):
+@pytest.mark.parametrize("mode,connector", [("sync", "shared"), ("async", "shared"),
+                                            ("async", "relay")])  # (on CPU: the shared file)
+def test_handoff_between_engines_equals_one_engine(tmp_path, mode, connector):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode=mode, **ENGINE)
+    cfg = EngineConfig(model=path, kv_connector=connector, kv_transfer_mode=mode, **ENGINE)
     P, D = LLMEngine(cfg), LLMEngine(cfg)
     D.connect_kv([P.kv_export("p")])
     for i, prompt in enumerate(PROMPTS):
@@ -150,6 +151,8 @@ def test_bad_kv_source_is_a_clear_error(tmp_path):
         plain.add_request("b", [1, 2, 3, 4, 5], GREEDY, kv_source=src)
     with pytest.raises(ValueError, match="unknown kv_connector"):
         EngineConfig(model=path, kv_connector="carrier-pigeon", **ENGINE)
+    with pytest.raises(ValueError, match="needs CUDA"):  # a GPU connector on CPU: said clearly
+        LLMEngine(EngineConfig(model=path, kv_connector="nccl", **ENGINE))
     assert not D.has_unfinished_requests()
     P.release_kv(["a"])
     P.check_integrity()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -41,6 +42,28 @@ def peer_copy_bandwidth(src: int, dst: int, nbytes: int = 1 << 30, reps: int = 1
     return nbytes / statistics.median(times)
 
 
+def host_copy_bandwidth(dev: int, nbytes: int = 256 << 20, reps: int = 10) -> dict[str, float]:
+    """Bytes per second of one contiguous copy GPU -> pinned host and back (medians): the
+    ceiling of each of the relay's two hops."""
+    g = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dev}")
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, a, b in (("d2h", h, g), ("h2d", g, h)):
+        for _ in range(3):
+            a.copy_(b, non_blocking=True)
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            a.copy_(b, non_blocking=True)
+            torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_GBps"] = nbytes / statistics.median(times) / 1e9
+    del g, h
+    torch.cuda.empty_cache()
+    return out
+
+
 def _one(router, rid: str, prompt: list[int], sp) -> dict[str, float]:
     from ..engine.llm_engine import AddRequest
     before = (router.route_stats.transfers, router.route_stats.transfer_bytes,
@@ -59,14 +82,15 @@ def _one(router, rid: str, prompt: list[int], sp) -> dict[str, float]:
 
 
 def measure(model: str, prompt_lens: list[int], reps: int, mode: str, gpu_util: float,
-            seed: int) -> dict[str, Any]:
+            seed: int, connector: str = "shared") -> dict[str, Any]:
     from .. import SamplingParams
     from ..config import EngineConfig
     from ..disagg.router import CollocatedPolicy, DisaggPolicy, Router, plan_workers
     base = EngineConfig(model=model, load_format="dummy", skip_tokenizer_init=True,
                         device="cuda", gpu_memory_utilization=gpu_util, kv_transfer_mode=mode,
                         max_num_batched_tokens=max(8192, max(prompt_lens)))
-    router = Router(plan_workers(base, prefill=1, decode=1), DisaggPolicy())
+    router = Router(plan_workers(base, prefill=1, decode=1, kv_connector=connector),
+                    DisaggPolicy())
     rows = []
     try:
         vocab = router.info.vocab_size
@@ -78,7 +102,8 @@ def measure(model: str, prompt_lens: list[int], reps: int, mode: str, gpu_util: 
                 router.policy = policy
                 runs = [_one(router, f"{policy.name}-{n}-{i}", p, sp)
                         for i, p in enumerate(prompts)][1:]  # the first is warm-up
-                row = {"model": model, "prompt_len": n, "path": policy.name, "reps": reps,
+                row = {"model": model, "connector": connector, "prompt_len": n,
+                       "path": policy.name, "reps": reps,
                        "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
                        "e2e_ms": statistics.median(r["e2e_ms"] for r in runs),
                        "kv_bytes_expected": n * kv_per_token}
@@ -95,7 +120,7 @@ def measure(model: str, prompt_lens: list[int], reps: int, mode: str, gpu_util: 
         router.check_workers()
     finally:
         router.shutdown()
-    return {"model": model, "rows": rows}
+    return {"model": model, "connector": connector, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,16 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--mode", default="sync", choices=["sync", "async"])
+    p.add_argument("--kv-connectors", nargs="+", default=["shared"],
+                   help="GPU connectors to compare (shared, relay, nccl)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     a = p.parse_args(argv)
     peer = peer_copy_bandwidth(0, 1)
     print(f"peer copy GPU0 -> GPU1: {peer / 1e9:.1f} GB/s", flush=True)
-    results = [measure(m, a.prompt_lens, a.reps, a.mode, a.gpu_memory_utilization, a.seed)
-               for m in a.models]
-    payload = {"benchmark": "pd-handoff", "command": ["pdserve", "bench", "pd", *(argv or [])],
+    host = host_copy_bandwidth(1)
+    print(f"pinned host copies on GPU1: {host}", flush=True)
+    results = [measure(m, a.prompt_lens, a.reps, a.mode, a.gpu_memory_utilization, a.seed, c)
+               for m in a.models for c in a.kv_connectors]
+    argv = sys.argv[1:] if argv is None else argv
+    payload = {"benchmark": "pd-handoff", "command": ["pdserve", "bench", "pd", *argv],
                "hardware": hardware_info(), **git_info(), "peer_copy_GBps": peer / 1e9,
+               "host_copy": host,
                "mode": a.mode, "results": results}
     if a.output:
         write_result(a.output, payload)

@@ -16,10 +16,13 @@ With a one-sided connector a load never involves the producer, so neither side w
 matching send/receive. The driver of the consumer (rank 0) decides when a load is done and
 tells its other ranks in the next step, so all ranks admit the request together.
 
-Registered: "shared" (one-sided same-host pull: CUDA IPC + a Triton peer-read kernel, or a
-shared file mapping on CPU) and "torch-dist" (two-sided send/receive over a per-pair gloo group;
-CPU). Still to come: NCCL point-to-point for GPUs without IPC, and a pinned host-memory relay
-where peer access is absent.
+Registered:
+  "shared"      one-sided, one host. CUDA: the producer's pool over CUDA IPC, read by a Triton
+                kernel over NVLink where the GPUs have peer access, else through pinned host
+                memory (the relay; chosen per producer GPU when it is added). CPU: a shared file.
+  "relay"       "shared" with the pinned host relay forced.
+  "torch-dist"  two-sided send/receive over a per-pair gloo group (CPU; what CI runs).
+  "nccl"        the same pairing over NCCL point-to-point (GPUs, across hosts too).
 
 Faults for tests: PDSERVE_KV_FAULT=fail makes loads fail half-way; =hang makes them never
 finish (until cancelled).
@@ -125,15 +128,29 @@ class KVConnector(abc.ABC):
         return out
 
 
-def _open_ipc_here(rebuild, args, device: torch.device) -> torch.Tensor:
-    """Map a producer's IPC-exported CUDA tensor into THIS GPU's context (not the producer GPU's,
-    which torch would pick): cudaIpcOpenMemHandle on our device with lazy peer access gives a
-    pointer kernels here can read over NVLink. The tensor says it is on our device; its bytes
-    live on the producer's."""
+def _timed_event(stream) -> "torch.cuda.Event":
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+def _ipc_device(rebuild, args) -> int:
+    """The device a CUDA-IPC-exported tensor lives on (as the producer numbered it)."""
+    import inspect
+    return args[list(inspect.signature(rebuild).parameters).index("storage_device")]
+
+
+def _open_ipc_here(rebuild, args, device: torch.device | None) -> torch.Tensor:
+    """Map a producer's IPC-exported CUDA tensor into THIS process. device=None: in a context on
+    the producer's GPU (what torch does; only that GPU's streams may read it). A device: in THIS
+    GPU's context (not the producer GPU's, which torch would pick): cudaIpcOpenMemHandle on our
+    device with lazy peer access gives a pointer kernels here can read over NVLink. The tensor
+    says it is on our device; its bytes live on the producer's."""
     import inspect
     names = list(inspect.signature(rebuild).parameters)
     args = list(args)
-    args[names.index("storage_device")] = device.index
+    if device is not None:
+        args[names.index("storage_device")] = device.index
     args[names.index("event_sync_required")] = False  # we order with our own handshake
     return rebuild(*args)
 
@@ -148,23 +165,38 @@ class _Load:
     cancel: bool = False
     error: str | None = None
     event: object = None           # CUDA: recorded on the transfer stream after the last copy
-    t0: object = None              # CUDA: recorded before the first copy (for the duration)
+    # CUDA: (start, end) event pairs around the copies, each pair on one stream; their sum is
+    # the transfer's GPU time (a relay has one span per device)
+    spans: list = field(default_factory=list)
+    keep: list = field(default_factory=list)  # buffers in use by queued copies
+    status: object = None          # two-sided CUDA: the producer's status word (pinned host)
     reported: bool = False
 
 
 @register_connector
 class SharedPullConnector(KVConnector):
     """One-sided pull between processes of one host. The producer's KV pool is exported once:
-    on CUDA as an IPC handle (the consumer maps the peer GPU's memory and one kernel per head
-    range, on its own GPU and a dedicated stream, reads the blocks straight over NVLink; an
-    event marks the end), on CPU as a shared file mapping. The producer never takes part."""
+    on CUDA as an IPC handle, on CPU as a shared file mapping. The producer never takes part.
+
+    CUDA, per producer GPU, chosen when the peer is added (torch.cuda.can_device_access_peer):
+      "peer":  the consumer maps the producer GPU's memory into its own GPU's context and one
+               kernel per head range, on its own GPU and a dedicated stream, reads the blocks
+               straight over NVLink (pdserve/kernels/kv_pull.py); an event marks the end.
+      "relay": no peer access. The consumer maps the pool on the producer's GPU (its own context
+               there), gathers the blocks on a stream of that GPU, copies them to pinned host
+               memory, and its own GPU copies them in and scatters them: two DMA hops through
+               the host, ordered by an event, nothing on the producer's streams.
+    """
 
     name = "shared"
+    force_relay = False
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
         self._path: str | None = None
         self.peers: dict[str, tuple[list[torch.Tensor], list[HeadCopy]]] = {}
+        self.paths: dict[str, str] = {}          # producer -> "peer" | "relay" | "file"
+        self._relay_streams: dict[int, torch.cuda.Stream] = {}
         self.loads: dict[str, _Load] = {}
         self._finished: deque[_Load] = deque()
         self._lock = threading.Lock()
@@ -198,12 +230,18 @@ class SharedPullConnector(KVConnector):
     def add_peer(self, peer: KVPeer) -> None:
         if peer.worker in self.peers:
             return
-        pools = []
+        pools, paths = [], set()
         for h in peer.handles:
             spec = pickle.loads(h)
             if spec[0] == "cuda":
-                pools.append(_open_ipc_here(*spec[1], self.kv.device))
+                here = self.kv.device.index
+                theirs = _ipc_device(*spec[1])
+                direct = not self.force_relay and (
+                    theirs == here or torch.cuda.can_device_access_peer(here, theirs))
+                paths.add("peer" if direct else "relay")
+                pools.append(_open_ipc_here(*spec[1], self.kv.device if direct else None))
             else:
+                paths.add("file")
                 _, path, shape, dtype = spec
                 dtype = getattr(torch, dtype.removeprefix("torch."))
                 numel = 1
@@ -218,6 +256,7 @@ class SharedPullConnector(KVConnector):
                                  f"does not match this one's {tuple(mine)} {self.kv.dtype}")
         plan = plan_head_copies(peer.num_kv_heads, peer.tp, self.tp_size, self.tp_rank)
         self.peers[peer.worker] = (pools, plan)
+        self.paths[peer.worker] = "relay" if "relay" in paths else paths.pop()
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load(self, load: KVLoad, sync: bool) -> None:
@@ -283,11 +322,13 @@ class SharedPullConnector(KVConnector):
         with torch.cuda.stream(self._stream):  # ids first: the timed part is the copy itself
             src_idx = torch.tensor(item.load.src_block_ids, dtype=torch.long).to(dev)
             dst_idx = torch.tensor(item.load.dst_block_ids, dtype=torch.long).to(dev)
-        item.t0 = torch.cuda.Event(enable_timing=True)
-        item.t0.record(self._stream)
         if self.fault == "fail":
             item.error = "injected KV transfer fault (PDSERVE_KV_FAULT=fail)"
             plan = plan[: len(plan) // 2]
+        if self.paths[item.load.worker] == "relay":
+            self._launch_relay(item, pools, plan, dst_idx)
+            return
+        t0 = _timed_event(self._stream)
         with torch.cuda.device(dev), torch.cuda.stream(self._stream):
             for hc in plan:
                 src = pools[hc.src_rank]
@@ -296,14 +337,45 @@ class SharedPullConnector(KVConnector):
                 item.nbytes += (src.shape[0] * 2 * n * src.shape[3]
                                 * (hc.src_heads.stop - hc.src_heads.start) * src.shape[5]
                                 * src.element_size())
-        item.event = torch.cuda.Event(enable_timing=True)
-        item.event.record(self._stream)
+        item.event = _timed_event(self._stream)
+        item.spans.append((t0, item.event))
+
+    def _launch_relay(self, item: _Load, pools, plan, dst_idx) -> None:
+        """No peer access: per head range, gather on the producer's GPU (a stream of ours
+        there) and copy to pinned host memory; then, on our transfer stream once that is done,
+        copy in and scatter into our blocks. Timed per device (one span each)."""
+        dev = self.kv.device
+        for hc in plan:
+            src = pools[hc.src_rank]
+            stream = self._relay_streams.get(src.device.index)
+            if stream is None:
+                stream = self._relay_streams[src.device.index] = torch.cuda.Stream(src.device)
+            with torch.cuda.device(src.device), torch.cuda.stream(stream):
+                t0 = _timed_event(stream)
+                idx = torch.tensor(item.load.src_block_ids, dtype=torch.long).to(src.device)
+                blocks = src.index_select(2, idx)[:, :, :, :, hc.src_heads]
+                host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+                host.copy_(blocks, non_blocking=True)
+                out = _timed_event(stream)
+            item.spans.append((t0, out))
+            self._stream.wait_event(out)
+            with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+                t1 = _timed_event(self._stream)
+                on_dev = host.to(dev, non_blocking=True)
+                self.kv[:, :, :, :, hc.dst_heads].index_copy_(2, dst_idx, on_dev)
+                item.event = _timed_event(self._stream)
+            item.spans.append((t1, item.event))
+            item.keep += [blocks, host, on_dev]   # until the copies are done
+            item.nbytes += host.numel() * host.element_size()
+        if item.event is None:                   # nothing to copy (an injected fault)
+            item.event = _timed_event(self._stream)
 
     def _complete(self, item: _Load) -> None:
-        if item.event is not None:  # the copies' own duration on the GPU
-            item.end = item.start + item.t0.elapsed_time(item.event) / 1e3
+        if item.spans:  # the copies' own duration on the GPU(s)
+            item.end = item.start + sum(a.elapsed_time(b) for a, b in item.spans) / 1e3
         else:
             item.end = time.perf_counter()
+        item.keep.clear()
         item.done.set()
         with self._lock:
             self._finished.append(item)
@@ -346,8 +418,19 @@ class SharedPullConnector(KVConnector):
             self._wake.notify_all()
         if self.cuda:  # let the producers' IPC allocations go before this process exits
             torch.cuda.synchronize(self.kv.device)
+            for stream in self._relay_streams.values():
+                stream.synchronize()
         self.loads.clear()
         self.peers.clear()
+
+
+@register_connector
+class RelayConnector(SharedPullConnector):
+    """The "shared" connector with the pinned host-memory relay taken even where peer access
+    exists (to measure it, or where reported peer access misbehaves). On CPU it is "shared"."""
+
+    name = "relay"
+    force_relay = True
 
 
 @register_connector
@@ -365,7 +448,7 @@ class TorchDistConnector(KVConnector):
     heads this consumer rank needs. Sends and receives run on one thread each per connector (a
     gloo Work completes only through wait()); the received data is scattered into the blocks
     under a lock that a cancel takes too, so nothing lands after a cancel returns.
-    CUDA (NCCL) is not wired yet: use the "shared" connector there."""
+    On CUDA use "nccl" (the same pairing and order, on streams instead of threads)."""
 
     name = "torch-dist"
     two_sided = True
@@ -373,8 +456,8 @@ class TorchDistConnector(KVConnector):
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
         if kv_cache.device.type != "cpu":
-            raise ValueError("the torch-dist connector runs on CPU (gloo) only so far; "
-                             "use kv_connector='shared' on GPUs")
+            raise ValueError("the torch-dist connector runs on CPU (gloo); on GPUs use "
+                             "kv_connector='nccl' (or 'shared' / 'relay' on one host)")
         self.to_consumer: dict[str, tuple[object, KVPair]] = {}
         self.from_producer: dict[str, tuple[object, KVPair]] = {}
         self.broken: dict[str, str] = {}        # producer -> why its pair is unusable
@@ -414,8 +497,12 @@ class TorchDistConnector(KVConnector):
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(f"{peer.producer}->{peer.consumer}", store)
         rank = self.tp_rank + (0 if peer.side == "producer" else peer.producer_tp)
-        pg = dist.ProcessGroupGloo(prefixed, rank, peer.producer_tp + peer.consumer_tp, timeout)
-        table[other] = (pg, peer)
+        table[other] = (self._new_group(prefixed, rank, peer.producer_tp + peer.consumer_tp,
+                                        timeout), peer)
+
+    def _new_group(self, store, rank: int, size: int, timeout):
+        import torch.distributed as dist
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
 
     # ---- producer ----------------------------------------------------------------------------
     def send_blocks(self, send: KVSend) -> None:
@@ -534,5 +621,190 @@ class TorchDistConnector(KVConnector):
                 pg.shutdown()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
+        self.to_consumer.clear()
+        self.from_producer.clear()
+
+
+@register_connector
+class NcclConnector(TorchDistConnector):
+    """Two-sided transfers between GPUs over NCCL point-to-point (torch.distributed's
+    ProcessGroupNCCL): the path across hosts, or where CUDA IPC is not available. Pairing and
+    order are torch-dist's (a process group per producer/consumer pair of workers, from the
+    router's store; sends in hand-off order; receive-and-discard for dropped requests); what
+    differs is that nothing blocks a thread. The producer gathers a send's blocks on its compute
+    stream (so the blocks can be reused right after) and enqueues the sends; the consumer
+    enqueues the receives and the scatter on its transfer stream and an event marks the end:
+    NCCL works on its own streams, overlapping compute on both sides.
+
+    A pair whose transfer never ends (the producer died) is aborted when the load is given up
+    (kv_transfer_timeout_s): its NCCL communicator is torn down, that cancel waits no longer,
+    and later loads from that producer fail at once (their prompts are recomputed)."""
+
+    name = "nccl"
+    two_sided = True
+    cancel_grace_s = 5.0
+
+    def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
+        KVConnector.__init__(self, kv_cache, tp_rank, tp_size, num_kv_heads)
+        if kv_cache.device.type != "cuda":
+            raise ValueError("the nccl connector needs CUDA; on CPU use kv_connector='torch-dist'")
+        self.to_consumer: dict[str, tuple[object, KVPair]] = {}
+        self.from_producer: dict[str, tuple[object, KVPair]] = {}
+        self.broken: dict[str, str] = {}
+        self.loads: dict[str, _Load] = {}
+        self._inflight: deque[_Load] = deque()     # loads whose GPU work may still run
+        self._sending: deque[tuple[list, list]] = deque()  # (works, buffers) of sends
+        self._finished: deque[_Load] = deque()
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(kv_cache.device)
+
+    def _new_group(self, store, rank: int, size: int, timeout):
+        import torch.distributed as dist
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        pg.eager_connect_single_device(self.kv.device)  # the communicator, now, on all ranks
+        return pg
+
+    # ---- producer ----------------------------------------------------------------------------
+    def send_blocks(self, send: KVSend) -> None:
+        pg, pair = self.to_consumer[send.consumer]
+        dev = self.kv.device
+        with torch.cuda.device(dev):
+            idx = torch.tensor(send.block_ids, dtype=torch.long).to(dev, non_blocking=True)
+            blocks = self.kv.index_select(2, idx)
+            status = torch.tensor([1 if send.ok else 0], dtype=torch.int64).to(dev)
+            works, keep = [], [blocks, status]
+            for dst in range(pair.consumer_tp):
+                for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
+                                           pair.consumer_tp, dst):
+                    if hc.src_rank != self.tp_rank:
+                        continue
+                    t = blocks[:, :, :, :, hc.src_heads].contiguous()
+                    # NCCL's stream waits for this (compute) stream at each send, no more
+                    works += [pg.send([status], pair.producer_tp + dst, 0),
+                              pg.send([t], pair.producer_tp + dst, 0)]
+                    keep.append(t)
+        self._sending.append((works, keep))
+        self._prune()
+
+    # ---- consumer ----------------------------------------------------------------------------
+    def start_load(self, load: KVLoad, sync: bool) -> None:
+        if load.worker not in self.from_producer:
+            raise ValueError(f"no KV peer {load.worker!r} (ConnectKV first)")
+        item = _Load(load, time.perf_counter())
+        discard = not load.dst_block_ids
+        if not discard:
+            self.loads[load.request_id] = item
+        why = self.broken.get(load.worker)
+        if why is not None:
+            item.error = why
+            self._complete(item)
+            return
+        pg, pair = self.from_producer[load.worker]
+        dev = self.kv.device
+        self._stream.wait_stream(torch.cuda.current_stream(dev))  # the blocks' last readers
+        with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+            t0 = _timed_event(self._stream)
+            shape = list(self.kv.shape)
+            shape[2] = len(load.src_block_ids)
+            dst = None if discard else torch.tensor(load.dst_block_ids, dtype=torch.long).to(dev)
+            statuses = []
+            for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp, pair.consumer_tp,
+                                       self.tp_rank):
+                status = torch.zeros(1, dtype=torch.int64, device=dev)
+                shape[4] = hc.dst_heads.stop - hc.dst_heads.start
+                buf = torch.empty(shape, dtype=self.kv.dtype, device=dev)
+                pg.recv([status], hc.src_rank, 0).wait()   # .wait(): our stream waits for NCCL's
+                pg.recv([buf], hc.src_rank, 0).wait()
+                if not discard:
+                    self.kv[:, :, :, :, hc.dst_heads].index_copy_(2, dst, buf)
+                statuses.append(status)
+                item.keep += [buf, status]
+                item.nbytes += buf.numel() * buf.element_size()
+            item.status = torch.empty(len(statuses), dtype=torch.int64, pin_memory=True)
+            item.status.copy_(torch.cat(statuses), non_blocking=True)
+            item.event = _timed_event(self._stream)
+            item.spans.append((t0, item.event))
+        if discard:
+            item.cancel = True
+        self._inflight.append(item)
+        if sync and not discard and self.fault != "hang":
+            item.event.synchronize()
+            self._prune()
+
+    def _complete(self, item: _Load) -> None:
+        if item.done.is_set():
+            return
+        if item.error is None and item.status is not None and not bool((item.status == 1).all()):
+            item.error = "the producer no longer held the blocks"
+        if item.error is None and self.fault == "fail":
+            item.error = "injected KV transfer fault (PDSERVE_KV_FAULT=fail)"
+        if item.spans:
+            item.end = item.start + sum(a.elapsed_time(b) for a, b in item.spans) / 1e3
+        else:
+            item.end = time.perf_counter()
+        item.keep.clear()
+        item.done.set()
+        if item.load.dst_block_ids:   # (a receive-and-discard is nobody's load)
+            with self._lock:
+                self._finished.append(item)
+
+    def _prune(self) -> None:
+        """Retire GPU work that has finished, in order: sends (their buffers go) and loads."""
+        while self._sending and all(w.is_completed() for w in self._sending[0][0]):
+            self._sending.popleft()
+        while self._inflight and self._inflight[0].event.query():
+            item = self._inflight[0]
+            if self.fault == "hang" and not item.cancel:
+                return                                   # injected hang: never reported
+            self._complete(self._inflight.popleft())
+
+    def poll(self) -> list[KVLoadDone]:
+        self._prune()
+        return self._report(self._finished, self._lock)
+
+    def finish(self, request_id: str, ok: bool) -> None:
+        item = self.loads.pop(request_id, None)
+        if item is None:
+            return
+        if item.event is None:                  # failed before anything was enqueued
+            return
+        if ok:
+            if not item.done.is_set() and item.event.query():
+                self._complete(item)
+            if item.error is not None:
+                raise RuntimeError(f"KV receive of {request_id} failed on rank {self.tp_rank} "
+                                   f"only: {item.error}")
+            torch.cuda.current_stream(self.kv.device).wait_event(item.event)
+            return
+        # cancel: the blocks are freed after this returns, so the scatter must be over. It ends
+        # once the producer's send arrives; if it does not come, the pair is torn down.
+        item.cancel = True
+        deadline = time.monotonic() + self.cancel_grace_s
+        while not item.event.query():
+            if time.monotonic() > deadline:
+                self._abort_pair(item.load.worker)
+                break
+            time.sleep(0.001)
+        item.event.synchronize()
+
+    def _abort_pair(self, producer: str) -> None:
+        pg, _ = self.from_producer[producer]
+        self.broken[producer] = f"pair with {producer} aborted: a transfer did not arrive"
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - best effort: the communicator may already be gone
+            pass
+
+    def close(self) -> None:
+        self._prune()
+        for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
+            try:
+                pg.abort() if self._inflight or self._sending else pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        self._inflight.clear()
+        self._sending.clear()
         self.to_consumer.clear()
         self.from_producer.clear()
