@@ -1,6 +1,7 @@
 """P/D disaggregation on CPU: KV moved between engines (in-process and as worker processes) must
 give exactly what one engine gives; heterogeneous TP re-shards KV heads; failed, hung and aborted
 transfers leave no block behind; a dead worker leaves routing."""
+import collections
 import dataclasses
 import os
 import signal
@@ -11,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.disagg.router import RoundRobinPolicy
+from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy
 from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import AddRequest, LLMEngine
@@ -255,6 +256,36 @@ def test_1p1d_equals_collocated(tmp_path, reference, mode, connector):
         pids = router.pids
     assert all(p.exitcode == 0 for w in router.workers.values() for p in w.client._procs)
     assert_processes_gone(pids)
+
+
+class _Recording(DisaggPolicy):
+    def __init__(self):
+        self.paths = []
+
+    def choose(self, req, workers):
+        self.paths.append(super().choose(req, workers))
+        return self.paths[-1]
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_two_prefill_two_decode_workers_share_the_load(tmp_path, reference, connector):
+    """2P2D: every (prefill, decode) pair exchanges KV (two-sided: four pair groups); a batch
+    added at once is spread over both workers of each role (least-loaded counts the requests
+    already placed, including those still prefilling for a decode worker); outputs as one
+    engine's."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    policy = _Recording()
+    with LLM(path, prefill=2, decode=2, kv_connector=connector, routing_policy=policy,
+             **ENGINE) as llm:
+        router = llm.llm_engine
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
+        for role in ("prefill", "worker"):
+            counts = collections.Counter(getattr(p, role) for p in policy.paths)
+            assert len(counts) == 2 and max(counts.values()) - min(counts.values()) <= 1, counts
+        assert router.route_stats.transfers == len(PROMPTS)
+        _assert_clean(router)
+        assert all(w.outstanding == 0 for w in router.workers.values())
+        assert not any(router._bound.values())
 
 
 @pytest.mark.parametrize("cfg,ptp,dtp", [(LLAMA_8Q_2KV, 2, 1), (LLAMA_8Q_2KV, 1, 2),

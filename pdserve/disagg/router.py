@@ -184,6 +184,7 @@ class _Route:
     arrival: float
     first: RequestOutput | None = None   # the prefill worker's output (disagg)
     produced: bool = False        # a token reached the user
+    bound: bool = False           # disagg, before the hand-off: counted in Router._bound
 
 
 def _sum_stats(stats) -> WorkerStats:
@@ -200,10 +201,10 @@ class _Worker:
         self.outstanding = 0
         self.alive = True
 
-    def view(self) -> WorkerView:
+    def view(self, bound: int = 0) -> WorkerView:
         s = self.client.stats
         usage = 0.0 if s is None else s.num_kv_blocks_used / max(1, s.num_kv_blocks)
-        return WorkerView(self.spec.name, self.spec.role, self.outstanding, usage)
+        return WorkerView(self.spec.name, self.spec.role, self.outstanding + bound, usage)
 
 
 class Router:
@@ -243,6 +244,9 @@ class Router:
         self._held: dict[str, str] = {}
         # prefilled requests waiting (within one collect) to be sent to their decode worker
         self._handoffs: dict[str, list[tuple[_Route, AddRequest, str]]] = {}
+        # disaggregated requests routed to a decode worker but not handed to it yet (still
+        # prefilling): they count towards its load when the next request is placed
+        self._bound: dict[str, int] = {}
         self._closed = False
         self._store = None
         self.two_sided = False
@@ -311,7 +315,18 @@ class Router:
         return None, list(ids)
 
     def _live(self) -> list[WorkerView]:
-        return [w.view() for w in self.workers.values() if w.alive]
+        return [w.view(self._bound.get(name, 0)) for name, w in self.workers.items() if w.alive]
+
+    def _bind(self, route: _Route) -> None:
+        if route.path.kind == "disagg" and not route.bound:
+            route.bound = True
+            self._bound[route.path.worker] = self._bound.get(route.path.worker, 0) + 1
+
+    def _unbind(self, route: _Route) -> None:
+        """route no longer waits to reach its decode worker (handed off, done or gone)."""
+        if route.bound:
+            route.bound = False
+            self._bound[route.path.worker] -= 1
 
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
         """Routes each request; returns, per request, None or why it was rejected. A worker
@@ -350,21 +365,27 @@ class Router:
                                req.arrival_time)
                 target, sent = self._first_leg(route)
                 batches.setdefault(target, []).append((i, sent, route))
+                # counted at once, so that the next request of this batch sees the load
+                self.workers[target].outstanding += 1
+                self._bind(route)
             todo = []
             for name, items in batches.items():
                 w = self.workers[name]
                 try:
                     res = w.client.add_requests([sent for _, sent, _ in items])
                 except EngineDeadError as e:
+                    for *_, route in items:
+                        self._unbind(route)
                     self._worker_died(w, e, raise_if_none_left=False)
                     todo += [(i, r.req, r.prompt) for i, _, r in items]
                     continue
                 for (i, sent, route), err in zip(items, res):
                     if err is not None:
                         errors[i] = err
+                        w.outstanding -= 1
+                        self._unbind(route)
                         continue
                     self._routes[sent.request_id] = route
-                    w.outstanding += 1
                     self.route_stats.requests[route.path.kind] += 1
         return errors
 
@@ -383,6 +404,7 @@ class Router:
             route = self._routes.pop(rid, None)
             if route is None:
                 continue
+            self._unbind(route)
             w = self.workers[route.path.prefill if route.stage == "prefill" else route.path.worker]
             if route.stage != "handoff":
                 w.outstanding -= 1
@@ -480,6 +502,7 @@ class Router:
             if out.kv_transfer is not None:
                 p.client.release_kv([rid])
             del self._routes[rid]
+            self._unbind(route)
             out.prompt = route.prompt
             results.append(out)
             return
@@ -510,6 +533,7 @@ class Router:
                 errors = [f"worker {name} is gone"] * len(items)
             sends: dict[str, list[KVSend]] = {}
             for (route, sent, prefill), err in zip(items, errors):
+                self._unbind(route)
                 if err is None and self.two_sided:  # the producer sends as it is handed over
                     sends.setdefault(prefill, []).append(
                         KVSend(sent.kv_source.request_id, name, sent.kv_source.block_ids))
@@ -546,6 +570,7 @@ class Router:
     # ---- faults ----------------------------------------------------------------------------
     def _fail(self, route: _Route, why: str, results: list[RequestOutput]) -> None:
         self._routes.pop(route.req.request_id, None)
+        self._unbind(route)
         self.route_stats.failed += 1
         if route.path.kind == "disagg":
             self._release_held(route.req.request_id, route.path.prefill)
@@ -573,6 +598,7 @@ class Router:
                 continue
             if not route.produced and not self._closed:
                 del self._routes[route.req.request_id]
+                self._unbind(route)
                 retry.append(route)
             else:
                 self._fail(route, f"worker {w.spec.name} died: {error}", results)
