@@ -358,6 +358,23 @@ def test_dead_workers_leave_routing(tmp_path, reference):
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
+def test_hand_off_to_a_dead_decode_worker_goes_to_another(tmp_path, reference, connector):
+    """1P2D, one decode worker killed before the router knows: the requests placed on it are
+    handed (with the KV the prefill worker still holds) to the other, none is lost."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, prefill=1, decode=2, kv_connector=connector, **ENGINE) as llm:
+        router = llm.llm_engine
+        victim = router.workers["decode-1"].client
+        os.kill(victim.pids[0], signal.SIGKILL)
+        victim._procs[0].join(10)
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
+        assert not router.workers["decode-1"].alive
+        stats = router.route_stats
+        assert (stats.transfers, stats.failed, stats.rerouted) == (len(PROMPTS), 0, 0)
+        _assert_clean(router)
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
 def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, monkeypatch,
                                                         connector):
     """Every transfer fails (worker processes inherit the fault): each request is recomputed
@@ -393,3 +410,33 @@ def test_two_sided_abort_before_the_load_still_receives():
     assert [(l.request_id, l.dst_block_ids == []) for l in out.kv_loads] == [("a#0", True),
                                                                             ("b#0", False)]
     assert out.kv_loads[1].src_block_ids == [5, 6]
+
+
+def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch):
+    """Two-sided: when the other worker never joins (it died first), the pair is marked broken
+    after the join timeout; the worker goes on: loads from that producer fail (the scheduler
+    recomputes them) and sends to that consumer are skipped."""
+    import torch
+    from pdserve.disagg.connector import TorchDistConnector
+    from pdserve.disagg.kv_transfer import KVLoad, KVPair, KVSend
+    import torch.distributed as dist
+    monkeypatch.setattr(TorchDistConnector, "join_timeout_s", 1.0)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pair = dict(producer="p", consumer="d", producer_tp=1, consumer_tp=1, num_kv_heads=2,
+                store=f"127.0.0.1:{store.port}")
+    kv = torch.zeros(2, 2, 4, 4, 2, 8)
+    consumer = TorchDistConnector(kv, 0, 1, 2)
+    producer = TorchDistConnector(kv.clone(), 0, 1, 2)
+    try:
+        consumer.add_peer(KVPair(**pair, side="consumer"))   # nobody else comes: 1 s, then
+        assert "could not be formed" in consumer.broken["p"]  # broken, not raised
+        assert consumer.num_peers() == 1
+        consumer.start_load(KVLoad("r", "p", [0, 1], [2, 3]), sync=True)
+        [done] = consumer.poll()
+        assert (done.request_id, done.ok) == ("r", False) and "could not be formed" in done.error
+        producer.add_peer(KVPair(**pair, side="producer"))
+        producer.send_blocks(KVSend("r", "d", [0, 1], True))  # skipped: returns at once
+        assert kv.abs().sum() == 0                            # nothing landed anywhere
+    finally:
+        consumer.close()
+        producer.close()

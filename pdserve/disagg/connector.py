@@ -87,6 +87,10 @@ class KVConnector(abc.ABC):
         """Make a peer reachable (idempotent). Every rank of the worker calls it in the same
         step; a two-sided connector joins the pair's process group here."""
 
+    @abc.abstractmethod
+    def num_peers(self) -> int:
+        """Peers added so far (a two-sided pair that could not be formed counts: it was tried)."""
+
     def check_peer(self, peer: KVPeer | KVPair) -> None:
         """Rank 0, when a peer is announced: ValueError if it cannot work (before any rank
         commits to it)."""
@@ -217,6 +221,9 @@ class SharedPullConnector(KVConnector):
         t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
         t._pdserve_path = path  # noqa: SLF001 - export() needs it
         return t
+
+    def num_peers(self) -> int:
+        return len(self.peers)
 
     def export(self) -> bytes:
         if self.cuda:
@@ -452,6 +459,7 @@ class TorchDistConnector(KVConnector):
 
     name = "torch-dist"
     two_sided = True
+    join_timeout_s = 60.0
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
@@ -477,6 +485,9 @@ class TorchDistConnector(KVConnector):
     def export(self) -> bytes:
         return b""                              # peers meet through the router's store
 
+    def num_peers(self) -> int:
+        return len(self.to_consumer) + len(self.from_producer)
+
     def check_peer(self, peer) -> None:
         if not isinstance(peer, KVPair):
             raise ValueError("the torch-dist connector pairs workers with KVPair")
@@ -493,12 +504,18 @@ class TorchDistConnector(KVConnector):
         if other in table:
             return
         host, port = peer.store.rsplit(":", 1)
-        timeout = datetime.timedelta(seconds=120)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        prefixed = dist.PrefixStore(f"{peer.producer}->{peer.consumer}", store)
+        timeout = datetime.timedelta(seconds=self.join_timeout_s)
         rank = self.tp_rank + (0 if peer.side == "producer" else peer.producer_tp)
-        table[other] = (self._new_group(prefixed, rank, peer.producer_tp + peer.consumer_tp,
-                                        timeout), peer)
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            prefixed = dist.PrefixStore(f"{peer.producer}->{peer.consumer}", store)
+            pg = self._new_group(prefixed, rank, peer.producer_tp + peer.consumer_tp, timeout)
+        except Exception as e:  # noqa: BLE001 - e.g. the other worker died before joining
+            # The pair is unusable, not this worker: its loads fail (and are recomputed), its
+            # sends are skipped.
+            self.broken[other] = f"pair with {other} could not be formed: {type(e).__name__}: {e}"
+            pg = None
+        table[other] = (pg, peer)
 
     def _new_group(self, store, rank: int, size: int, timeout):
         import torch.distributed as dist
@@ -507,6 +524,8 @@ class TorchDistConnector(KVConnector):
     # ---- producer ----------------------------------------------------------------------------
     def send_blocks(self, send: KVSend) -> None:
         pg, pair = self.to_consumer[send.consumer]
+        if pg is None:
+            return                              # no pair with that consumer (broken)
         blocks = self.kv.index_select(2, torch.tensor(send.block_ids, dtype=torch.long))
         for dst in range(pair.consumer_tp):
             parts = [blocks[:, :, :, :, hc.src_heads].contiguous()
@@ -617,6 +636,8 @@ class TorchDistConnector(KVConnector):
             t.join(timeout=5.0)
         # gloo's own threads must stop before the interpreter exits (else: abort at exit)
         for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
+            if pg is None:
+                continue
             try:
                 pg.shutdown()
             except Exception:  # noqa: BLE001 - best effort at exit
@@ -669,6 +690,8 @@ class NcclConnector(TorchDistConnector):
     # ---- producer ----------------------------------------------------------------------------
     def send_blocks(self, send: KVSend) -> None:
         pg, pair = self.to_consumer[send.consumer]
+        if pg is None:
+            return                              # no pair with that consumer (broken)
         dev = self.kv.device
         with torch.cuda.device(dev):
             idx = torch.tensor(send.block_ids, dtype=torch.long).to(dev, non_blocking=True)
@@ -800,6 +823,8 @@ class NcclConnector(TorchDistConnector):
     def close(self) -> None:
         self._prune()
         for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
+            if pg is None:
+                continue
             try:
                 pg.abort() if self._inflight or self._sending else pg.shutdown()
             except Exception:  # noqa: BLE001 - best effort at exit

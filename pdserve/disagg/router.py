@@ -252,8 +252,8 @@ class Router:
         self.two_sided = False
         try:
             self._connect_kv()
-        except ValueError:
-            self.shutdown()
+        except BaseException:  # a bad pairing, or a worker that died on the way: stop them all
+            self.shutdown(5.0)
             raise
 
     def _connect_kv(self) -> None:
@@ -296,6 +296,14 @@ class Router:
             bad = next((e for e in errors if e is not None), None)
             if bad is not None:
                 raise ValueError(f"{name} cannot exchange KV with its peers: {bad}")
+        # Every rank adds its peers on its next step (two-sided: the pair's ranks meet there).
+        # Ready means joined: wait for it, so that a deployment is whole when it is returned.
+        deadline = time.monotonic() + 300
+        for name, peers in plan.items():
+            while self.workers[name].client.check_integrity().kv_peers < len(peers):
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"{name} did not join its KV peers in 300 s")
+                time.sleep(0.01)
 
     # ---- requests ---------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -519,9 +527,13 @@ class Router:
 
     def _flush_handoffs(self, results: list[RequestOutput]) -> None:
         """Send the prefilled requests on to their decode workers: one message (and one reply,
-        which waits for the worker's next step boundary) per decode worker per collect."""
+        which waits for the worker's next step boundary) per decode worker per collect. Those
+        whose decode worker died go to another one (their KV is still held); with none left,
+        they fail."""
         pending, self._handoffs = self._handoffs, {}
-        for name, items in pending.items():
+        while pending:
+            name = next(iter(pending))
+            items = pending.pop(name)
             d = self.workers[name]
             errors = None
             if d.alive:
@@ -530,7 +542,14 @@ class Router:
                 except EngineDeadError as e:
                     self._worker_died(d, e, results)
             if errors is None:
-                errors = [f"worker {name} is gone"] * len(items)
+                other = self.policy.least_loaded(self._live(), "decode")
+                if other is not None:
+                    for route, _, _ in items:
+                        self._unbind(route)
+                        route.path = route.path._replace(worker=other.name)
+                    pending.setdefault(other.name, []).extend(items)
+                    continue
+                errors = [f"worker {name} is gone and no decode worker is left"] * len(items)
             sends: dict[str, list[KVSend]] = {}
             for (route, sent, prefill), err in zip(items, errors):
                 self._unbind(route)
@@ -592,8 +611,9 @@ class Router:
         results = results if results is not None else []
         retry = []
         for route in list(self._routes.values()):
-            on_w = (route.path.worker == w.spec.name and route.stage != "prefill") or \
-                   (route.path.prefill == w.spec.name and route.stage == "prefill")
+            # (a request being handed to w is not on it yet: the hand-off finds another)
+            on_w = (route.path.worker == w.spec.name and route.stage in ("collocated", "decode")) \
+                or (route.path.prefill == w.spec.name and route.stage == "prefill")
             if not on_w:
                 continue
             if not route.produced and not self._closed:

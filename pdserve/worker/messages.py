@@ -52,6 +52,7 @@ class WorkerStats(msgspec.Struct):
     num_kv_blocks_used: int
     num_kv_blocks: int
     num_preemptions: int
+    kv_peers: int = 0   # P/D: peers this worker's connector has joined (or given up on)
 
 
 class CheckIntegrity(msgspec.Struct, tag=True):

@@ -203,9 +203,11 @@ class _Driver:
 
     def _stats(self):
         eng, sched = self.engine, self.engine.scheduler
+        conn = eng.runner.connector
         return self.m.WorkerStats(len(sched.running), len(sched.waiting),
                                   eng.kv.pool.num_used_blocks, eng.num_kv_blocks,
-                                  sched.num_preemptions)
+                                  sched.num_preemptions,
+                                  0 if conn is None else conn.num_peers())
 
     def _read_messages(self) -> None:
         m, eng = self.m, self.engine
