@@ -44,7 +44,9 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="TP of each collocated worker (default -tp)")
     g.add_argument("--routing-policy", default=None, choices=["disagg", "collocated", "round-robin"],
                    help="default: disagg with prefill workers, else collocated")
-    g.add_argument("--kv-connector", default="shared", help="how KV moves (registered connectors)")
+    g.add_argument("--kv-connector", default="shared",
+                   help="how KV moves: shared (CUDA IPC peer reads, or a pinned host relay "
+                        "without peer access; a shared file on CPU), relay, nccl, torch-dist (CPU)")
     g.add_argument("--kv-transfer-mode", default="async", choices=["sync", "async"],
                    help="sync: a decode worker pulls inside its step; async: beside its steps")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,

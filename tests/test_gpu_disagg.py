@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.disagg import connector  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 from .test_disagg import GREEDY, PROMPTS, _handoff, _run  # noqa: E402
@@ -77,6 +78,9 @@ def test_shared_connector_detects_peer_access(tmp_path, monkeypatch, access):
                 block_size=16, load_format="dummy", dtype="float32", enforce_eager=True)
     P = LLMEngine(EngineConfig(device="cuda:0", **base))
     D = LLMEngine(EngineConfig(device="cuda:1", **base))
+    # CUDA IPC cannot open a handle in the process that exported it: hand over the pool itself
+    # (on GPU 0; the worker-process tests above cover the IPC mapping)
+    monkeypatch.setattr(connector, "_open_ipc_here", lambda *a: P.runner.kv_cache)
     D.connect_kv([P.kv_export("p")])
     D.step()  # the peer is added on the next step
     assert D.runner.connector.paths == {"p": access}
