@@ -4,6 +4,8 @@ pinned host memory; "nccl": NCCL send/receive), decode there with CUDA graphs â€
 identical to HF generate, in sync and async mode; transfers that fail fall back to recompute.
 In one process, the shared connector picks the peer path or, without peer access, the relay.
 Run on the two-GPU device: `python -m pytest -m gpu tests/test_gpu_disagg.py`."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,6 +64,24 @@ def test_1p1d_fp32_greedy_matches_hf(hf_reference, monkeypatch, connector, mode,
             assert s.num_kv_blocks_used == 0
         assert [w.client.config.device for w in router.workers.values()] == ["cuda:0", "cuda:1"]
     assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+def test_1p1d_seeded_sampling_matches_one_engine(hf_reference):
+    """Seeded random sampling through P -> D gives one engine's tokens on the GPU too: the
+    decode worker's CUDA generator is advanced past the producer's draws (Philox offsets)."""
+    d, prompts, _ = hf_reference
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    args = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=1024)
+    batch = [{"prompt_token_ids": p} for p in prompts[:4]]
+    with LLM(str(d), **args) as one:
+        ref = [o.outputs[0].token_ids for o in one.generate(batch, sp, use_tqdm=False)]
+        other = one.generate(batch[:1], dataclasses.replace(sp, seed=12),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    assert other != ref[0]  # the seed matters (the test can fail)
+    with LLM(str(d), prefill=1, decode=1, **args) as pd:
+        got = [o.outputs[0].token_ids for o in pd.generate(batch, sp, use_tqdm=False)]
+        assert pd.llm_engine.route_stats.transfers == len(batch)
+    assert got == ref
 
 
 @pytest.mark.parametrize("access", ["peer", "relay"])
