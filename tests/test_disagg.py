@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy
+from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router
 from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import AddRequest, LLMEngine
@@ -131,6 +131,27 @@ def test_seeded_sampling_continues_across_the_handoff(tmp_path):
     assert out.outputs[0].token_ids == ref
     other = dataclasses.replace(sp, seed=8)  # and the seed matters (the test can fail)
     assert _run(P, [AddRequest("o", PROMPTS[3], other)])["o"].outputs[0].token_ids != ref
+
+
+def test_lost_kv_is_recomputed_after_the_producers_tokens(tmp_path):
+    """A kv_source without worker and blocks (its producer died): the consumer recomputes the
+    prompt and the producer's token, then continues exactly as one engine would."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    cfg = EngineConfig(model=path, kv_connector="shared", **ENGINE)
+    P, D = LLMEngine(cfg), LLMEngine(cfg)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        ref = _run(P, [AddRequest(f"ref{i}", {"prompt_token_ids": prompt}, GREEDY)])[f"ref{i}"]
+        first = _run(P, [AddRequest(f"r{i}", {"prompt_token_ids": prompt}, _one(GREEDY),
+                                    kv_hold=True)])[f"r{i}"]
+        P.release_kv([f"r{i}"])
+        lost = msgspec.structs.replace(first.kv_transfer, worker="", block_ids=[])
+        out = _run(D, [AddRequest(f"r{i}", {"prompt_token_ids": prompt}, GREEDY,
+                                  kv_source=lost)])[f"r{i}"]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert D.take_kv_events() == []  # nothing was pulled
+    for e in (P, D):
+        e.check_integrity()
+        assert e.kv.pool.num_used_blocks == 0
 
 
 def test_bad_kv_source_is_a_clear_error(tmp_path):
@@ -371,6 +392,30 @@ def test_hand_off_to_a_dead_decode_worker_goes_to_another(tmp_path, reference, c
         assert not router.workers["decode-1"].alive
         stats = router.route_stats
         assert (stats.transfers, stats.failed, stats.rerouted) == (len(PROMPTS), 0, 0)
+        _assert_clean(router)
+
+
+def test_prefill_worker_dead_at_the_hand_off_is_recomputed(tmp_path, reference, monkeypatch):
+    """The prefill worker dies with requests prefilled and not yet handed off: their KV died
+    with it, so the decode worker recomputes them (never pulls from a dead worker's memory);
+    those still prefilling are routed again; none is lost."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    real = Router._flush_handoffs
+
+    def kill_at_first_hand_off(self, results):
+        victim = self.workers["prefill-0"].client
+        if self._handoffs and not victim.exited():
+            os.kill(victim.pids[0], signal.SIGKILL)
+            victim._procs[0].join(10)
+        return real(self, results)
+
+    monkeypatch.setattr(Router, "_flush_handoffs", kill_at_first_hand_off)
+    with LLM(path, prefill=1, decode=1, **ENGINE) as llm:
+        router = llm.llm_engine
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
+        s = router.route_stats
+        assert s.recomputed >= 1 and (s.transfers, s.failed) == (0, 0)
+        assert s.recomputed + s.rerouted == len(PROMPTS)
         _assert_clean(router)
 
 

@@ -76,7 +76,9 @@ class KVPeer(msgspec.Struct, tag=True):
 class KVSource(msgspec.Struct):
     """Where a request's prompt KV waits: on producer `worker`, held under `request_id`, in
     `block_ids` (table order), covering the first `num_tokens` positions. `output_token_ids`
-    are the tokens the producer already sampled (their KV is not computed yet)."""
+    are the tokens the producer already sampled (their KV is not computed yet).
+    worker "" (and no blocks): the KV is lost (its producer died); the consumer recomputes the
+    prompt and continues after output_token_ids all the same."""
     worker: str
     request_id: str
     block_ids: list[int]

@@ -171,6 +171,7 @@ class RouterStats:
     transfer_seconds: float = 0.0
     transfer_failures: int = 0    # pulls that failed or timed out (recomputed on the decode side)
     rerouted: int = 0             # requests sent again after their worker died
+    recomputed: int = 0           # handed off without KV (their prefill worker died)
     failed: int = 0               # requests lost with a dead worker
 
 
@@ -531,6 +532,14 @@ class Router:
         whose decode worker died go to another one (their KV is still held); with none left,
         they fail."""
         pending, self._handoffs = self._handoffs, {}
+        for items in pending.values():
+            for k, (route, sent, prefill) in enumerate(items):
+                p = self.workers[prefill]
+                if not p.alive or p.client.exited():
+                    # Its KV died with it (and a pull from a dead GPU's memory could fault the
+                    # decode GPU): the decode worker recomputes the prompt, then continues.
+                    lost = msgspec.structs.replace(sent.kv_source, worker="", block_ids=[])
+                    items[k] = (route, dataclasses.replace(sent, kv_source=lost), prefill)
         while pending:
             name = next(iter(pending))
             items = pending.pop(name)
@@ -553,16 +562,23 @@ class Router:
             sends: dict[str, list[KVSend]] = {}
             for (route, sent, prefill), err in zip(items, errors):
                 self._unbind(route)
-                if err is None and self.two_sided:  # the producer sends as it is handed over
+                rid = route.req.request_id
+                held = bool(sent.kv_source.worker)   # else: recomputed there (producer died)
+                if err is None and held and self.two_sided:  # sent as it is handed over
                     sends.setdefault(prefill, []).append(
                         KVSend(sent.kv_source.request_id, name, sent.kv_source.block_ids))
-                rid = route.req.request_id
-                if self._routes.get(rid) is not route:  # failed meanwhile (its worker died)
-                    self._release_held(rid, prefill)
+                if self._routes.get(rid) is not route:  # aborted meanwhile
+                    if held:
+                        self._release_held(rid, prefill)
+                    if err is None:
+                        d.client.abort_request(rid)
                 elif err is not None:
                     self._fail(route, f"decode worker rejected the request: {err}", results)
                 else:
-                    self._held[rid] = prefill
+                    if held:
+                        self._held[rid] = prefill
+                    else:
+                        self.route_stats.recomputed += 1
                     route.stage = "decode"
                     d.outstanding += 1
             for prefill, batch in sends.items():

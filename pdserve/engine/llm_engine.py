@@ -242,9 +242,9 @@ class LLMEngine:
         group = _Group(request_id, text, ids, params, seqs, final_only,
                        {"arrival": arrival_time or time.monotonic()}, num_unfinished=len(seqs),
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        if kv_source is not None:
+        if kv_source is not None and kv_source.worker:
             self.scheduler.add_remote(first, kv_source)
-        else:
+        else:  # (a lost kv_source: computed here from the prompt, after its output tokens)
             self.scheduler.add(first)
         self._groups[request_id] = group
         for s in seqs:
@@ -265,7 +265,7 @@ class LLMEngine:
 
     def _check_kv_request(self, ids: list[int], params: SamplingParams,
                           kv_source: KVSource | None) -> None:
-        if self.runner.connector is None and kv_source is not None:
+        if self.runner.connector is None and kv_source is not None and kv_source.worker:
             raise ValueError("this engine has no kv_connector: it cannot pull KV")
         if params.n != 1 or params.prompt_logprobs is not None:
             raise ValueError("a P/D request needs n=1 and no prompt_logprobs")
@@ -274,7 +274,8 @@ class LLMEngine:
         if kv_source.num_tokens != len(ids):
             raise ValueError(f"kv_source covers {kv_source.num_tokens} tokens; the prompt has "
                              f"{len(ids)}")
-        if len(kv_source.block_ids) != self.kv.blocks_for(kv_source.num_tokens):
+        lost = not kv_source.worker and not kv_source.block_ids  # recompute here
+        if not lost and len(kv_source.block_ids) != self.kv.blocks_for(kv_source.num_tokens):
             raise ValueError(f"kv_source has {len(kv_source.block_ids)} blocks for "
                              f"{kv_source.num_tokens} tokens (block size {self.config.block_size})")
         if not kv_source.output_token_ids or not all(

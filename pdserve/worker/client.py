@@ -168,6 +168,10 @@ class EngineClient:
         """What a caller driving several clients waits on: readable when step(0) has news."""
         return [self._outputs, *(p.sentinel for p in self._procs)]
 
+    def exited(self) -> bool:
+        """A rank's process has ended (whether or not a call has noticed yet)."""
+        return any(not p.is_alive() for p in self._procs)
+
     def readable(self) -> bool:
         """True when step(0) has something: buffered or arrived outputs, or a rank's exit."""
         return bool(self._ready) or bool(self._outputs.poll(0)) or any(
