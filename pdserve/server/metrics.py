@@ -48,6 +48,10 @@ class Metrics:
         self.kv_transfer_failures = Gauge("pdserve:kv_transfer_failures",
                                           "KV pulls that failed or timed out (recomputed)",
                                           registry=r)
+        self.fault_requests = Gauge("pdserve:requests_after_worker_death",
+                                    "Requests caught by a worker's death: routed again, handed "
+                                    "off without KV (recomputed) or failed", ["outcome"],
+                                    registry=r)
 
     def update_routes(self, rs) -> None:
         """From a Router's RouterStats."""
@@ -57,6 +61,8 @@ class Metrics:
         self.kv_transfer_bytes.set(rs.transfer_bytes)
         self.kv_transfer_seconds.set(rs.transfer_seconds)
         self.kv_transfer_failures.set(rs.transfer_failures)
+        for outcome in ("rerouted", "recomputed", "failed"):
+            self.fault_requests.labels(outcome).set(getattr(rs, outcome))
 
     def update_stats(self, stats) -> None:
         if stats is not None:
