@@ -147,6 +147,9 @@ def test_bad_request_mid_flight_leaves_others_running(model_dir):
         eng.add_request("b", {"prompt_token_ids": list(range(100))}, sp)
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request("a", {"prompt_token_ids": PROMPTS[1]}, sp)
+    n = eng.config.max_num_seqs + 1  # could never be admitted at once: it used to wait forever
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        eng.add_request("c", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(n=n, max_tokens=2))
     done = []
     while eng.has_unfinished_requests():
         done += [o for o in eng.step() if o.finished]

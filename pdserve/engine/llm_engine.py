@@ -208,6 +208,9 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:  # its sequences are admitted together
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} "
+                             "sequences can run at once")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
