@@ -245,8 +245,16 @@ class SharedPullConnector(KVConnector):
                 theirs = _ipc_device(*spec[1])
                 direct = not self.force_relay and (
                     theirs == here or torch.cuda.can_device_access_peer(here, theirs))
+                pool = None
+                if direct:
+                    try:
+                        pool = _open_ipc_here(*spec[1], self.kv.device)
+                    except RuntimeError:  # peer access reported but the mapping refused
+                        direct = False
+                if pool is None:
+                    pool = _open_ipc_here(*spec[1], None)
                 paths.add("peer" if direct else "relay")
-                pools.append(_open_ipc_here(*spec[1], self.kv.device if direct else None))
+                pools.append(pool)
             else:
                 paths.add("file")
                 _, path, shape, dtype = spec
