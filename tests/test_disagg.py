@@ -173,8 +173,6 @@ def test_bad_kv_source_is_a_clear_error(tmp_path):
         plain.add_request("b", [1, 2, 3, 4, 5], GREEDY, kv_source=src)
     with pytest.raises(ValueError, match="unknown kv_connector"):
         EngineConfig(model=path, kv_connector="carrier-pigeon", **ENGINE)
-    with pytest.raises(ValueError, match="needs CUDA"):  # a GPU connector on CPU: said clearly
-        LLMEngine(EngineConfig(model=path, kv_connector="nccl", **ENGINE))
     assert not D.has_unfinished_requests()
     P.release_kv(["a"])
     P.check_integrity()
@@ -259,7 +257,9 @@ def reference(tmp_path_factory):
     return refs
 
 
-CONNECTORS = ["shared", "torch-dist"]  # one-sided pull (shared file) / gloo send-receive
+# one-sided pull (a shared file here) / gloo send-receive on threads / the NCCL connector's
+# own code, over gloo on CPU
+CONNECTORS = ["shared", "torch-dist", "nccl"]
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -457,12 +457,13 @@ def test_two_sided_abort_before_the_load_still_receives():
     assert out.kv_loads[1].src_block_ids == [5, 6]
 
 
-def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch):
+@pytest.mark.parametrize("connector", ["torch-dist", "nccl"])
+def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch, connector):
     """Two-sided: when the other worker never joins (it died first), the pair is marked broken
     after the join timeout; the worker goes on: loads from that producer fail (the scheduler
     recomputes them) and sends to that consumer are skipped."""
     import torch
-    from pdserve.disagg.connector import TorchDistConnector
+    from pdserve.disagg.connector import TorchDistConnector, get_connector_class
     from pdserve.disagg.kv_transfer import KVLoad, KVPair, KVSend
     import torch.distributed as dist
     monkeypatch.setattr(TorchDistConnector, "join_timeout_s", 1.0)
@@ -470,8 +471,9 @@ def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch):
     pair = dict(producer="p", consumer="d", producer_tp=1, consumer_tp=1, num_kv_heads=2,
                 store=f"127.0.0.1:{store.port}")
     kv = torch.zeros(2, 2, 4, 4, 2, 8)
-    consumer = TorchDistConnector(kv, 0, 1, 2)
-    producer = TorchDistConnector(kv.clone(), 0, 1, 2)
+    cls = get_connector_class(connector)
+    consumer = cls(kv, 0, 1, 2)
+    producer = cls(kv.clone(), 0, 1, 2)
     try:
         consumer.add_peer(KVPair(**pair, side="consumer"))   # nobody else comes: 1 s, then
         assert "could not be formed" in consumer.broken["p"]  # broken, not raised

@@ -22,7 +22,8 @@ Registered:
                 memory (the relay; chosen per producer GPU when it is added). CPU: a shared file.
   "relay"       "shared" with the pinned host relay forced.
   "torch-dist"  two-sided send/receive over a per-pair gloo group (CPU; what CI runs).
-  "nccl"        the same pairing over NCCL point-to-point (GPUs, across hosts too).
+  "nccl"        the same pairing over NCCL point-to-point (GPUs, across hosts too); on CPU
+                its code runs over gloo, blocking, so CI exercises it.
 
 Faults for tests: PDSERVE_KV_FAULT=fail makes loads fail half-way; =hang makes them never
 finish (until cancelled).
@@ -30,6 +31,7 @@ finish (until cancelled).
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import pickle
 import threading
@@ -132,10 +134,39 @@ class KVConnector(abc.ABC):
         return out
 
 
-def _timed_event(stream) -> "torch.cuda.Event":
+class _HostMark:
+    """A CUDA event's stand-in on CPU, where work is done when its call returns."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_HostMark") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _timed_event(stream):
+    """A timing event recorded on stream (CUDA), or a host time stamp (stream None: CPU)."""
+    if stream is None:
+        return _HostMark()
     ev = torch.cuda.Event(enable_timing=True)
     ev.record(stream)
     return ev
+
+
+def _on(device: torch.device, stream=None):
+    """Make device (and stream) current for CUDA work; nothing on CPU."""
+    ctx = contextlib.ExitStack()
+    if device.type == "cuda":
+        ctx.enter_context(torch.cuda.device(device))
+        if stream is not None:
+            ctx.enter_context(torch.cuda.stream(stream))
+    return ctx
 
 
 def _ipc_device(rebuild, args) -> int:
@@ -667,7 +698,12 @@ class NcclConnector(TorchDistConnector):
 
     A pair whose transfer never ends (the producer died) is aborted when the load is given up
     (kv_transfer_timeout_s): its NCCL communicator is torn down, that cancel waits no longer,
-    and later loads from that producer fail at once (their prompts are recomputed)."""
+    and later loads from that producer fail at once (their prompts are recomputed).
+
+    On CPU the same code runs over gloo, so CI exercises it; there every send and receive
+    blocks its caller until the other side takes part (the router's single hand-off order
+    keeps that from deadlocking), which is fine for tests, not for serving: "torch-dist" is the
+    CPU connector."""
 
     name = "nccl"
     two_sided = True
@@ -675,8 +711,7 @@ class NcclConnector(TorchDistConnector):
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         KVConnector.__init__(self, kv_cache, tp_rank, tp_size, num_kv_heads)
-        if kv_cache.device.type != "cuda":
-            raise ValueError("the nccl connector needs CUDA; on CPU use kv_connector='torch-dist'")
+        self.cuda = kv_cache.device.type == "cuda"
         self.to_consumer: dict[str, tuple[object, KVPair]] = {}
         self.from_producer: dict[str, tuple[object, KVPair]] = {}
         self.broken: dict[str, str] = {}
@@ -685,10 +720,12 @@ class NcclConnector(TorchDistConnector):
         self._sending: deque[tuple[list, list]] = deque()  # (works, buffers) of sends
         self._finished: deque[_Load] = deque()
         self._lock = threading.Lock()
-        self._stream = torch.cuda.Stream(kv_cache.device)
+        self._stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
 
     def _new_group(self, store, rank: int, size: int, timeout):
         import torch.distributed as dist
+        if not self.cuda:
+            return super()._new_group(store, rank, size, timeout)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
@@ -701,22 +738,31 @@ class NcclConnector(TorchDistConnector):
         if pg is None:
             return                              # no pair with that consumer (broken)
         dev = self.kv.device
-        with torch.cuda.device(dev):
+        with _on(dev):
             idx = torch.tensor(send.block_ids, dtype=torch.long).to(dev, non_blocking=True)
             blocks = self.kv.index_select(2, idx)
             status = torch.tensor([1 if send.ok else 0], dtype=torch.int64).to(dev)
             works, keep = [], [blocks, status]
-            for dst in range(pair.consumer_tp):
-                for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
-                                           pair.consumer_tp, dst):
-                    if hc.src_rank != self.tp_rank:
-                        continue
-                    t = blocks[:, :, :, :, hc.src_heads].contiguous()
-                    # NCCL's stream waits for this (compute) stream at each send, no more
-                    works += [pg.send([status], pair.producer_tp + dst, 0),
-                              pg.send([t], pair.producer_tp + dst, 0)]
-                    keep.append(t)
-        self._sending.append((works, keep))
+            try:
+                for dst in range(pair.consumer_tp):
+                    for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
+                                               pair.consumer_tp, dst):
+                        if hc.src_rank != self.tp_rank:
+                            continue
+                        t = blocks[:, :, :, :, hc.src_heads].contiguous()
+                        # NCCL's stream waits for this (compute) stream at each send, no more
+                        sent = [pg.send([status], pair.producer_tp + dst, 0),
+                                pg.send([t], pair.producer_tp + dst, 0)]
+                        if not self.cuda:
+                            for w in sent:   # gloo: a send completes only through wait()
+                                w.wait()
+                        works += sent
+                        keep.append(t)
+            except Exception as e:  # noqa: BLE001 - the consumer is gone: stop sending to it
+                self.broken[send.consumer] = f"pair with {send.consumer} broke: {e}"
+                self.to_consumer[send.consumer] = (None, pair)
+        if self.cuda:
+            self._sending.append((works, keep))
         self._prune()
 
     # ---- consumer ----------------------------------------------------------------------------
@@ -734,27 +780,36 @@ class NcclConnector(TorchDistConnector):
             return
         pg, pair = self.from_producer[load.worker]
         dev = self.kv.device
-        self._stream.wait_stream(torch.cuda.current_stream(dev))  # the blocks' last readers
-        with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+        if self.cuda:  # the blocks' last readers first
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
+        with _on(dev, self._stream):
             t0 = _timed_event(self._stream)
             shape = list(self.kv.shape)
             shape[2] = len(load.src_block_ids)
             dst = None if discard else torch.tensor(load.dst_block_ids, dtype=torch.long).to(dev)
             statuses = []
-            for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp, pair.consumer_tp,
-                                       self.tp_rank):
-                status = torch.zeros(1, dtype=torch.int64, device=dev)
-                shape[4] = hc.dst_heads.stop - hc.dst_heads.start
-                buf = torch.empty(shape, dtype=self.kv.dtype, device=dev)
-                pg.recv([status], hc.src_rank, 0).wait()   # .wait(): our stream waits for NCCL's
-                pg.recv([buf], hc.src_rank, 0).wait()
-                if not discard:
-                    self.kv[:, :, :, :, hc.dst_heads].index_copy_(2, dst, buf)
-                statuses.append(status)
-                item.keep += [buf, status]
-                item.nbytes += buf.numel() * buf.element_size()
-            item.status = torch.empty(len(statuses), dtype=torch.int64, pin_memory=True)
-            item.status.copy_(torch.cat(statuses), non_blocking=True)
+            try:
+                for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
+                                           pair.consumer_tp, self.tp_rank):
+                    status = torch.zeros(1, dtype=torch.int64, device=dev)
+                    shape[4] = hc.dst_heads.stop - hc.dst_heads.start
+                    buf = torch.empty(shape, dtype=self.kv.dtype, device=dev)
+                    # .wait(): on CUDA our stream waits for NCCL's; on CPU (gloo) we wait
+                    pg.recv([status], hc.src_rank, 0).wait()
+                    pg.recv([buf], hc.src_rank, 0).wait()
+                    if not discard:
+                        self.kv[:, :, :, :, hc.dst_heads].index_copy_(2, dst, buf)
+                    statuses.append(status)
+                    item.keep += [buf, status]
+                    item.nbytes += buf.numel() * buf.element_size()
+            except Exception as e:  # noqa: BLE001 - a broken pair fails its loads (recompute)
+                item.error = f"{type(e).__name__}: {e}"
+                self.broken.setdefault(load.worker, f"pair with {load.worker} broke: {e}")
+            if statuses and self.cuda:
+                item.status = torch.empty(len(statuses), dtype=torch.int64, pin_memory=True)
+                item.status.copy_(torch.cat(statuses), non_blocking=True)
+            elif statuses:
+                item.status = torch.cat(statuses)
             item.event = _timed_event(self._stream)
             item.spans.append((t0, item.event))
         if discard:
@@ -807,7 +862,8 @@ class NcclConnector(TorchDistConnector):
             if item.error is not None:
                 raise RuntimeError(f"KV receive of {request_id} failed on rank {self.tp_rank} "
                                    f"only: {item.error}")
-            torch.cuda.current_stream(self.kv.device).wait_event(item.event)
+            if self.cuda:
+                torch.cuda.current_stream(self.kv.device).wait_event(item.event)
             return
         # cancel: the blocks are freed after this returns, so the scatter must be over. It ends
         # once the producer's send arrives; if it does not come, the pair is torn down.
