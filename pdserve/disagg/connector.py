@@ -479,47 +479,30 @@ class RelayConnector(SharedPullConnector):
     force_relay = True
 
 
-@register_connector
-class TorchDistConnector(KVConnector):
-    """Two-sided transfers over torch.distributed point-to-point (gloo between CPU processes;
-    the path for hosts without shared memory, and what CI exercises). Each producer/consumer
-    pair of workers forms its own process group (both workers' ranks, producer first), created
-    from a TCPStore the router hosts, so a worker's TP group and other pairs are untouched.
+class _PairConnector(KVConnector):
+    """Two-sided transfers over torch.distributed point-to-point. Each producer/consumer pair of
+    workers forms its own process group (both workers' ranks, producer first), created from a
+    TCPStore the router hosts, so a worker's TP group and other pairs are untouched.
 
     Order is the contract: the router asks the producer to send (SendKV) in the same order as it
     hands the requests to the consumer, and the consumer's scheduler emits their loads in that
     order (a request aborted before its load still gets a receive-and-discard load), so every
     send meets its receive. Each message is a status word (1: the producer still held the blocks)
     then one [layers, 2, blocks, block_size, heads, head_dim] tensor per producer rank that holds
-    heads this consumer rank needs. Sends and receives run on one thread each per connector (a
-    gloo Work completes only through wait()); the received data is scattered into the blocks
-    under a lock that a cancel takes too, so nothing lands after a cancel returns.
-    On CUDA use "nccl" (the same pairing and order, on streams instead of threads)."""
+    heads this consumer rank needs. A pair that cannot form, or breaks, is marked broken: its
+    loads fail (and are recomputed), its sends are skipped."""
 
-    name = "torch-dist"
     two_sided = True
     join_timeout_s = 60.0
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
-        if kv_cache.device.type != "cpu":
-            raise ValueError("the torch-dist connector runs on CPU (gloo); on GPUs use "
-                             "kv_connector='nccl' (or 'shared' / 'relay' on one host)")
         self.to_consumer: dict[str, tuple[object, KVPair]] = {}
         self.from_producer: dict[str, tuple[object, KVPair]] = {}
-        self.broken: dict[str, str] = {}        # producer -> why its pair is unusable
+        self.broken: dict[str, str] = {}        # the other worker -> why its pair is unusable
         self.loads: dict[str, _Load] = {}
         self._finished: deque[_Load] = deque()
-        self._lock = threading.Lock()           # scatter vs cancel
-        self._recvs: deque[_Load] = deque()
-        self._sends: deque[tuple] = deque()
-        self._wake = threading.Condition()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._loop, args=(q, f), daemon=True, name=n)
-                         for q, f, n in ((self._recvs, self._recv_one, "kv-recv"),
-                                         (self._sends, self._send_one, "kv-send"))]
-        for t in self._threads:
-            t.start()
+        self._lock = threading.Lock()
 
     def export(self) -> bytes:
         return b""                              # peers meet through the router's store
@@ -529,7 +512,7 @@ class TorchDistConnector(KVConnector):
 
     def check_peer(self, peer) -> None:
         if not isinstance(peer, KVPair):
-            raise ValueError("the torch-dist connector pairs workers with KVPair")
+            raise ValueError(f"the {self.name} connector pairs workers with KVPair")
         if peer.side not in ("producer", "consumer"):
             raise ValueError(f"bad KVPair side {peer.side!r}")
 
@@ -550,8 +533,6 @@ class TorchDistConnector(KVConnector):
             prefixed = dist.PrefixStore(f"{peer.producer}->{peer.consumer}", store)
             pg = self._new_group(prefixed, rank, peer.producer_tp + peer.consumer_tp, timeout)
         except Exception as e:  # noqa: BLE001 - e.g. the other worker died before joining
-            # The pair is unusable, not this worker: its loads fail (and are recomputed), its
-            # sends are skipped.
             self.broken[other] = f"pair with {other} could not be formed: {type(e).__name__}: {e}"
             pg = None
         table[other] = (pg, peer)
@@ -560,19 +541,70 @@ class TorchDistConnector(KVConnector):
         import torch.distributed as dist
         return dist.ProcessGroupGloo(store, rank, size, timeout)
 
+    def _outgoing(self, pair: KVPair, blocks: torch.Tensor):
+        """(consumer's rank in the pair group, this rank's part of blocks for it), for each
+        consumer rank that needs heads this producer rank holds (one run of heads at most)."""
+        for dst in range(pair.consumer_tp):
+            for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp, pair.consumer_tp,
+                                       dst):
+                if hc.src_rank == self.tp_rank:
+                    yield pair.producer_tp + dst, blocks[:, :, :, :, hc.src_heads].contiguous()
+
+    def _incoming(self, pair: KVPair, num_blocks: int):
+        """(head copy, receive buffer shape) for each part this consumer rank receives."""
+        shape = list(self.kv.shape)
+        shape[2] = num_blocks
+        for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp, pair.consumer_tp,
+                                   self.tp_rank):
+            shape[4] = hc.dst_heads.stop - hc.dst_heads.start
+            yield hc, tuple(shape)
+
+    def _close_groups(self, abort: bool = False) -> None:
+        # gloo's own threads must stop before the interpreter exits (else: abort at exit)
+        for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
+            if pg is None:
+                continue
+            try:
+                pg.abort() if abort else pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        self.to_consumer.clear()
+        self.from_producer.clear()
+
+
+@register_connector
+class TorchDistConnector(_PairConnector):
+    """Pairs over gloo between CPU processes (the path for hosts without shared memory). Sends
+    and receives run on one thread each per connector (a gloo Work completes only through
+    wait()); the received data is scattered into the blocks under a lock that a cancel takes
+    too, so nothing lands after a cancel returns. On CUDA use "nccl" (the same pairing and
+    order, on streams instead of threads)."""
+
+    name = "torch-dist"
+
+    def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
+        super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
+        if kv_cache.device.type != "cpu":
+            raise ValueError("the torch-dist connector runs on CPU (gloo); on GPUs use "
+                             "kv_connector='nccl' (or 'shared' / 'relay' on one host)")
+        self._recvs: deque[_Load] = deque()
+        self._sends: deque[tuple] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._loop, args=(q, f), daemon=True, name=n)
+                         for q, f, n in ((self._recvs, self._recv_one, "kv-recv"),
+                                         (self._sends, self._send_one, "kv-send"))]
+        for t in self._threads:
+            t.start()
+
     # ---- producer ----------------------------------------------------------------------------
     def send_blocks(self, send: KVSend) -> None:
         pg, pair = self.to_consumer[send.consumer]
         if pg is None:
             return                              # no pair with that consumer (broken)
         blocks = self.kv.index_select(2, torch.tensor(send.block_ids, dtype=torch.long))
-        for dst in range(pair.consumer_tp):
-            parts = [blocks[:, :, :, :, hc.src_heads].contiguous()
-                     for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
-                                                pair.consumer_tp, dst)
-                     if hc.src_rank == self.tp_rank]
-            for t in parts:  # at most one: a producer rank's heads form one run per consumer rank
-                self._push(self._sends, (pg, pair.producer_tp + dst, t, send.ok))
+        for dst, t in self._outgoing(pair, blocks):
+            self._push(self._sends, (pg, dst, t, send.ok))
 
     def _send_one(self, job) -> None:
         pg, dst, t, ok = job
@@ -603,13 +635,9 @@ class TorchDistConnector(KVConnector):
             if why is not None:
                 raise RuntimeError(why)
             parts = []
-            shape = list(self.kv.shape)
-            shape[2] = len(load.src_block_ids)
-            for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp, pair.consumer_tp,
-                                       self.tp_rank):
+            for hc, shape in self._incoming(pair, len(load.src_block_ids)):
                 status = torch.zeros(1, dtype=torch.int64)
                 pg.recv([status], hc.src_rank, 0).wait()
-                shape[4] = hc.dst_heads.stop - hc.dst_heads.start
                 buf = torch.empty(shape, dtype=self.kv.dtype)
                 pg.recv([buf], hc.src_rank, 0).wait()
                 if int(status) != 1:
@@ -673,20 +701,11 @@ class TorchDistConnector(KVConnector):
             self._wake.notify_all()
         for t in self._threads:
             t.join(timeout=5.0)
-        # gloo's own threads must stop before the interpreter exits (else: abort at exit)
-        for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
-            if pg is None:
-                continue
-            try:
-                pg.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
-        self.to_consumer.clear()
-        self.from_producer.clear()
+        self._close_groups()
 
 
 @register_connector
-class NcclConnector(TorchDistConnector):
+class NcclConnector(_PairConnector):
     """Two-sided transfers between GPUs over NCCL point-to-point (torch.distributed's
     ProcessGroupNCCL): the path across hosts, or where CUDA IPC is not available. Pairing and
     order are torch-dist's (a process group per producer/consumer pair of workers, from the
@@ -706,20 +725,13 @@ class NcclConnector(TorchDistConnector):
     CPU connector."""
 
     name = "nccl"
-    two_sided = True
     cancel_grace_s = 5.0
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
-        KVConnector.__init__(self, kv_cache, tp_rank, tp_size, num_kv_heads)
+        super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
         self.cuda = kv_cache.device.type == "cuda"
-        self.to_consumer: dict[str, tuple[object, KVPair]] = {}
-        self.from_producer: dict[str, tuple[object, KVPair]] = {}
-        self.broken: dict[str, str] = {}
-        self.loads: dict[str, _Load] = {}
         self._inflight: deque[_Load] = deque()     # loads whose GPU work may still run
         self._sending: deque[tuple[list, list]] = deque()  # (works, buffers) of sends
-        self._finished: deque[_Load] = deque()
-        self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
 
     def _new_group(self, store, rank: int, size: int, timeout):
@@ -744,20 +756,14 @@ class NcclConnector(TorchDistConnector):
             status = torch.tensor([1 if send.ok else 0], dtype=torch.int64).to(dev)
             works, keep = [], [blocks, status]
             try:
-                for dst in range(pair.consumer_tp):
-                    for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
-                                               pair.consumer_tp, dst):
-                        if hc.src_rank != self.tp_rank:
-                            continue
-                        t = blocks[:, :, :, :, hc.src_heads].contiguous()
-                        # NCCL's stream waits for this (compute) stream at each send, no more
-                        sent = [pg.send([status], pair.producer_tp + dst, 0),
-                                pg.send([t], pair.producer_tp + dst, 0)]
-                        if not self.cuda:
-                            for w in sent:   # gloo: a send completes only through wait()
-                                w.wait()
-                        works += sent
-                        keep.append(t)
+                for dst, t in self._outgoing(pair, blocks):
+                    # NCCL's stream waits for this (compute) stream at each send, no more
+                    sent = [pg.send([status], dst, 0), pg.send([t], dst, 0)]
+                    if not self.cuda:
+                        for w in sent:   # gloo: a send completes only through wait()
+                            w.wait()
+                    works += sent
+                    keep.append(t)
             except Exception as e:  # noqa: BLE001 - the consumer is gone: stop sending to it
                 self.broken[send.consumer] = f"pair with {send.consumer} broke: {e}"
                 self.to_consumer[send.consumer] = (None, pair)
@@ -784,15 +790,11 @@ class NcclConnector(TorchDistConnector):
             self._stream.wait_stream(torch.cuda.current_stream(dev))
         with _on(dev, self._stream):
             t0 = _timed_event(self._stream)
-            shape = list(self.kv.shape)
-            shape[2] = len(load.src_block_ids)
             dst = None if discard else torch.tensor(load.dst_block_ids, dtype=torch.long).to(dev)
             statuses = []
             try:
-                for hc in plan_head_copies(pair.num_kv_heads, pair.producer_tp,
-                                           pair.consumer_tp, self.tp_rank):
+                for hc, shape in self._incoming(pair, len(load.src_block_ids)):
                     status = torch.zeros(1, dtype=torch.int64, device=dev)
-                    shape[4] = hc.dst_heads.stop - hc.dst_heads.start
                     buf = torch.empty(shape, dtype=self.kv.dtype, device=dev)
                     # .wait(): on CUDA our stream waits for NCCL's; on CPU (gloo) we wait
                     pg.recv([status], hc.src_rank, 0).wait()
@@ -886,14 +888,6 @@ class NcclConnector(TorchDistConnector):
 
     def close(self) -> None:
         self._prune()
-        for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
-            if pg is None:
-                continue
-            try:
-                pg.abort() if self._inflight or self._sending else pg.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
+        self._close_groups(abort=bool(self._inflight or self._sending))  # never wait on them
         self._inflight.clear()
         self._sending.clear()
-        self.to_consumer.clear()
-        self.from_producer.clear()

@@ -85,6 +85,14 @@ class KVSource(msgspec.Struct):
     num_tokens: int
     output_token_ids: list[int]
 
+    @property
+    def lost(self) -> bool:
+        return not self.worker
+
+    def without_kv(self) -> "KVSource":
+        """The same continuation with its KV lost (recomputed where it lands)."""
+        return msgspec.structs.replace(self, worker="", block_ids=[])
+
 
 class KVLoad(NamedTuple):
     """Consumer side: copy `src_block_ids` of `worker` into `dst_block_ids` here (every layer)."""

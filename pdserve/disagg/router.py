@@ -532,14 +532,16 @@ class Router:
         whose decode worker died go to another one (their KV is still held); with none left,
         they fail."""
         pending, self._handoffs = self._handoffs, {}
-        for items in pending.values():
-            for k, (route, sent, prefill) in enumerate(items):
-                p = self.workers[prefill]
-                if not p.alive or p.client.exited():
-                    # Its KV died with it (and a pull from a dead GPU's memory could fault the
-                    # decode GPU): the decode worker recomputes the prompt, then continues.
-                    lost = msgspec.structs.replace(sent.kv_source, worker="", block_ids=[])
-                    items[k] = (route, dataclasses.replace(sent, kv_source=lost), prefill)
+        # A dead prefill worker's KV died with it (and a pull from a dead GPU's memory could
+        # fault the decode GPU): the decode worker recomputes the prompt, then continues.
+        gone = {n for n, w in self.workers.items()
+                if w.spec.role == "prefill" and (not w.alive or w.client.exited())}
+        if gone:
+            for items in pending.values():
+                for k, (route, sent, prefill) in enumerate(items):
+                    if prefill in gone:
+                        items[k] = (route, dataclasses.replace(
+                            sent, kv_source=sent.kv_source.without_kv()), prefill)
         while pending:
             name = next(iter(pending))
             items = pending.pop(name)
@@ -563,7 +565,7 @@ class Router:
             for (route, sent, prefill), err in zip(items, errors):
                 self._unbind(route)
                 rid = route.req.request_id
-                held = bool(sent.kv_source.worker)   # else: recomputed there (producer died)
+                held = not sent.kv_source.lost   # else: recomputed there (producer died)
                 if err is None and held and self.two_sided:  # sent as it is handed over
                     sends.setdefault(prefill, []).append(
                         KVSend(sent.kv_source.request_id, name, sent.kv_source.block_ids))

@@ -245,7 +245,7 @@ class LLMEngine:
         group = _Group(request_id, text, ids, params, seqs, final_only,
                        {"arrival": arrival_time or time.monotonic()}, num_unfinished=len(seqs),
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        if kv_source is not None and kv_source.worker:
+        if kv_source is not None and not kv_source.lost:
             self.scheduler.add_remote(first, kv_source)
         else:  # (a lost kv_source: computed here from the prompt, after its output tokens)
             self.scheduler.add(first)
@@ -268,7 +268,7 @@ class LLMEngine:
 
     def _check_kv_request(self, ids: list[int], params: SamplingParams,
                           kv_source: KVSource | None) -> None:
-        if self.runner.connector is None and kv_source is not None and kv_source.worker:
+        if self.runner.connector is None and kv_source is not None and not kv_source.lost:
             raise ValueError("this engine has no kv_connector: it cannot pull KV")
         if params.n != 1 or params.prompt_logprobs is not None:
             raise ValueError("a P/D request needs n=1 and no prompt_logprobs")
@@ -277,8 +277,7 @@ class LLMEngine:
         if kv_source.num_tokens != len(ids):
             raise ValueError(f"kv_source covers {kv_source.num_tokens} tokens; the prompt has "
                              f"{len(ids)}")
-        lost = not kv_source.worker and not kv_source.block_ids  # recompute here
-        if not lost and len(kv_source.block_ids) != self.kv.blocks_for(kv_source.num_tokens):
+        if not kv_source.lost and len(kv_source.block_ids) != self.kv.blocks_for(kv_source.num_tokens):
             raise ValueError(f"kv_source has {len(kv_source.block_ids)} blocks for "
                              f"{kv_source.num_tokens} tokens (block size {self.config.block_size})")
         if not kv_source.output_token_ids or not all(
