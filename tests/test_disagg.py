@@ -463,15 +463,15 @@ def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch, con
     after the join timeout; the worker goes on: loads from that producer fail (the scheduler
     recomputes them) and sends to that consumer are skipped."""
     import torch
-    from pdserve.disagg.connector import TorchDistConnector, get_connector_class
+    from pdserve.disagg.connector import get_connector_class
     from pdserve.disagg.kv_transfer import KVLoad, KVPair, KVSend
     import torch.distributed as dist
-    monkeypatch.setattr(TorchDistConnector, "join_timeout_s", 1.0)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pair = dict(producer="p", consumer="d", producer_tp=1, consumer_tp=1, num_kv_heads=2,
                 store=f"127.0.0.1:{store.port}")
     kv = torch.zeros(2, 2, 4, 4, 2, 8)
     cls = get_connector_class(connector)
+    monkeypatch.setattr(cls, "join_timeout_s", 1.0)
     consumer = cls(kv, 0, 1, 2)
     producer = cls(kv.clone(), 0, 1, 2)
     try:
