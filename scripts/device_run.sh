@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, offline,
-# tp-tests, tp, pd-tests, pd (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# tp-tests, tp, pd-tests, pull-profile, pd (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -19,6 +19,7 @@ for stage in "$@"; do
             export PYTHONPATH="/tmp/site:$PYTHONPATH";;
     tp-tests) python3 -m pytest -q -m gpu tests/test_gpu_tp.py tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tp-tests.log" | tail -40;;
     pd-tests) python3 -m pytest -q -m gpu tests/test_gpu_disagg.py tests/test_gpu_tp.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-pd-tests.log" | tail -40;;
+    pull-profile) python3 scripts/profile_pull.py --tile-bytes 4096 16384 65536 --output "$OUT/pull-profile.json" 2>&1 | tee "$OUT/pull-profile.log" | tail -12;;
     pd) python3 -m pdserve bench pd ${PD_ARGS:-} --output "$OUT/pd-handoff-h200x2${PD_TAG:-}.json" 2>&1 | tee "$OUT/pd.log" | tail -30;;
     tp) python3 -m pdserve bench tp --models qwen2.5-7b --tp-sizes 1 2 --batch-sizes 1 8 --output "$OUT/tp-h200x2.json" 2>&1 | grep -v "^Processed" | tee "$OUT/tp.log" | tail -20;;
     serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512

@@ -231,6 +231,7 @@ class SharedPullConnector(KVConnector):
         self._path: str | None = None
         self.peers: dict[str, tuple[list[torch.Tensor], list[HeadCopy]]] = {}
         self.paths: dict[str, str] = {}          # producer -> "peer" | "relay" | "file"
+        self._pulls: dict[str, list] = {}        # "peer" path: a KVPull per plan entry
         self._relay_streams: dict[int, torch.cuda.Stream] = {}
         self.loads: dict[str, _Load] = {}
         self._finished: deque[_Load] = deque()
@@ -303,6 +304,12 @@ class SharedPullConnector(KVConnector):
         plan = plan_head_copies(peer.num_kv_heads, peer.tp, self.tp_size, self.tp_rank)
         self.peers[peer.worker] = (pools, plan)
         self.paths[peer.worker] = "relay" if "relay" in paths else paths.pop()
+        if self.paths[peer.worker] == "peer":   # checked and laid out once per head range
+            from ..kernels.kv_pull import KVPull
+            with torch.cuda.device(self.kv.device):
+                self._pulls[peer.worker] = [
+                    KVPull(pools[hc.src_rank], self.kv, hc.src_heads, hc.dst_heads)
+                    for hc in plan]
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load(self, load: KVLoad, sync: bool) -> None:
@@ -361,30 +368,26 @@ class SharedPullConnector(KVConnector):
     def _launch_cuda(self, item: _Load) -> None:
         """One kernel per head range, on this GPU's transfer stream, reading the producer's GPU
         memory directly (peer access through the IPC mapping; pdserve/kernels/kv_pull.py)."""
-        from ..kernels.kv_pull import pull_kv_blocks
         pools, plan = self.peers[item.load.worker]
         dev = self.kv.device
         self._stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(self._stream):  # ids first: the timed part is the copy itself
-            src_idx = torch.tensor(item.load.src_block_ids, dtype=torch.long).to(dev)
-            dst_idx = torch.tensor(item.load.dst_block_ids, dtype=torch.long).to(dev)
-        if self.fault == "fail":
-            item.error = "injected KV transfer fault (PDSERVE_KV_FAULT=fail)"
-            plan = plan[: len(plan) // 2]
-        if self.paths[item.load.worker] == "relay":
-            self._launch_relay(item, pools, plan, dst_idx)
-            return
-        t0 = _timed_event(self._stream)
         with torch.cuda.device(dev), torch.cuda.stream(self._stream):
-            for hc in plan:
-                src = pools[hc.src_rank]
-                pull_kv_blocks(src, self.kv, src_idx, dst_idx, hc.src_heads, hc.dst_heads)
-                n = len(item.load.src_block_ids)
-                item.nbytes += (src.shape[0] * 2 * n * src.shape[3]
-                                * (hc.src_heads.stop - hc.src_heads.start) * src.shape[5]
-                                * src.element_size())
-        item.event = _timed_event(self._stream)
+            # ids first (one copy for both lists): the timed part is the copy itself
+            ids = torch.tensor([item.load.src_block_ids, item.load.dst_block_ids],
+                               dtype=torch.long).to(dev, non_blocking=True)
+            if self.fault == "fail":
+                item.error = "injected KV transfer fault (PDSERVE_KV_FAULT=fail)"
+                plan = plan[: len(plan) // 2]
+            if self.paths[item.load.worker] == "relay":
+                self._launch_relay(item, pools, plan, ids[1])
+                return
+            pulls = self._pulls[item.load.worker][: len(plan)]
+            t0 = _timed_event(self._stream)
+            for pull in pulls:       # nothing but the launches between the two events
+                pull(ids[0], ids[1])
+            item.event = _timed_event(self._stream)
         item.spans.append((t0, item.event))
+        item.nbytes = sum(p.bytes_per_block for p in pulls) * len(item.load.src_block_ids)
 
     def _launch_relay(self, item: _Load, pools, plan, dst_idx) -> None:
         """No peer access: per head range, gather on the producer's GPU (a stream of ours

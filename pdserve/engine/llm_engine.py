@@ -113,6 +113,14 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
     runs this; the tp group must be initialised first). kv_dir: where a KV connector may put
     files (CPU pools shared with other workers). Returns (runner, num_blocks, max_model_len)."""
     source = source or resolve_source(config.model)
+    device = config.torch_device
+    if device.type == "cuda":  # Triton kernels (loading, graph capture) launch on the current GPU
+        with torch.cuda.device(device):
+            return _build_model_runner(config, eos_token_ids, source, kv_dir)
+    return _build_model_runner(config, eos_token_ids, source, kv_dir)
+
+
+def _build_model_runner(config, eos_token_ids, source, kv_dir):
     device, dtype = config.torch_device, config.torch_dtype
     model = load_model(source, config.load_format, dtype, device,
                        config.resolved_attention_backend, config.seed)

@@ -113,12 +113,10 @@ def _head_range(name: str, s, num_heads: int) -> tuple[int, int]:
     return start, stop
 
 
-def _validate(src, dst, src_blocks, dst_blocks, src_heads, dst_heads):
-    for name, x in (("src", src), ("dst", dst), ("src_blocks", src_blocks),
-                    ("dst_blocks", dst_blocks)):
+def _validate_pools(src, dst, src_heads, dst_heads):
+    for name, x in (("src", src), ("dst", dst)):
         require(isinstance(x, torch.Tensor),
                 f"{_NAME}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    for name, x in (("src", src), ("dst", dst)):
         require(x.dim() == 6 and x.shape[1] == 2,
                 f"{_NAME}: {name} must be [num_layers, 2, num_blocks, block_size, num_heads, "
                 f"head_dim], got shape {tuple(x.shape)}")
@@ -132,21 +130,32 @@ def _validate(src, dst, src_blocks, dst_blocks, src_heads, dst_heads):
                 f"{tuple(src.shape)}, dst {tuple(dst.shape)})")
     require(src.device.type == dst.device.type,
             f"{_NAME}: src is on {src.device}, dst on {dst.device}")
+    hs = _head_range("src_heads", src_heads, src.shape[4])
+    hd = _head_range("dst_heads", dst_heads, dst.shape[4])
+    require(hs[1] - hs[0] == hd[1] - hd[0],
+            f"{_NAME}: src_heads {hs[0]}:{hs[1]} and dst_heads {hd[0]}:{hd[1]} differ in length")
+    return hs, hd
+
+
+def _validate_ids(src, dst, src_blocks, dst_blocks):
     for name, b in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+        require(isinstance(b, torch.Tensor),
+                f"{_NAME}: {name} must be a torch.Tensor, got {type(b).__name__}")
         require(b.dim() == 1, f"{_NAME}: {name} must be 1-D, got shape {tuple(b.shape)}")
         require(b.dtype in _INDEX_DTYPES, f"{_NAME}: {name} must be int64 or int32, got {b.dtype}")
     require(src_blocks.shape[0] == dst_blocks.shape[0],
             f"{_NAME}: len(src_blocks) {src_blocks.shape[0]} != len(dst_blocks) "
             f"{dst_blocks.shape[0]}")
-    hs = _head_range("src_heads", src_heads, src.shape[4])
-    hd = _head_range("dst_heads", dst_heads, dst.shape[4])
-    require(hs[1] - hs[0] == hd[1] - hd[0],
-            f"{_NAME}: src_heads {hs[0]}:{hs[1]} and dst_heads {hd[0]}:{hd[1]} differ in length")
     for name, b, pool in (("src_blocks", src_blocks, src), ("dst_blocks", dst_blocks, dst)):
         if b.device.type == "cpu" and b.numel():  # host ids: cheap to check; device ids: never
             lo, hi = int(b.min()), int(b.max())
             require(0 <= lo and hi < pool.shape[2],
                     f"{_NAME}: {name} ids must be in [0, {pool.shape[2]}), got [{lo}, {hi}]")
+
+
+def _validate(src, dst, src_blocks, dst_blocks, src_heads, dst_heads):
+    hs, hd = _validate_pools(src, dst, src_heads, dst_heads)
+    _validate_ids(src, dst, src_blocks, dst_blocks)
     return hs, hd
 
 
@@ -182,45 +191,61 @@ def _tiles(rows: int, cols: int, itemsize: int) -> tuple[int, int, int]:
     return block_r, block_c, num_warps
 
 
+class KVPull:
+    """pull_kv_blocks for one (src pool, dst pool, head ranges), checked and laid out once: a
+    P/D consumer builds one per producer pool and head range when the peer is added, so a
+    request's pull costs the host only the launch (the per-call checks and layout arithmetic
+    were most of the ~80 us the call took on an H200 host: scripts/profile_pull.py).
+
+    __call__(src_blocks, dst_blocks): ids already on dst's device, int64 or int32, equal
+    lengths; NOT checked (device ids never are, see the module note). Launches on dst's device
+    and its current stream; the caller makes dst's device current. Asynchronous."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, src_heads: slice | None = None,
+                 dst_heads: slice | None = None):
+        hs, hd = _validate_pools(src, dst, src_heads, dst_heads)
+        L, _, _, bs, h_src, d = src.shape
+        nh = hs[1] - hs[0]
+        if nh == h_src and nh == dst.shape[4]:   # whole blocks on both sides: one contiguous run
+            rows, cols = 1, bs * nh * d
+        else:
+            rows, cols = bs, nh * d
+        block_r, block_c, self.num_warps = _tiles(rows, cols, src.element_size())
+        tiles_r, tiles_c = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
+        self.grid_yz = (L * 2, tiles_r * tiles_c)
+        self.empty = src.numel() == 0
+        bits = _BITS_DTYPE[src.element_size()]
+        self.src, self.dst = src.view(bits), dst.view(bits)
+        self.strides = (src.stride(1), src.stride(2), src.stride(3), hs[0] * d,
+                        dst.stride(1), dst.stride(2), dst.stride(3), hd[0] * d)
+        self.meta = dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c,
+                         TILES_C=tiles_c, EVEN=rows % block_r == 0 and cols % block_c == 0)
+        self.bytes_per_block = L * 2 * bs * nh * d * src.element_size()
+        if dst.is_cuda and src.device != dst.device:
+            _enable_peer_access(dst.device, src.device)
+
+    def __call__(self, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
+        n = src_blocks.shape[0]
+        if n == 0 or self.empty:
+            return
+        _pull_kv_kernel[(n, *self.grid_yz)](
+            self.src, self.dst, src_blocks, dst_blocks, *self.strides,
+            src_blocks.stride(0), dst_blocks.stride(0), **self.meta, num_warps=self.num_warps)
+
+
 def pull_kv_blocks(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor,
                    dst_blocks: torch.Tensor, src_heads: slice | None = None,
                    dst_heads: slice | None = None) -> None:
     """dst[l, kv, dst_blocks[i], :, dst_heads, :] = src[l, kv, src_blocks[i], :, src_heads, :]
     for all l, kv, i, in one launch on dst's device and its current stream (src may live on
-    another GPU). Heads slices: step 1, equal lengths; None means all heads. Asynchronous."""
-    hs, hd = _validate(src, dst, src_blocks, dst_blocks, src_heads, dst_heads)
-    n = src_blocks.shape[0]
-    L, _, _, bs, h_src, d = src.shape
-    h_dst = dst.shape[4]
-    if n == 0 or src.numel() == 0:
-        return
-    nh = hs[1] - hs[0]
-    if nh == h_src and nh == h_dst:        # whole blocks on both sides: one contiguous run
-        rows, cols = 1, bs * nh * d
-    else:
-        rows, cols = bs, nh * d
-    block_r, block_c, num_warps = _tiles(rows, cols, src.element_size())
-    tiles_r, tiles_c = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
-    even = rows % block_r == 0 and cols % block_c == 0
-    bits = _BITS_DTYPE[src.element_size()]
-    s_bits, d_bits = src.view(bits), dst.view(bits)
-    if dst.is_cuda:
-        if src.device != dst.device:
-            _enable_peer_access(dst.device, src.device)
-        guard = torch.cuda.device(dst.device)
-    else:
-        guard = contextlib.nullcontext()   # interpreter runs (CPU tensors)
-    with guard:
-        src_blocks = src_blocks.to(dst.device, non_blocking=True)
-        dst_blocks = dst_blocks.to(dst.device, non_blocking=True)
-        _pull_kv_kernel[(n, L * 2, tiles_r * tiles_c)](
-            s_bits, d_bits, src_blocks, dst_blocks,
-            src.stride(1), src.stride(2), src.stride(3), hs[0] * d,
-            dst.stride(1), dst.stride(2), dst.stride(3), hd[0] * d,
-            src_blocks.stride(0), dst_blocks.stride(0),
-            ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, TILES_C=tiles_c,
-            EVEN=even, num_warps=num_warps,
-        )
+    another GPU). Heads slices: step 1, equal lengths; None means all heads. Asynchronous.
+    Checks everything on every call; KVPull is the same copy checked once."""
+    pull = KVPull(src, dst, src_heads, dst_heads)
+    _validate_ids(src, dst, src_blocks, dst_blocks)
+    guard = torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext()
+    with guard:   # (CPU tensors: the interpreter)
+        pull(src_blocks.to(dst.device, non_blocking=True),
+             dst_blocks.to(dst.device, non_blocking=True))
 
 
 def pull_kv_blocks_ref(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor,

@@ -10,6 +10,7 @@ request's KV (P/D disaggregation) is moving its block ids' slices layer by layer
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,6 +39,18 @@ class _SeqState:
 
 # Prompt logprobs: rows of logits made at once (a long prompt's [rows, vocab] float32 adds up).
 _PROMPT_LOGPROB_ROWS = 512
+
+
+def on_device(fn):
+    """Run a ModelRunner method with its GPU current (Triton launches on the current device):
+    engines on different GPUs may share one process."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return fn(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return fn(self, *args, **kwargs)
+    return wrapper
 
 
 class ModelRunner:
@@ -82,6 +95,7 @@ class ModelRunner:
                                           self.scratch_block, block_size, device)
             self.graphs.capture()
 
+    @on_device
     def release(self) -> None:
         """Free the CUDA graphs (before the cache or a process group they captured goes away)."""
         if self.graphs is not None:
@@ -104,6 +118,7 @@ class ModelRunner:
         for load in out.kv_loads:
             self.connector.start_load(load, self.kv_sync)
 
+    @on_device
     def poll_loads(self):
         """Pulls this rank saw end since the last call (the driver decides for all ranks)."""
         return [] if self.connector is None else self.connector.poll()
@@ -122,6 +137,7 @@ class ModelRunner:
         self.seqs[data.request_id] = _SeqState(list(data.prompt_token_ids),
                                                list(data.output_token_ids), data.params, gen)
 
+    @on_device
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         for rid in out.finished_ids:

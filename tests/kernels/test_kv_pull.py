@@ -114,6 +114,26 @@ def test_within_one_pool_and_empty():
     assert torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("heads", [None, (slice(1, 3), slice(0, 2))])
+def test_prepared_pull_reused_across_requests(heads):
+    """KVPull (checked once per pool pair, as the P/D connector uses it) gives the reference's
+    bytes for several id lists in a row, including an empty one; bad pools are refused at
+    construction, where the per-call checks used to be."""
+    sh, dh = heads or (None, None)
+    src = _pool(2, 9, 4, 4 if heads else 2, 8, seed=31)
+    dst = _pool(2, 11, 4, 2, 8, seed=32)
+    ref = dst.clone()
+    pull = kv_pull.KVPull(src, dst, sh, dh)
+    assert pull.bytes_per_block == 2 * 2 * 4 * 2 * 8 * 4
+    for seed, n in ((1, 3), (2, 0), (3, 6)):
+        sb, db = _ids(9, n, seed), _ids(11, n, seed + 10)
+        pull(sb, db)
+        pull_kv_blocks_ref(src, ref, sb, db, sh, dh)
+        assert torch.equal(dst, ref)
+    with pytest.raises(ValueError, match="differ in length"):
+        kv_pull.KVPull(src, dst, slice(0, 1), slice(0, 2))
+
+
 def _bad_cases():
     src = _pool(2, 5, 4, 4, 8)
     dst = _pool(2, 6, 4, 2, 8)
