@@ -221,6 +221,7 @@ class KVPull:
         self.meta = dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c,
                          TILES_C=tiles_c, EVEN=rows % block_r == 0 and cols % block_c == 0)
         self.bytes_per_block = L * 2 * bs * nh * d * src.element_size()
+        self._compiled: dict[tuple, object] = {}
         if dst.is_cuda and src.device != dst.device:
             _enable_peer_access(dst.device, src.device)
 
@@ -228,9 +229,20 @@ class KVPull:
         n = src_blocks.shape[0]
         if n == 0 or self.empty:
             return
-        _pull_kv_kernel[(n, *self.grid_yz)](
-            self.src, self.dst, src_blocks, dst_blocks, *self.strides,
-            src_blocks.stride(0), dst_blocks.stride(0), **self.meta, num_warps=self.num_warps)
+        grid = (n, *self.grid_yz)
+        args = (self.src, self.dst, src_blocks, dst_blocks, *self.strides,
+                src_blocks.stride(0), dst_blocks.stride(0))
+        # Everything Triton specializes this kernel on that varies per call: the ids' dtypes,
+        # strides and 16-byte alignment (the pools, strides and offsets are fixed per KVPull).
+        key = (src_blocks.dtype, dst_blocks.dtype, args[-2], args[-1],
+               src_blocks.data_ptr() % 16, dst_blocks.data_ptr() % 16)
+        compiled = self._compiled.get(key)
+        if compiled is not None:   # the compiled kernel's own launcher: no re-dispatch
+            compiled[grid](*args, *self.meta.values())
+            return
+        compiled = _pull_kv_kernel[grid](*args, **self.meta, num_warps=self.num_warps)
+        if self.src.is_cuda:   # (the interpreter returns no compiled kernel)
+            self._compiled[key] = compiled
 
 
 def pull_kv_blocks(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor,

@@ -254,6 +254,31 @@ def test_gpu_peer_pull(heads):
 
 
 @pytest.mark.gpu
+def test_gpu_prepared_pull_relaunch():
+    """A KVPull launched many times (later launches reuse the compiled kernel directly): ids as
+    rows of one [2, n] tensor (the connector's layout; odd n puts the second row off 16-byte
+    alignment), int32 ids, a strided id view, each bit-exact against the reference."""
+    dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    src = _pool(3, 40, 16, 4, 32, dtype=torch.bfloat16, device="cuda:0", seed=51)
+    dst = _pool(3, 50, 16, 2, 32, dtype=torch.bfloat16, device=dev, seed=52)
+    ref = dst.clone()
+    pull = kv_pull.KVPull(src, dst, slice(2, 4), None)
+    cases = []
+    for n in (8, 5, 8, 5, 1):
+        ids = torch.stack([_ids(40, n, n), _ids(50, n, n + 1)]).to(dev)
+        cases.append((ids[0], ids[1]))
+    ids = torch.stack([_ids(40, 6, 9), _ids(50, 6, 10)]).to(dev)
+    cases += [(ids[0].int(), ids[1].int()), (ids[0, ::2], ids[1, ::2])]
+    with torch.cuda.device(dev):
+        for sb, db in cases:
+            pull(sb, db)
+            pull_kv_blocks_ref(src, ref, sb, db, slice(2, 4), None)
+            torch.cuda.synchronize(dev)
+            assert torch.equal(dst.view(torch.int16), ref.view(torch.int16))
+    assert len(pull._compiled) >= 3   # aligned / unaligned / int32 / strided variants
+
+
+@pytest.mark.gpu
 def test_gpu_offsets_past_2_to_the_31():
     # a 1-byte pool of more than 2**31 elements: the last blocks sit past int32 offsets
     nb, bs, h, d = 1 << 15, 16, 8, 512                        # 2 * 2**15 * 2**16 = 2**32 B
