@@ -6,9 +6,11 @@ way SharedPullConnector does and measures, per request size (median of --reps):
 
   host_checked_us  wall time of one pull_kv_blocks call (argument checks + launch)
   host_us          wall time of one launch of a KVPull built once (what the connector does)
+  host_idle_us     host_us after 20 ms of sleep (a cold host thread, as between one-at-a-time requests)
   window_ms        start event, then the launch, then end event: what `bench pd` reports (the
                    GPU idles between the start event and the kernel while the host launches)
   window_idle_ms   window_ms after 20 ms of an idle GPU (as in `bench pd`: one request at a time)
+  kernel_idle_ms   kernel_ms after 20 ms of an idle GPU
   kernel_ms        the same with the stream held busy (torch.cuda._sleep) until the launch is
                    queued: the kernel alone
   kernel_local_ms  the kernel alone reading a pool this process allocated on GPU 0 (no IPC)
@@ -101,8 +103,9 @@ def main(argv=None) -> int:
                 want = ipc[:, :, src_ids].view(torch.int16).cpu()
                 row["exact"] = bool(torch.equal(got, want))
 
-                def host(fn=pull):
+                def host(fn=pull, idle: float = 0.0):
                     stream.synchronize()
+                    time.sleep(idle)
                     t0 = time.perf_counter()
                     fn(ipc)
                     t = time.perf_counter() - t0
@@ -126,6 +129,8 @@ def main(argv=None) -> int:
                 row["host_checked_us"] = _median_ms(lambda: host(
                     lambda s: kv_pull.pull_kv_blocks(s, dst, src_ids, dst_ids)), a.reps)
                 row["host_us"] = _median_ms(host, a.reps)
+                row["host_idle_us"] = _median_ms(lambda: host(idle=0.02), a.reps)
+                row["kernel_idle_ms"] = _median_ms(lambda: timed(ipc, True, idle=0.02), a.reps)
                 row["window_ms"] = _median_ms(lambda: timed(ipc, False), a.reps)
                 row["window_idle_ms"] = _median_ms(lambda: timed(ipc, False, idle=0.02), a.reps)
                 row["kernel_ms"] = _median_ms(lambda: timed(ipc, True), a.reps)
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
                     ipc, True, lambda s: flat_dst.copy_(s.view(-1)[: nbytes // 2])), a.reps)
                 row["copy_local_ms"] = _median_ms(lambda: timed(
                     local, True, lambda s: flat_dst.copy_(s.view(-1)[: nbytes // 2])), a.reps)
-            for k in ("window_ms", "window_idle_ms", "kernel_ms", "kernel_local_ms", "copy_ipc_ms", "copy_local_ms"):
+            for k in ("window_ms", "window_idle_ms", "kernel_ms", "kernel_idle_ms", "kernel_local_ms", "copy_ipc_ms", "copy_local_ms"):
                 row[k.replace("_ms", "_gbps")] = nbytes / (row[k] * 1e-3) / 1e9
             results.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
