@@ -237,7 +237,10 @@ class SharedPullConnector(KVConnector):
         self._finished: deque[_Load] = deque()
         self._lock = threading.Lock()
         self.cuda = kv_cache.device.type == "cuda"
-        self._stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
+        # High priority: under load the pull shares the GPU with decode steps, and a request
+        # waits for its KV (the block scheduler takes the pull's programs first; a decode step
+        # gives up ~0.2 ms per 58 MB pulled).
+        self._stream = torch.cuda.Stream(kv_cache.device, priority=-1) if self.cuda else None
         self._queue: deque[_Load] = deque()     # CPU async loads, run by one thread in order
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
