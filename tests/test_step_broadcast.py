@@ -4,6 +4,7 @@ chunked prefill, preemption (a small pool), n > 1 forks with copy-on-write, abor
 reuse, while decode steps send only table deltas."""
 import json
 import pickle
+import time
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
@@ -61,3 +62,37 @@ def test_follower_rebuilds_every_step(tmp_path):
     whole = max(len(pickle.dumps([list(c.block_table) for c in s.chunks])) for s in steps)
     decode_sizes = [n for n, chunks, blocks in sizes if chunks and blocks > 4 * chunks]
     assert decode_sizes and min(decode_sizes) < whole
+
+
+def test_slow_step_log_names_new_kernel_variants(monkeypatch, capsys):
+    """PDSERVE_LOG_SLOW_STEP_MS: a step over the limit is reported with the Triton kernels
+    that compiled a new variant during it; faster steps and unset env say nothing."""
+    from pdserve.worker import worker
+
+    class FakeKernel:   # a JITFunction's per-device caches: (kernel_cache, ...)
+        def __init__(self):
+            self.fn = lambda: None
+            self.fn.__name__ = "_fake_kernel"
+            self.device_caches = {0: ({}, None)}
+
+    k = FakeKernel()
+    monkeypatch.setattr(worker, "_triton_kernels", lambda: [k])
+    monkeypatch.delenv("PDSERVE_LOG_SLOW_STEP_MS", raising=False)
+    off = worker._SlowSteps("w0")
+    off.start()
+    off.end(1, 0)
+    monkeypatch.setenv("PDSERVE_LOG_SLOW_STEP_MS", "20")
+    log = worker._SlowSteps("w0")
+    log.start()
+    log.end(3, 0)                                   # fast: nothing
+    log.start()
+    k.device_caches[0][0]["new-key"] = object()     # a compile during the step
+    time.sleep(0.03)
+    log.end(5, 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "step 2 took" in err[0] and "running 5, waiting 2" in err[0]
+    assert "{'_fake_kernel': 1}" in err[0]
+    monkeypatch.undo()
+    names = {k.fn.__name__ for k in worker._triton_kernels()}
+    assert {"_pull_kv_kernel", "_rms_norm_kernel", "_paged_attn_stage1"} <= names

@@ -63,6 +63,57 @@ class _StepProfiler:
             self.prof = None
 
 
+def _triton_kernels() -> list:
+    """pdserve's Triton kernels, for counting their compiled variants (under the interpreter
+    they compile nothing and count zero)."""
+    import importlib
+
+    from triton.runtime.jit import KernelInterface
+    found = []
+    for mod in ("activation", "kv_pull", "paged_attention", "rmsnorm", "rope_store"):
+        m = importlib.import_module(f"pdserve.kernels.{mod}")
+        found += [v for v in vars(m).values() if isinstance(v, KernelInterface)]
+    return found
+
+
+class _SlowSteps:
+    """With PDSERVE_LOG_SLOW_STEP_MS=N set, every step longer than N ms is written to stderr:
+    its duration, the batch, and which Triton kernels compiled a new variant during it (a
+    specialization seen for the first time stalls its step for about a second). Otherwise a
+    no-op."""
+
+    def __init__(self, name: str):
+        v = os.environ.get("PDSERVE_LOG_SLOW_STEP_MS")
+        self.limit = None if not v else float(v) / 1e3
+        self.name, self.n, self.t0, self.before = name, 0, 0.0, {}
+        self.kernels = _triton_kernels() if self.limit is not None else []
+
+    def _variants(self) -> dict[str, int]:
+        out = {}
+        for k in self.kernels:
+            caches = getattr(k, "device_caches", {})   # Triton's per-device kernel caches
+            out[k.fn.__name__] = sum(len(c[0]) for c in caches.values())
+        return out
+
+    def start(self) -> None:
+        if self.limit is not None:
+            self.n += 1
+            self.before = self._variants()
+            self.t0 = time.perf_counter()
+
+    def end(self, running: int, waiting: int) -> None:
+        if self.limit is None:
+            return
+        took = time.perf_counter() - self.t0
+        if took < self.limit:
+            return
+        new = {k: v - self.before.get(k, 0) for k, v in self._variants().items()
+               if v != self.before.get(k, 0)}
+        print(f"pdserve worker {self.name}: step {self.n} took {took * 1e3:.1f} ms "
+              f"(running {running}, waiting {waiting}; new kernel variants: {new or 'none'})",
+              file=sys.stderr, flush=True)
+
+
 @dataclass(frozen=True)
 class WorkerAddresses:
     """Where the processes meet (chosen by whoever starts the worker, never constants)."""
@@ -175,6 +226,7 @@ class _Driver:
             2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
             * eng.runner.kv_cache.element_size(), export)))
         profiler = _StepProfiler(0)
+        slow = _SlowSteps(self.wc.name)
         last_expiry = time.monotonic()
         try:
             while True:
@@ -185,7 +237,9 @@ class _Driver:
                     return
                 if eng.has_unfinished_requests() or eng.scheduler.has_kv_work():
                     profiler.step()
+                    slow.start()
                     outs = eng.step()
+                    slow.end(len(eng.scheduler.running), len(eng.scheduler.waiting))
                     loads = eng.take_kv_events()
                     if outs or loads:
                         outs = [self.deltas.encode(o) for o in outs]
