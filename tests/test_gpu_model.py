@@ -73,3 +73,37 @@ def test_fp32_greedy_matches_hf_mixed_batch(hf_dir, backend, eager):
     if not eager:
         assert llm.llm_engine.runner.graphs is not None
     llm.llm_engine.check_integrity()
+
+
+def test_no_kernel_compiles_after_start_up(tmp_path):
+    """The start-up warm-up (ModelRunner.warm_up) and graph capture compile every Triton variant
+    a serving mix selects: short and long prompts, chunked prefill over long contexts, decode
+    batches eager and graphed, mixed steps — none compiles another (each costs ~1 s of stall)."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.worker.worker import _triton_kernels
+
+    from .test_tp import LLAMA_8Q_2KV, _folder
+    cfg = dict(LLAMA_8Q_2KV, max_position_embeddings=4096)
+    engine = LLMEngine(EngineConfig(model=_folder(tmp_path, cfg), load_format="dummy",
+                                    device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
+                                    num_kv_blocks=2048, max_num_batched_tokens=512,
+                                    cuda_graph_max_batch=16))
+    kernels = _triton_kernels()
+
+    def variants():
+        return {k.fn.__name__: sum(len(c[0]) for c in k.device_caches.values()) for k in kernels}
+
+    before = variants()
+    assert before["_paged_attn_stage1"] >= 4   # decode and prefill launch, split and not
+    g = torch.Generator().manual_seed(0)
+    lens = [3, 17, 100, 511, 1500, 3000, 40, 2, 700, 2500, 9, 64, 33, 1024, 5, 2047]
+    for i, n in enumerate(lens):
+        prompt = torch.randint(2, 500, (n,), generator=g).tolist()
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=8 + 40 * (i % 3),
+                                          ignore_eos=True))
+        engine.step()   # arrivals spread over steps: mixed prefill + decode batches
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert variants() == before

@@ -191,7 +191,10 @@ def _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, blk, k_ptr, v_p
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_skip"])
+# Not specialized on the values that change from step to step (Triton would compile a variant
+# per value class: == 1, a multiple of 16, other): the batch size, the splits, the skip, and the
+# block table's row stride (its width: the longest sequence's block count).
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_skip", "stride_btb"])
 def _paged_attn_stage1(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, sl_ptr, qsl_ptr, m_part, l_part, acc_part,
         qk_scale, num_seqs, num_splits, q_skip,
