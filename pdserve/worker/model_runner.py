@@ -105,18 +105,18 @@ class ModelRunner:
         context length and the grid size, a Triton variant each (~1 s to compile): the first
         step that needed one stalled every request in flight (1.3 s TTFT spikes under load).
         Two eager forwards that read and write only the scratch block cover both choices of
-        each launch: [long-context decode row + short prefill] and [short decode row +
-        prefill chunk over a long context]."""
+        each launch (the choice follows the batch's longest sequence): [short decode row + short
+        prefill] and [decode row + prefill chunk, both ending at the longest context served]."""
         from ..engine.scheduler import ScheduledChunk
-        bs, q = self.block_size, 64
-        long_ctx = max(q + 1, min(max_model_len, 4096) - q)
+        longest = min(max_model_len, 4096)   # splits begin at 512 (decode) / 2048 (prefill) keys
+        bs, q = self.block_size, max(2, min(64, longest // 2))
 
         def chunk(n_tokens: int, start: int) -> ScheduledChunk:
             blocks = -(-(start + n_tokens) // bs)
             return ScheduledChunk("warm-up", [0] * n_tokens, start, [self.scratch_block] * blocks,
                                   False)
 
-        for batch in ([chunk(1, long_ctx), chunk(q, 0)], [chunk(1, 3), chunk(q, long_ctx - q)]):
+        for batch in ([chunk(1, 3), chunk(q, 0)], [chunk(1, longest - 1), chunk(q, longest - q)]):
             self._forward(batch)
         torch.cuda.synchronize(self.device)
 
