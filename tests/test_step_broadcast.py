@@ -6,6 +6,9 @@ import json
 import pickle
 import time
 
+import pytest
+import torch
+
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -96,3 +99,28 @@ def test_slow_step_log_names_new_kernel_variants(monkeypatch, capsys):
     monkeypatch.undo()
     names = {k.fn.__name__ for k in worker._triton_kernels()}
     assert {"_pull_kv_kernel", "_rms_norm_kernel", "_paged_attn_stage1"} <= names
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_warm_up_touches_only_the_scratch_block(tmp_path, backend):
+    """ModelRunner.warm_up (run at start-up on GPUs: compiles the attention variants) runs a
+    short and a long-context mixed batch that read and write the scratch block only: every
+    pool block is as it was, and the engine then serves normally (here on CPU, the Triton
+    backend under the interpreter)."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(CFG, max_position_embeddings=600)))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy",
+                                    skip_tokenizer_init=True, num_kv_blocks=64, block_size=16,
+                                    attention_backend=backend))
+    runner = engine.runner
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 40))},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()                                  # some live KV in the pool
+    kv = runner.kv_cache
+    before = kv.clone()
+    runner.warm_up(600)
+    pool = slice(0, runner.scratch_block)
+    assert torch.equal(kv[:, :, pool], before[:, :, pool])
+    assert not torch.equal(kv[:, :, runner.scratch_block], before[:, :, runner.scratch_block])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()

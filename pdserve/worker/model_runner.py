@@ -118,7 +118,8 @@ class ModelRunner:
 
         for batch in ([chunk(1, 3), chunk(q, 0)], [chunk(1, longest - 1), chunk(q, longest - q)]):
             self._forward(batch)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @on_device
     def release(self) -> None:
