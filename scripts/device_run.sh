@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, offline,
-# tp-tests, tp, pd-tests, pull-profile, pd (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# tp-tests, tp, pd-tests, pull-profile, pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -46,6 +46,15 @@ for stage in "$@"; do
              curl -s localhost:8000/metrics | grep -E "^pdserve:(requests_by_path|kv_transfer)" 
              kill -TERM $pid; wait $pid
            done;;
+    pd-verify) # start-up warm-up: no Triton compile after start, checked in a test and while serving
+           # (a fresh Triton cache, so nothing compiled by earlier stages hides a stall)
+           export TRITON_CACHE_DIR=$(mktemp -d) PDSERVE_LOG_SLOW_STEP_MS=300
+           python3 -m pytest -q -m gpu tests/test_gpu_model.py -k no_kernel_compiles --timeout 300 \
+             -p no:cacheprovider 2>&1 | tail -15
+           export TRITON_CACHE_DIR=$(mktemp -d)
+           SERVE_DEPS="2col:--collocated_2" SERVE_RATES="16 32" SERVE_TAG=-verify bash "$0" serve-pd
+           echo "slow steps:"; grep "took" "$OUT/serve-2col.log"
+           unset PDSERVE_LOG_SLOW_STEP_MS;;
     *) echo "unknown stage $stage";;
   esac
 done
