@@ -385,9 +385,10 @@ class SharedPullConnector(KVConnector):
                 self._launch_relay(item, pools, plan, ids[1])
                 return
             pulls = self._pulls[item.load.worker][: len(plan)]
+            src_ids, dst_ids = ids.unbind(0)
             t0 = _timed_event(self._stream)
             for pull in pulls:       # nothing but the launches between the two events
-                pull(ids[0], ids[1])
+                pull(src_ids, dst_ids)
             item.event = _timed_event(self._stream)
         item.spans.append((t0, item.event))
         item.nbytes = sum(p.bytes_per_block for p in pulls) * len(item.load.src_block_ids)
