@@ -81,7 +81,7 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
     batches eager and graphed, mixed steps — none compiles another (each costs ~1 s of stall)."""
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.worker.worker import _triton_kernels
+    from pdserve.worker.worker import _triton_kernels, kernel_variants
 
     from .test_tp import LLAMA_8Q_2KV, _folder
     cfg = dict(LLAMA_8Q_2KV, max_position_embeddings=4096)
@@ -90,11 +90,7 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
                                     num_kv_blocks=2048, max_num_batched_tokens=512,
                                     cuda_graph_max_batch=16))
     kernels = _triton_kernels()
-
-    def variants():
-        return {k.fn.__name__: sum(len(c[0]) for c in k.device_caches.values()) for k in kernels}
-
-    before = variants()
+    before = kernel_variants(kernels)
     assert before["_paged_attn_stage1"] >= 4   # decode and prefill launch, split and not
     g = torch.Generator().manual_seed(0)
     lens = [3, 17, 100, 511, 1500, 3000, 40, 2, 700, 2500, 9, 64, 33, 1024, 5, 2047]
@@ -106,4 +102,4 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
         engine.step()   # arrivals spread over steps: mixed prefill + decode batches
     while engine.has_unfinished_requests():
         engine.step()
-    assert variants() == before
+    assert kernel_variants(kernels) == before

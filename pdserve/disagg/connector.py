@@ -31,7 +31,6 @@ finish (until cancelled).
 from __future__ import annotations
 
 import abc
-import contextlib
 import os
 import pickle
 import threading
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..devices import on_device
 from .kv_transfer import (HeadCopy, KVLoad, KVLoadDone, KVPair, KVPeer, KVSend,
                           plan_head_copies)
 
@@ -157,16 +157,6 @@ def _timed_event(stream):
     ev = torch.cuda.Event(enable_timing=True)
     ev.record(stream)
     return ev
-
-
-def _on(device: torch.device, stream=None):
-    """Make device (and stream) current for CUDA work; nothing on CPU."""
-    ctx = contextlib.ExitStack()
-    if device.type == "cuda":
-        ctx.enter_context(torch.cuda.device(device))
-        if stream is not None:
-            ctx.enter_context(torch.cuda.stream(stream))
-    return ctx
 
 
 def _ipc_device(rebuild, args) -> int:
@@ -309,7 +299,7 @@ class SharedPullConnector(KVConnector):
         self.paths[peer.worker] = "relay" if "relay" in paths else paths.pop()
         if self.paths[peer.worker] == "peer":   # checked and laid out once per head range
             from ..kernels.kv_pull import KVPull
-            with torch.cuda.device(self.kv.device):
+            with on_device(self.kv.device):
                 self._pulls[peer.worker] = [
                     KVPull(pools[hc.src_rank], self.kv, hc.src_heads, hc.dst_heads)
                     for hc in plan]
@@ -374,7 +364,7 @@ class SharedPullConnector(KVConnector):
         pools, plan = self.peers[item.load.worker]
         dev = self.kv.device
         self._stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+        with on_device(dev, self._stream):
             # ids first (one copy for both lists): the timed part is the copy itself
             ids = torch.tensor([item.load.src_block_ids, item.load.dst_block_ids],
                                dtype=torch.long).to(dev, non_blocking=True)
@@ -398,21 +388,25 @@ class SharedPullConnector(KVConnector):
         there) and copy to pinned host memory; then, on our transfer stream once that is done,
         copy in and scatter into our blocks. Timed per device (one span each)."""
         dev = self.kv.device
+        src_ids: dict[int, torch.Tensor] = {}     # the ids on each producer GPU, copied once
         for hc in plan:
             src = pools[hc.src_rank]
             stream = self._relay_streams.get(src.device.index)
             if stream is None:
                 stream = self._relay_streams[src.device.index] = torch.cuda.Stream(src.device)
-            with torch.cuda.device(src.device), torch.cuda.stream(stream):
+            with on_device(src.device, stream):
                 t0 = _timed_event(stream)
-                idx = torch.tensor(item.load.src_block_ids, dtype=torch.long).to(src.device)
+                idx = src_ids.get(src.device.index)
+                if idx is None:
+                    idx = src_ids[src.device.index] = torch.tensor(
+                        item.load.src_block_ids, dtype=torch.long).to(src.device)
                 blocks = src.index_select(2, idx)[:, :, :, :, hc.src_heads]
                 host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
                 host.copy_(blocks, non_blocking=True)
                 out = _timed_event(stream)
             item.spans.append((t0, out))
             self._stream.wait_event(out)
-            with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+            with on_device(dev, self._stream):
                 t1 = _timed_event(self._stream)
                 on_dev = host.to(dev, non_blocking=True)
                 self.kv[:, :, :, :, hc.dst_heads].index_copy_(2, dst_idx, on_dev)
@@ -757,7 +751,7 @@ class NcclConnector(_PairConnector):
         if pg is None:
             return                              # no pair with that consumer (broken)
         dev = self.kv.device
-        with _on(dev):
+        with on_device(dev):
             idx = torch.tensor(send.block_ids, dtype=torch.long).to(dev, non_blocking=True)
             blocks = self.kv.index_select(2, idx)
             status = torch.tensor([1 if send.ok else 0], dtype=torch.int64).to(dev)
@@ -795,7 +789,7 @@ class NcclConnector(_PairConnector):
         dev = self.kv.device
         if self.cuda:  # the blocks' last readers first
             self._stream.wait_stream(torch.cuda.current_stream(dev))
-        with _on(dev, self._stream):
+        with on_device(dev, self._stream):
             t0 = _timed_event(self._stream)
             dst = None if discard else torch.tensor(load.dst_block_ids, dtype=torch.long).to(dev)
             statuses = []

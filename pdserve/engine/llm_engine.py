@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..config import EngineConfig
+from ..devices import on_device
 from ..disagg.kv_transfer import KVLoadDone, KVPeer, KVSend, KVSource
 from ..layers.parallel_state import get_tp_group
 from ..loader.model_loader import ModelSource, load_model, load_tokenizer, resolve_source
@@ -113,25 +114,18 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
     runs this; the tp group must be initialised first). kv_dir: where a KV connector may put
     files (CPU pools shared with other workers). Returns (runner, num_blocks, max_model_len)."""
     source = source or resolve_source(config.model)
-    device = config.torch_device
-    if device.type == "cuda":  # Triton kernels (loading, graph capture) launch on the current GPU
-        with torch.cuda.device(device):
-            return _build_model_runner(config, eos_token_ids, source, kv_dir)
-    return _build_model_runner(config, eos_token_ids, source, kv_dir)
-
-
-def _build_model_runner(config, eos_token_ids, source, kv_dir):
     device, dtype = config.torch_device, config.torch_dtype
-    model = load_model(source, config.load_format, dtype, device,
-                       config.resolved_attention_backend, config.seed)
-    num_blocks, max_model_len = plan_kv_pool(config, model)
-    runner = ModelRunner(
-        model, num_blocks, config.block_size, dtype, device, config.seed, eos_token_ids,
-        max_model_len,
-        min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0,
-        is_driver=get_tp_group().is_driver, kv_connector=config.kv_connector,
-        kv_path=None if kv_dir is None else f"{kv_dir}/kv-rank{get_tp_group().rank}",
-        kv_sync=config.kv_transfer_mode == "sync")
+    with on_device(device):  # Triton kernels (loading, warm-up, graph capture) run there
+        model = load_model(source, config.load_format, dtype, device,
+                           config.resolved_attention_backend, config.seed)
+        num_blocks, max_model_len = plan_kv_pool(config, model)
+        runner = ModelRunner(
+            model, num_blocks, config.block_size, dtype, device, config.seed, eos_token_ids,
+            max_model_len,
+            min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0,
+            is_driver=get_tp_group().is_driver, kv_connector=config.kv_connector,
+            kv_path=None if kv_dir is None else f"{kv_dir}/kv-rank{get_tp_group().rank}",
+            kv_sync=config.kv_transfer_mode == "sync")
     return runner, num_blocks, max_model_len
 
 

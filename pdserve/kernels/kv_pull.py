@@ -53,12 +53,11 @@ overlap (src may be dst only with disjoint block sets).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
+from ..devices import on_device
 from ._checks import require
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -254,8 +253,7 @@ def pull_kv_blocks(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tenso
     Checks everything on every call; KVPull is the same copy checked once."""
     pull = KVPull(src, dst, src_heads, dst_heads)
     _validate_ids(src, dst, src_blocks, dst_blocks)
-    guard = torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext()
-    with guard:   # (CPU tensors: the interpreter)
+    with on_device(dst.device):   # (CPU tensors: the interpreter)
         pull(src_blocks.to(dst.device, non_blocking=True),
              dst_blocks.to(dst.device, non_blocking=True))
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
+from ..devices import on_device
 from ..engine.scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, SamplingBatch
 from .cuda_graph import CUDAGraphRunner
@@ -41,14 +42,11 @@ class _SeqState:
 _PROMPT_LOGPROB_ROWS = 512
 
 
-def on_device(fn):
-    """Run a ModelRunner method with its GPU current (Triton launches on the current device):
-    engines on different GPUs may share one process."""
+def _own_device(fn):
+    """Run a ModelRunner method with its GPU current (pdserve.devices.on_device)."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        if self.device.type != "cuda":
-            return fn(self, *args, **kwargs)
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             return fn(self, *args, **kwargs)
     return wrapper
 
@@ -97,7 +95,7 @@ class ModelRunner:
                                           self.scratch_block, block_size, device)
             self.graphs.capture()
 
-    @on_device
+    @_own_device
     @torch.inference_mode()
     def warm_up(self, max_model_len: int) -> None:
         """Compile, before any request, the kernel variants that the batch mix selects at run
@@ -121,7 +119,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @on_device
+    @_own_device
     def release(self) -> None:
         """Free the CUDA graphs (before the cache or a process group they captured goes away)."""
         if self.graphs is not None:
@@ -144,7 +142,7 @@ class ModelRunner:
         for load in out.kv_loads:
             self.connector.start_load(load, self.kv_sync)
 
-    @on_device
+    @_own_device
     def poll_loads(self):
         """Pulls this rank saw end since the last call (the driver decides for all ranks)."""
         return [] if self.connector is None else self.connector.poll()
@@ -163,7 +161,7 @@ class ModelRunner:
         self.seqs[data.request_id] = _SeqState(list(data.prompt_token_ids),
                                                list(data.output_token_ids), data.params, gen)
 
-    @on_device
+    @_own_device
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         for rid in out.finished_ids:

@@ -76,6 +76,13 @@ def _triton_kernels() -> list:
     return found
 
 
+def kernel_variants(kernels: list) -> dict[str, int]:
+    """How many compiled variants each kernel has in this process (Triton's per-device
+    kernel caches; 0 under the interpreter)."""
+    return {k.fn.__name__: sum(len(c[0]) for c in getattr(k, "device_caches", {}).values())
+            for k in kernels}
+
+
 class _SlowSteps:
     """With PDSERVE_LOG_SLOW_STEP_MS=N set, every step longer than N ms is written to stderr:
     its duration, the batch, and which Triton kernels compiled a new variant during it (a
@@ -88,17 +95,10 @@ class _SlowSteps:
         self.name, self.n, self.t0, self.before = name, 0, 0.0, {}
         self.kernels = _triton_kernels() if self.limit is not None else []
 
-    def _variants(self) -> dict[str, int]:
-        out = {}
-        for k in self.kernels:
-            caches = getattr(k, "device_caches", {})   # Triton's per-device kernel caches
-            out[k.fn.__name__] = sum(len(c[0]) for c in caches.values())
-        return out
-
     def start(self) -> None:
         if self.limit is not None:
             self.n += 1
-            self.before = self._variants()
+            self.before = kernel_variants(self.kernels)
             self.t0 = time.perf_counter()
 
     def end(self, running: int, waiting: int) -> None:
@@ -107,7 +107,7 @@ class _SlowSteps:
         took = time.perf_counter() - self.t0
         if took < self.limit:
             return
-        new = {k: v - self.before.get(k, 0) for k, v in self._variants().items()
+        new = {k: v - self.before.get(k, 0) for k, v in kernel_variants(self.kernels).items()
                if v != self.before.get(k, 0)}
         print(f"pdserve worker {self.name}: step {self.n} took {took * 1e3:.1f} ms "
               f"(running {running}, waiting {waiting}; new kernel variants: {new or 'none'})",
