@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, offline,
-# tp-tests, tp, pd-tests, pull-profile, pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -19,6 +19,7 @@ for stage in "$@"; do
             export PYTHONPATH="/tmp/site:$PYTHONPATH";;
     tp-tests) python3 -m pytest -q -m gpu tests/test_gpu_tp.py tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tp-tests.log" | tail -40;;
     pd-tests) python3 -m pytest -q -m gpu tests/test_gpu_disagg.py tests/test_gpu_tp.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-pd-tests.log" | tail -40;;
+    launch-profile) python3 scripts/profile_launch.py --output "$OUT/launch-profile.json" 2>&1 | tee "$OUT/launch-profile.log" | tail -12;;
     pull-profile) python3 scripts/profile_pull.py --tile-bytes 4096 16384 65536 --output "$OUT/pull-profile.json" 2>&1 | tee "$OUT/pull-profile.log" | tail -12;;
     pd) python3 -m pdserve bench pd ${PD_ARGS:-} --output "$OUT/pd-handoff-h200x2${PD_TAG:-}.json" 2>&1 | tee "$OUT/pd.log" | tail -30;;
     tp) python3 -m pdserve bench tp --models qwen2.5-7b --tp-sizes 1 2 --batch-sizes 1 8 --output "$OUT/tp-h200x2.json" 2>&1 | grep -v "^Processed" | tee "$OUT/tp.log" | tail -20;;
@@ -52,8 +53,9 @@ for stage in "$@"; do
            python3 -m pytest -q -m gpu tests/test_gpu_model.py -k no_kernel_compiles --timeout 300 \
              -p no:cacheprovider 2>&1 | tail -15
            export TRITON_CACHE_DIR=$(mktemp -d)
-           SERVE_DEPS="2col:--collocated_2" SERVE_RATES="16 32" SERVE_TAG=-verify bash "$0" serve-pd
-           echo "slow steps:"; grep "took" "$OUT/serve-2col.log"
+           dep=${VERIFY_DEP:-2col:--collocated_2}   # (single: on one GPU)
+           SERVE_DEPS="$dep" SERVE_RATES="16 32" SERVE_TAG=-verify bash "$0" serve-pd
+           echo "slow steps:"; grep "took" "$OUT/serve-${dep%%:*}.log"
            unset PDSERVE_LOG_SLOW_STEP_MS;;
     *) echo "unknown stage $stage";;
   esac
