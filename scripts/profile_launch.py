@@ -11,6 +11,8 @@ pool of the same GPU: the launch path is the same as a peer pull's):
   idle kinds    hot     back to back (after a synchronize)
                 sleep   after time.sleep(20 ms)
                 spin    after a 20 ms Python busy loop (the thread never leaves the CPU)
+                busy    after sleeping 20 ms while the GPU runs a 30 ms spin kernel (a loaded
+                        decode GPU; host_us only: the window would include the spin)
 
 For each pair: host_us (wall time of the launch call, median of --reps) and window_ms (start
 event, launch, end event on the GPU: what `bench pd` counts). Checks that the graph's pull and
@@ -77,7 +79,9 @@ def main(argv=None) -> int:
         launches = {"kvpull": lambda: pull(src_ids, dst_ids), "graph": graph.replay,
                     "torch": lambda: small.add_(1)}
         idles = {"hot": lambda: None, "sleep": lambda: time.sleep(a.idle_ms / 1e3),
-                 "spin": lambda: _spin(a.idle_ms / 1e3)}
+                 "spin": lambda: _spin(a.idle_ms / 1e3),
+                 "busy": lambda: (torch.cuda._sleep(int(a.idle_ms * 1.5e6)),
+                                  time.sleep(a.idle_ms / 1e3))}
         rows = []
         for lname, launch in launches.items():
             for iname, idle in idles.items():
@@ -89,6 +93,8 @@ def main(argv=None) -> int:
                     launch()
                     host.append((time.perf_counter() - t0) * 1e6)
                     stream.synchronize()
+                    if iname == "busy":
+                        continue
                     idle()
                     e0 = torch.cuda.Event(enable_timing=True)
                     e1 = torch.cuda.Event(enable_timing=True)
@@ -100,8 +106,8 @@ def main(argv=None) -> int:
                 row = {"launch": lname, "idle": iname,
                        "host_us": round(statistics.median(host), 1),
                        "host_us_p90": round(sorted(host)[int(0.9 * len(host))], 1),
-                       "window_ms": round(statistics.median(window), 4)}
-                if lname != "torch":
+                       "window_ms": round(statistics.median(window), 4) if window else None}
+                if lname != "torch" and window:
                     row["window_gbps"] = round(pull.bytes_per_block * n / row["window_ms"] / 1e6, 1)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
