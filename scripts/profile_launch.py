@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                     "torch": lambda: small.add_(1)}
         idles = {"hot": lambda: None, "sleep": lambda: time.sleep(a.idle_ms / 1e3),
                  "spin": lambda: _spin(a.idle_ms / 1e3),
-                 "busy": lambda: (torch.cuda._sleep(int(a.idle_ms * 1.5e6)),
+                 "busy": lambda: (torch.cuda._sleep(int(a.idle_ms * 3e6)),
                                   time.sleep(a.idle_ms / 1e3))}
         rows = []
         for lname, launch in launches.items():
