@@ -7,6 +7,8 @@ pool of the same GPU: the launch path is the same as a peer pull's):
 
   launch kinds  kvpull  KVPull's direct compiled-kernel launch (what the connector does)
                 graph   the same pull captured once in a CUDA graph, replayed
+                pullgraphs    PullGraphs.launch (the connector's path), n blocks
+                pullgraphs+1  the same at n + 1 blocks (the next graph width: idle programs)
                 torch   a tiny torch op (x.add_(1)): the framework's own launch path
   idle kinds    hot     back to back (after a synchronize)
                 sleep   after time.sleep(20 ms)
@@ -36,7 +38,7 @@ def _spin(seconds: float) -> None:
 
 
 def main(argv=None) -> int:
-    from pdserve.kernels.kv_pull import KVPull
+    from pdserve.kernels.kv_pull import KVPull, PullGraphs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=28)
@@ -76,7 +78,16 @@ def main(argv=None) -> int:
         stream.synchronize()
         exact = bool(torch.equal(dst.view(torch.int16), want.view(torch.int16)))
 
+        # PullGraphs as the connector uses it (ids staged before the window, one replay in
+        # it), at n blocks (a graph exactly n wide) and n + 1 (the next width: idle programs)
+        staged = {}
+        for extra in (0, 1):
+            pg = PullGraphs([pull], max_blocks=4096)
+            ids = torch.randperm(a.num_blocks, generator=g)[:2 * (n + extra)].tolist()
+            pg.stage(ids[: n + extra], ids[n + extra:])
+            staged[extra] = pg
         launches = {"kvpull": lambda: pull(src_ids, dst_ids), "graph": graph.replay,
+                    "pullgraphs": staged[0].launch, "pullgraphs+1": staged[1].launch,
                     "torch": lambda: small.add_(1)}
         idles = {"hot": lambda: None, "sleep": lambda: time.sleep(a.idle_ms / 1e3),
                  "spin": lambda: _spin(a.idle_ms / 1e3),
@@ -108,7 +119,9 @@ def main(argv=None) -> int:
                        "host_us_p90": round(sorted(host)[int(0.9 * len(host))], 1),
                        "window_ms": round(statistics.median(window), 4) if window else None}
                 if lname != "torch" and window:
-                    row["window_gbps"] = round(pull.bytes_per_block * n / row["window_ms"] / 1e6, 1)
+                    blocks = n + (lname == "pullgraphs+1")
+                    row["window_gbps"] = round(pull.bytes_per_block * blocks / row["window_ms"]
+                                               / 1e6, 1)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     out = {"exact_graph_vs_direct": exact, "tokens": a.tokens, "idle_ms": a.idle_ms,

@@ -206,7 +206,9 @@ class SharedPullConnector(KVConnector):
     CUDA, per producer GPU, chosen when the peer is added (torch.cuda.can_device_access_peer):
       "peer":  the consumer maps the producer GPU's memory into its own GPU's context and one
                kernel per head range, on its own GPU and a dedicated stream, reads the blocks
-               straight over NVLink (pdserve/kernels/kv_pull.py); an event marks the end.
+               straight over NVLink (pdserve/kernels/kv_pull.py); an event marks the end. The
+               kernels are captured once per peer as CUDA graphs (PullGraphs): a hand-off's
+               host work in the timed window is one graph replay.
       "relay": no peer access. The consumer maps the pool on the producer's GPU (its own context
                there), gathers the blocks on a stream of that GPU, copies them to pinned host
                memory, and its own GPU copies them in and scatters them: two DMA hops through
@@ -215,13 +217,14 @@ class SharedPullConnector(KVConnector):
 
     name = "shared"
     force_relay = False
+    GRAPH_MAX_BLOCKS = 4096      # pulls of up to this many blocks replay a CUDA graph
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
         self._path: str | None = None
         self.peers: dict[str, tuple[list[torch.Tensor], list[HeadCopy]]] = {}
         self.paths: dict[str, str] = {}          # producer -> "peer" | "relay" | "file"
-        self._pulls: dict[str, list] = {}        # "peer" path: a KVPull per plan entry
+        self._pulls: dict[str, object] = {}      # "peer" path: the plan's KVPulls (PullGraphs)
         self._relay_streams: dict[int, torch.cuda.Stream] = {}
         self.loads: dict[str, _Load] = {}
         self._finished: deque[_Load] = deque()
@@ -297,12 +300,12 @@ class SharedPullConnector(KVConnector):
         plan = plan_head_copies(peer.num_kv_heads, peer.tp, self.tp_size, self.tp_rank)
         self.peers[peer.worker] = (pools, plan)
         self.paths[peer.worker] = "relay" if "relay" in paths else paths.pop()
-        if self.paths[peer.worker] == "peer":   # checked and laid out once per head range
-            from ..kernels.kv_pull import KVPull
+        if self.paths[peer.worker] == "peer":   # checked, laid out and graph-captured once
+            from ..kernels.kv_pull import KVPull, PullGraphs
             with on_device(self.kv.device):
-                self._pulls[peer.worker] = [
-                    KVPull(pools[hc.src_rank], self.kv, hc.src_heads, hc.dst_heads)
-                    for hc in plan]
+                self._pulls[peer.worker] = PullGraphs(
+                    [KVPull(pools[hc.src_rank], self.kv, hc.src_heads, hc.dst_heads)
+                     for hc in plan], min(self.kv.shape[2], self.GRAPH_MAX_BLOCKS))
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load(self, load: KVLoad, sync: bool) -> None:
@@ -360,28 +363,30 @@ class SharedPullConnector(KVConnector):
 
     def _launch_cuda(self, item: _Load) -> None:
         """One kernel per head range, on this GPU's transfer stream, reading the producer's GPU
-        memory directly (peer access through the IPC mapping; pdserve/kernels/kv_pull.py)."""
+        memory directly (peer access through the IPC mapping; pdserve/kernels/kv_pull.py),
+        launched as one CUDA-graph replay; or the relay's copies."""
         pools, plan = self.peers[item.load.worker]
+        load = item.load
         dev = self.kv.device
         self._stream.wait_stream(torch.cuda.current_stream(dev))
         with on_device(dev, self._stream):
-            # ids first (one copy for both lists): the timed part is the copy itself
-            ids = torch.tensor([item.load.src_block_ids, item.load.dst_block_ids],
-                               dtype=torch.long).to(dev, non_blocking=True)
             if self.fault == "fail":
                 item.error = "injected KV transfer fault (PDSERVE_KV_FAULT=fail)"
                 plan = plan[: len(plan) // 2]
-            if self.paths[item.load.worker] == "relay":
-                self._launch_relay(item, pools, plan, ids[1])
+            if self.paths[load.worker] == "relay":
+                dst_ids = torch.tensor(load.dst_block_ids, dtype=torch.long)
+                self._launch_relay(item, pools, plan, dst_ids.to(dev, non_blocking=True))
                 return
-            pulls = self._pulls[item.load.worker][: len(plan)]
-            src_ids, dst_ids = ids.unbind(0)
+            graphed = self._pulls[load.worker]
+            if item.error is not None:    # the injected fault: this path pulls nothing
+                item.event = _timed_event(self._stream)
+                return
+            graphed.stage(load.src_block_ids, load.dst_block_ids)   # ids: before the window
             t0 = _timed_event(self._stream)
-            for pull in pulls:       # nothing but the launches between the two events
-                pull(src_ids, dst_ids)
+            graphed.launch()         # one graph replay between the two events
             item.event = _timed_event(self._stream)
         item.spans.append((t0, item.event))
-        item.nbytes = sum(p.bytes_per_block for p in pulls) * len(item.load.src_block_ids)
+        item.nbytes = graphed.bytes_per_block * len(load.src_block_ids)
 
     def _launch_relay(self, item: _Load, pools, plan, dst_idx) -> None:
         """No peer access: per head range, gather on the producer's GPU (a stream of ours
@@ -469,6 +474,7 @@ class SharedPullConnector(KVConnector):
                 stream.synchronize()
         self.loads.clear()
         self.peers.clear()
+        self._pulls.clear()
 
 
 @register_connector

@@ -68,14 +68,18 @@ _NAME = "pull_kv_blocks"
 
 @triton.jit
 def _pull_kv_kernel(
-    src_ptr, dst_ptr, sblk_ptr, dblk_ptr,
+    src_ptr, dst_ptr, sblk_ptr, dblk_ptr, n_ptr,
     s_lkv, s_blk, s_row, s_off,
     d_lkv, d_blk, d_row, d_off,
     s_sblk, s_dblk,
     ROWS: tl.constexpr, COLS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILES_C: tl.constexpr, EVEN: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
+    if BOUNDED:   # the block count lives on the device: programs past it have nothing to copy
+        if i >= tl.load(n_ptr):
+            return
     lkv = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
     tr = tile // TILES_C
@@ -224,24 +228,144 @@ class KVPull:
         if dst.is_cuda and src.device != dst.device:
             _enable_peer_access(dst.device, src.device)
 
-    def __call__(self, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
+    def __call__(self, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
+                 count: torch.Tensor | None = None) -> None:
+        """count: None, or a one-element int64 tensor on dst's device holding n <= len(ids);
+        then only the first n pairs are copied (n is read on the device: CUDA-graph replays
+        with a varying block count, see PullGraphs)."""
         n = src_blocks.shape[0]
         if n == 0 or self.empty:
             return
         grid = (n, *self.grid_yz)
-        args = (self.src, self.dst, src_blocks, dst_blocks, *self.strides,
+        bounded = count is not None
+        args = (self.src, self.dst, src_blocks, dst_blocks,
+                count if bounded else src_blocks, *self.strides,
                 src_blocks.stride(0), dst_blocks.stride(0))
         # Everything Triton specializes this kernel on that varies per call: the ids' dtypes,
         # strides and 16-byte alignment (the pools, strides and offsets are fixed per KVPull).
         key = (src_blocks.dtype, dst_blocks.dtype, args[-2], args[-1],
-               src_blocks.data_ptr() % 16, dst_blocks.data_ptr() % 16)
+               src_blocks.data_ptr() % 16, dst_blocks.data_ptr() % 16, bounded,
+               bounded and count.data_ptr() % 16)
         compiled = self._compiled.get(key)
         if compiled is not None:   # the compiled kernel's own launcher: no re-dispatch
-            compiled[grid](*args, *self.meta.values())
+            compiled[grid](*args, *self.meta.values(), bounded)
             return
-        compiled = _pull_kv_kernel[grid](*args, **self.meta, num_warps=self.num_warps)
+        compiled = _pull_kv_kernel[grid](*args, **self.meta, BOUNDED=bounded,
+                                         num_warps=self.num_warps)
         if self.src.is_cuda:   # (the interpreter returns no compiled kernel)
             self._compiled[key] = compiled
+
+
+def graph_widths(max_blocks: int, step: int = 16) -> list[int]:
+    """PullGraphs' capacities: multiples of `step`, about four per doubling, from `step` up to
+    the first one >= max_blocks (a load of n blocks runs in the smallest width >= n, so at
+    most ~1/5 of a graph's programs find nothing to copy)."""
+    out, k = [], 0
+    while not out or out[-1] < max_blocks:
+        w = -(-int(step * 2 ** (k / 4)) // step) * step
+        if not out or w > out[-1]:
+            out.append(w)
+        k += 1
+    return out
+
+
+class PullGraphs:
+    """The KVPulls of one P/D producer (one per head range, all into this pool) launched
+    together by replaying one CUDA graph, for any block count up to max_blocks.
+
+    Why: a pull's host launch sits inside the hand-off. KVPull's Triton launch costs ~20 us
+    back to back but ~140 us once the thread has slept 20 ms (an idle decode worker); a graph
+    replay costs ~3 us and ~50 us (scripts/profile_launch.py, H200 hosts).
+
+    The ids go through one device buffer, [n | src ids (cap) | dst ids (cap)]. The kernels
+    read n on the device (KVPull's `count`), so the graph captured with grid width w serves
+    every n <= w: one graph per graph_widths(max_blocks). stage() writes n and the ids into a
+    pinned host buffer and copies them into the device buffer on the current stream;
+    launch() then replays the narrowest graph that fits. Use one stream for both, every time
+    (the buffer is reused in stream order). More than max_blocks blocks: direct KVPull
+    launches. On CPU (the interpreter) launch() runs the same bounded kernels eagerly.
+
+        pulls = PullGraphs([KVPull(src, dst)], max_blocks=4096)
+        with torch.cuda.stream(s):
+            pulls.stage(src_ids, dst_ids)   # host lists
+            pulls.launch()
+    """
+
+    def __init__(self, pulls: list[KVPull], max_blocks: int):
+        require(len(pulls) > 0 and max_blocks > 0, f"{_NAME}: PullGraphs needs pulls and "
+                f"max_blocks > 0, got {len(pulls)} pulls, max_blocks={max_blocks}")
+        self.pulls = pulls
+        self.device = pulls[0].dst.device
+        self.widths = graph_widths(max_blocks)
+        cap = self.cap = self.widths[-1]
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros(1 + 2 * cap, dtype=torch.int64, pin_memory=cuda)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(1 + 2 * cap, dtype=torch.int64, device=self.device)
+        self._count, self._src, self._dst = self._dev[:1], self._dev[1:1 + cap], self._dev[1 + cap:]
+        self._copied: torch.cuda.Event | None = None   # the last staging copy has read _host
+        self._n = 0
+        self._direct: tuple[torch.Tensor, torch.Tensor] | None = None   # a load past cap
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if cuda:
+            self._capture()
+
+    def _run(self, width: int) -> None:
+        for p in self.pulls:
+            p(self._src[:width], self._dst[:width], self._count)
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        with on_device(self.device, stream):
+            self._run(self.cap)        # compiles outside the capture (n is 0: copies nothing)
+            stream.synchronize()
+            for w in self.widths:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
+                    self._run(w)
+                self.graphs[w] = g
+
+    def stage(self, src_ids, dst_ids) -> None:
+        """Block ids (host sequences of ints, equal lengths, NOT range-checked) for the next
+        launch(), copied to the device on the current stream."""
+        n = len(src_ids)
+        require(len(dst_ids) == n, f"{_NAME}: {n} src ids but {len(dst_ids)} dst ids")
+        self._n = n
+        if n > self.cap:
+            ids = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int64)
+            self._direct = tuple(ids.to(self.device, non_blocking=True).unbind(0))
+            return
+        self._direct = None
+        if self._copied is not None:
+            self._copied.synchronize()   # (long done: it ran before the previous pull)
+        h, cap = self._host_np, self.cap
+        h[0] = n
+        h[1:1 + n] = src_ids
+        h[1 + cap:1 + cap + n] = dst_ids
+        self._dev[:1 + n].copy_(self._host[:1 + n], non_blocking=True)
+        self._dst[:n].copy_(self._host[1 + cap:1 + cap + n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def launch(self) -> None:
+        """The pulls of the last stage()d ids, on the current stream. Asynchronous."""
+        if self._direct is not None:
+            for p in self.pulls:
+                p(*self._direct)
+            return
+        if self._n == 0:
+            return
+        w = next(w for w in self.widths if w >= self._n)
+        g = self.graphs.get(w)
+        if g is not None:
+            g.replay()
+        else:
+            self._run(w)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(p.bytes_per_block for p in self.pulls)
 
 
 def pull_kv_blocks(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor,

@@ -134,6 +134,43 @@ def test_prepared_pull_reused_across_requests(heads):
         kv_pull.KVPull(src, dst, slice(0, 1), slice(0, 2))
 
 
+def test_device_side_count():
+    """KVPull with `count`: only the first n id pairs are copied, n read from a tensor."""
+    src = _pool(2, 9, 4, 2, 8, seed=33)
+    dst = _pool(2, 11, 4, 2, 8, seed=34)
+    ref = dst.clone()
+    pull = kv_pull.KVPull(src, dst)
+    sb, db = _ids(9, 6, 1), _ids(11, 6, 2)
+    for n in (4, 0, 6):
+        pull(sb, db, torch.tensor([n]))
+        pull_kv_blocks_ref(src, ref, sb[:n], db[:n])
+        assert torch.equal(dst, ref)
+
+
+@pytest.mark.parametrize("heads", [None, ((slice(0, 1), slice(1, 2)), (slice(2, 3), slice(0, 1)))])
+def test_pull_graphs_any_block_count(heads):
+    """PullGraphs (eager on CPU: same staging, widths and bounded kernels as the CUDA graphs):
+    loads of several sizes in a row, at and past width edges, empty, and past max_blocks (the
+    direct path), each equal to the reference; one or two head ranges per load."""
+    src = _pool(2, 80, 2, 3 if heads else 2, 4, seed=35)
+    dst = _pool(2, 90, 2, 2, 4, seed=36)
+    ref = dst.clone()
+    ranges = heads or ((None, None),)
+    pulls = kv_pull.PullGraphs([kv_pull.KVPull(src, dst, sh, dh) for sh, dh in ranges],
+                               max_blocks=40)
+    assert pulls.widths == [16, 32, 48] and not pulls.graphs
+    assert pulls.bytes_per_block == len(ranges) * 2 * 2 * 2 * (1 if heads else 2) * 4 * 4
+    for seed, n in ((1, 3), (2, 16), (3, 0), (4, 17), (5, 48), (6, 70), (7, 5)):
+        sb, db = _ids(80, n, seed), _ids(90, n, seed + 10)
+        pulls.stage(sb.tolist(), db.tolist())
+        pulls.launch()
+        for sh, dh in ranges:
+            pull_kv_blocks_ref(src, ref, sb, db, sh, dh)
+        assert torch.equal(dst, ref), n
+    with pytest.raises(ValueError, match="3 src ids but 2 dst ids"):
+        pulls.stage([1, 2, 3], [4, 5])
+
+
 def _bad_cases():
     src = _pool(2, 5, 4, 4, 8)
     dst = _pool(2, 6, 4, 2, 8)
@@ -188,7 +225,8 @@ def test_kernel_compiles_for_sm90_with_16_byte_accesses():
         from pdserve.kernels import kv_pull as kp
 
         fn = kp._pull_kv_kernel
-        sig = {n: ("*i16" if n in ("src_ptr", "dst_ptr") else "*i64" if n.endswith("blk_ptr")
+        sig = {n: ("*i16" if n in ("src_ptr", "dst_ptr")
+                   else "*i64" if n.endswith("blk_ptr") or n == "n_ptr"
                    else "constexpr" if n.isupper() else "i64" if n.endswith("lkv") else "i32")
                for n in fn.arg_names}
         div = [i for i, n in enumerate(fn.arg_names)
@@ -196,11 +234,13 @@ def test_kernel_compiles_for_sm90_with_16_byte_accesses():
                                                "d_blk", "d_row", "d_off")]
         attrs = {(i,): [["tt.divisibility", 16]] for i in div}
         # bf16 bits, 2-head rows of 128 dims, BS 16: whole blocks / a head range
-        for rows, cols in ((1, 16 * 2 * 128), (16, 2 * 128), (16, 3 * 128)):
+        # (BOUNDED: the block count read on the device, as PullGraphs launches it)
+        for rows, cols, bounded in ((1, 16 * 2 * 128, False), (16, 2 * 128, False),
+                                    (16, 3 * 128, False), (1, 16 * 2 * 128, True)):
             br, bc, nw = kp._tiles(rows, cols, 2)
             const = dict(ROWS=rows, COLS=cols, BLOCK_R=br, BLOCK_C=bc,
                          TILES_C=triton.cdiv(cols, bc),
-                         EVEN=rows % br == 0 and cols % bc == 0)
+                         EVEN=rows % br == 0 and cols % bc == 0, BOUNDED=bounded)
             k = triton.compile(ASTSource(fn, sig, const, attrs),
                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw))
             assert k.asm["cubin"]
@@ -276,6 +316,35 @@ def test_gpu_prepared_pull_relaunch():
             torch.cuda.synchronize(dev)
             assert torch.equal(dst.view(torch.int16), ref.view(torch.int16))
     assert len(pull._compiled) >= 3   # aligned / unaligned / int32 / strided variants
+
+
+@pytest.mark.gpu
+def test_gpu_pull_graphs_back_to_back():
+    """PullGraphs with its CUDA graphs (peer pull with two GPUs): eight loads of varied sizes
+    staged and replayed back to back on one stream with no host wait between them (the id
+    buffer is reused in stream order), one per width edge and one past max_blocks, then
+    compared with the reference applied in the same order."""
+    dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    src = _pool(28, 300, 16, 4, 128, dtype=torch.bfloat16, device="cuda:0", seed=61)
+    dst = _pool(28, 320, 16, 2, 128, dtype=torch.bfloat16, device=dev, seed=62)
+    ref = dst.clone()
+    with torch.cuda.device(dev):
+        pulls = kv_pull.PullGraphs([kv_pull.KVPull(src, dst, slice(0, 1), slice(1, 2)),
+                                    kv_pull.KVPull(src, dst, slice(3, 4), slice(0, 1))],
+                                   max_blocks=256)
+        assert sorted(pulls.graphs) == pulls.widths and pulls.cap == 256
+        stream = torch.cuda.Stream()
+        loads = [(_ids(300, n, n), _ids(320, n, n + 1))
+                 for n in (128, 1, 129, 0, 256, 17, 290, 64)]
+        with torch.cuda.stream(stream):
+            for sb, db in loads:
+                pulls.stage(sb.tolist(), db.tolist())
+                pulls.launch()
+        for sb, db in loads:
+            pull_kv_blocks_ref(src, ref, sb, db, slice(0, 1), slice(1, 2))
+            pull_kv_blocks_ref(src, ref, sb, db, slice(3, 4), slice(0, 1))
+        stream.synchronize()
+        assert torch.equal(dst.view(torch.int16), ref.view(torch.int16))
 
 
 @pytest.mark.gpu
