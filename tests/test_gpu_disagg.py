@@ -43,7 +43,7 @@ def hf_reference(hf_dir):  # noqa: F811
 @pytest.mark.parametrize("connector,mode,fault", [
     ("shared", "sync", None), ("shared", "async", None), ("relay", "sync", None),
     ("relay", "async", None), ("nccl", "sync", None), ("nccl", "async", None),
-    ("relay", "async", "fail"), ("nccl", "async", "fail")])
+    ("shared", "async", "fail"), ("relay", "async", "fail"), ("nccl", "async", "fail")])
 def test_1p1d_fp32_greedy_matches_hf(hf_reference, monkeypatch, connector, mode, fault):
     d, prompts, refs = hf_reference
     if fault:
