@@ -25,8 +25,9 @@ Registered:
   "nccl"        the same pairing over NCCL point-to-point (GPUs, across hosts too); on CPU
                 its code runs over gloo, blocking, so CI exercises it.
 
-Faults for tests: PDSERVE_KV_FAULT=fail makes loads fail half-way; =hang makes them never
-finish (until cancelled).
+Faults for tests: PDSERVE_KV_FAULT=fail makes loads fail (half-way where a transport copies in
+parts: CPU layers, relay head ranges; the graphed peer pull copies nothing); =hang makes them
+never finish (until cancelled).
 """
 from __future__ import annotations
 
@@ -37,12 +38,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..devices import on_device
 from .kv_transfer import (HeadCopy, KVLoad, KVLoadDone, KVPair, KVPeer, KVSend,
                           plan_head_copies)
+
+if TYPE_CHECKING:
+    from ..kernels.kv_pull import PullGraphs
 
 _CONNECTORS: dict[str, type["KVConnector"]] = {}
 
@@ -224,7 +229,7 @@ class SharedPullConnector(KVConnector):
         self._path: str | None = None
         self.peers: dict[str, tuple[list[torch.Tensor], list[HeadCopy]]] = {}
         self.paths: dict[str, str] = {}          # producer -> "peer" | "relay" | "file"
-        self._pulls: dict[str, object] = {}      # "peer" path: the plan's KVPulls (PullGraphs)
+        self._pulls: dict[str, PullGraphs] = {}  # "peer" path: the plan's KVPulls, graphed
         self._relay_streams: dict[int, torch.cuda.Stream] = {}
         self.loads: dict[str, _Load] = {}
         self._finished: deque[_Load] = deque()

@@ -25,7 +25,9 @@ block's copy is a [ROWS, COLS] matrix: ROWS = BS token rows of COLS = nh*D conti
 COLS = BS*H*D elements (the whole block is contiguous on both sides). Tiles are
 [BLOCK_R, BLOCK_C] power-of-two boxes of about 16 KB with masks at the edges; every access runs
 along the contiguous row, so loads and stores vectorize to 16 bytes when D is a multiple of
-16 / itemsize. All element offsets are int64 (a pool may exceed 2**31 elements). Data are moved
+16 / itemsize. With a device-side count (KVPull's `count`, BOUNDED), programs whose block
+pair i is past it return at once: one captured grid serves any smaller count (PullGraphs).
+All element offsets are int64 (a pool may exceed 2**31 elements). Data are moved
 as integers of the element's width (bit-exact for any dtype, fp8 included).
 
 The typical request (28 layers x 2 x 128 blocks x 16 tokens x 2 heads x 128 dims, bf16, 58 MB)
