@@ -39,13 +39,10 @@ def _spin(seconds: float) -> None:
 
 def main(argv=None) -> int:
     from pdserve.kernels.kv_pull import KVPull, PullGraphs
+    from profile_pull import add_layout_args   # (this script's folder is on sys.path)
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=1024)
+    add_layout_args(p, num_blocks=1024)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--idle-ms", type=float, default=20.0)
     p.add_argument("--reps", type=int, default=30)

@@ -42,6 +42,15 @@ def _producer(shape, dtype, q_out, q_in):
     q_in.get()          # keep the pool alive until the consumer is done
 
 
+def add_layout_args(p: argparse.ArgumentParser, num_blocks: int) -> None:
+    """The KV pool's layout (qwen2.5-1.5b's by default); scripts/profile_launch.py uses it too."""
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=num_blocks)
+
+
 def _median_ms(fn, reps):
     out = []
     for _ in range(reps):
@@ -54,11 +63,7 @@ def main(argv=None) -> int:
     from pdserve.kernels import kv_pull
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=2048)
+    add_layout_args(p, num_blocks=2048)
     p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--tile-bytes", type=int, nargs="+", default=[16384])
     p.add_argument("--reps", type=int, default=20)

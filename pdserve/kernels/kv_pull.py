@@ -55,6 +55,8 @@ overlap (src may be dst only with disjoint block sets).
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 import triton
 import triton.language as tl
@@ -358,7 +360,7 @@ class PullGraphs:
             return
         if self._n == 0:
             return
-        w = next(w for w in self.widths if w >= self._n)
+        w = self.widths[bisect.bisect_left(self.widths, self._n)]   # the narrowest that fits
         g = self.graphs.get(w)
         if g is not None:
             g.replay()
