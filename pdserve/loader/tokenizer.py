@@ -287,6 +287,15 @@ def _opt_int(value: Any) -> int | None:
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
+def _not_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"the text cannot be tokenized: it holds a lone surrogate "
+                f"{text[e.start]!r} at character {e.start}, which is not valid Unicode")
+    return "the text cannot be tokenized"
+
+
 class Tokenizer:
     """Encode/decode text and render chat prompts for one model."""
 
@@ -350,7 +359,12 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        try:
+            # the batch call releases the GIL (a single encode holds it for the whole text:
+            # seconds for megabytes, during which no other thread of the process runs)
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        except TypeError:  # what the backend raises for a str that is not valid Unicode
+            raise ValueError(_not_unicode(text)) from None
         if add_special_tokens and self.add_bos_token:
             ids = [self.bos_token_id, *ids]
         return ids
