@@ -51,6 +51,11 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="sync: a decode worker pulls inside its step; async: beside its steps")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds before a pull is given up and the prompt recomputed")
+    g.add_argument("--worker-restarts", type=int, default=3,
+                   help="restarts in a row of a worker that dies (0: none); serve restarts a "
+                        "single worker too")
+    g.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart of a dead worker (doubling per attempt)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -47,3 +47,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # P/D producer (a kv_hold request): where its prompt KV waits for a consumer.
     kv_transfer: KVSource | None = None
+    # Set when the deployment, not the request, ended it (its worker died with it, the server
+    # shut down): why. The outputs then finish with finish_reason "abort".
+    error: str | None = None

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router
+from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
 from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import AddRequest, LLMEngine
@@ -359,7 +359,7 @@ def test_router_round_robin_streaming_abort(tmp_path, reference, monkeypatch, co
 
 def test_dead_workers_leave_routing(tmp_path, reference):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    with LLM(path, prefill=1, decode=1, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=1, worker_restarts=0, **ENGINE) as llm:
         router = llm.llm_engine
         # the prefill worker dies: requests go to the decode worker as collocated ones
         os.kill(router.workers["prefill-0"].client.pids[0], signal.SIGKILL)
@@ -383,7 +383,8 @@ def test_hand_off_to_a_dead_decode_worker_goes_to_another(tmp_path, reference, c
     """1P2D, one decode worker killed before the router knows: the requests placed on it are
     handed (with the KV the prefill worker still holds) to the other, none is lost."""
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    with LLM(path, prefill=1, decode=2, kv_connector=connector, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=2, kv_connector=connector, worker_restarts=0,
+             **ENGINE) as llm:
         router = llm.llm_engine
         victim = router.workers["decode-1"].client
         os.kill(victim.pids[0], signal.SIGKILL)
@@ -410,7 +411,7 @@ def test_prefill_worker_dead_at_the_hand_off_is_recomputed(tmp_path, reference, 
         return real(self, results)
 
     monkeypatch.setattr(Router, "_flush_handoffs", kill_at_first_hand_off)
-    with LLM(path, prefill=1, decode=1, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=1, worker_restarts=0, **ENGINE) as llm:
         router = llm.llm_engine
         _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
         s = router.route_stats
@@ -487,3 +488,66 @@ def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch, con
     finally:
         consumer.close()
         producer.close()
+
+
+def _wait_up(router, name, timeout_s=120):
+    """Steps the idle router until `name` is back in routing (restarted)."""
+    deadline = time.monotonic() + timeout_s
+    while router.workers[name].state != "up":
+        assert time.monotonic() < deadline, router.health()
+        router.step(timeout_s=0.2)
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_a_dead_worker_is_restarted_and_exchanges_kv_again(tmp_path, reference, connector,
+                                                           victim):
+    """kill -9 a prefill or a decode worker of a 1P1D deployment: while it is down requests
+    run whole on the other (a role with no live worker), it is restarted under a new KV name
+    and connected to its peers again (one-sided: mapped anew; two-sided: new pair groups), and
+    then every request is handed off with its KV once more, outputs as one engine's."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, prefill=1, decode=1, kv_connector=connector, restart_backoff_s=0.1,
+             **ENGINE) as llm:
+        router = llm.llm_engine
+        dead = router.workers[victim].client
+        os.kill(dead.pids[0], signal.SIGKILL)
+        dead._procs[0].join(10)
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
+        assert router.route_stats.failed == 0
+        _wait_up(router, victim)
+        assert router.workers[victim].client.name == f"{victim}.1"
+        assert [h.restarts for h in router.health() if h.name == victim] == [1]
+        before = router.route_stats.transfers
+        _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
+        assert router.route_stats.transfers == before + len(PROMPTS)
+        assert router.route_stats.transfer_failures == 0
+        _assert_clean(router)
+        pids = router.pids
+    assert_processes_gone(pids + dead.pids)
+
+
+def test_restarts_stop_after_the_budget(tmp_path):
+    """A worker that keeps dying is restarted max_restarts times in a row, then left out
+    (state "failed"); meanwhile requests are refused as Unavailable (the server's 503), and the
+    router raises only once no attempt is left."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, collocated=1, worker_restarts=1, restart_backoff_s=0.5, **ENGINE) as llm:
+        router = llm.llm_engine
+        w = router.workers["collocated-0"]
+        gone = list(w.client.pids)
+        os.kill(w.client.pids[0], signal.SIGKILL)
+        w.client._procs[0].join(10)
+        while w.state == "up":   # noticed at the next step
+            router.step(timeout_s=0.2)
+        errors = router.add_requests([AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=2))])
+        assert isinstance(errors[0], Unavailable) and "collocated-0" in errors[0]
+        _wait_up(router, "collocated-0")
+        assert router.add_requests([AddRequest("s", [1, 2], SamplingParams(max_tokens=2))]) == [None]
+        gone += w.client.pids
+        os.kill(w.client.pids[0], signal.SIGKILL)
+        with pytest.raises(Exception, match="every worker is gone"):
+            for _ in range(100):
+                router.step(timeout_s=0.2)
+        assert [h.state for h in router.health()] == ["failed"]
+    assert_processes_gone(gone)

@@ -16,14 +16,25 @@ drive one worker or a P/D deployment the same way. Each worker is an EngineClien
 processes, TP group and GPUs); the router waits on all of them at once.
 
 Faults: a worker that dies is removed from routing; its requests that have not produced a token
-are routed again, the others finish with finish_reason "abort" (stop_reason says why). A pull
-that fails or times out is recomputed on the decode worker (the worker does that itself).
+are routed again, the others finish with finish_reason "abort" (stop_reason and error say why).
+A pull that fails or times out is recomputed on the decode worker (the worker does that itself).
+While a role has no live worker, requests run whole on a worker of another role. A dead worker
+is restarted (RestartPolicy: bounded attempts with back-off) in a background thread and taken
+back into routing once it is up (its KV peers connected again):
+
+    up ──dies──> dead ──back-off──> restarting ──Ready──> up   (a new client, a new KV name)
+                  │                     └──fails──> dead (next attempt, longer back-off)
+                  └── attempts used up ──> failed (stays out of routing)
+
+Nothing a request carries can raise out of add_requests: each request's problem is its own
+error string (Unavailable when the deployment, not the request, is at fault).
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
 import itertools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +52,34 @@ from ..worker.messages import WorkerStats
 from .kv_transfer import KVPair, KVSend
 
 ROLES = ("prefill", "decode", "collocated")
+
+
+class Unavailable(str):
+    """A rejection that is the deployment's state, not the request's fault (no live worker):
+    an error string like any other, which the server answers with 503 instead of 400."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a dead worker is brought back: up to max_restarts attempts in a row, the k-th after
+    backoff_s * 2**k (at most max_backoff_s). A worker that stays up for stable_s has its
+    count reset, so a rare death far apart from the last never uses the budget up."""
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_s: float = 300.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) \
+                or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        for name in ("backoff_s", "max_backoff_s", "stable_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {v!r}")
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
 
 
 @dataclass(frozen=True)
@@ -117,7 +156,10 @@ class RoutingPolicy(abc.ABC):
         return min(cands, key=lambda w: (w.outstanding, w.kv_usage), default=None)
 
     def collocated(self, workers: list[WorkerView]) -> Path | None:
-        w = self.least_loaded(workers, "collocated") or self.least_loaded(workers, "decode")
+        """A whole request on one worker: a collocated one, else a decode worker, else (no
+        decode worker left) a prefill worker, which runs it as any engine would."""
+        w = (self.least_loaded(workers, "collocated") or self.least_loaded(workers, "decode")
+             or self.least_loaded(workers, "prefill"))
         return None if w is None else Path("collocated", w.name)
 
     def disagg(self, workers: list[WorkerView]) -> Path | None:
@@ -196,11 +238,72 @@ def _sum_stats(stats) -> WorkerStats:
     return total
 
 
+class _Starting:
+    """A worker starting in a daemon thread, so that the router keeps serving meanwhile. The
+    thread is never joined (a start outliving the deployment is shut down when it completes;
+    the worker's processes also exit once this process is gone)."""
+
+    def __init__(self, spec: WorkerSpec, name: str, timeout_s: float):
+        self.client: EngineClient | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        threading.Thread(target=self._run, args=(spec, name, timeout_s), daemon=True,
+                         name=f"pdserve-start-{name}").start()
+
+    def _run(self, spec: WorkerSpec, name: str, timeout_s: float) -> None:
+        try:
+            client = EngineClient(spec.config, timeout_s, name)
+        except BaseException as e:  # noqa: BLE001 - the router reads it as a failed attempt
+            self.error = e
+        else:
+            with self._lock:
+                abandoned, self.client = self._abandoned, client
+            if abandoned:
+                client.shutdown(5.0)
+        self.done.set()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned, client, self.client = True, self.client, None
+        if client is not None:
+            client.shutdown(5.0)
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    name: str
+    role: str
+    state: str                    # up | dead (waiting to restart) | restarting | failed
+    restarts: int                 # successful restarts so far
+    error: str | None             # why it last died (or why its restart failed)
+
+
 class _Worker:
+    """One worker slot of the deployment: its spec, the client of its current incarnation (a
+    restart makes a new one, named spec.name.N so that KV peers never mistake it for the
+    dead one) and the restart state."""
+
     def __init__(self, spec: WorkerSpec, client: EngineClient):
         self.spec, self.client = spec, client
         self.outstanding = 0
         self.alive = True
+        self.started = time.monotonic()
+        self.generation = 0
+        self.attempts = 0             # restarts in a row without a stable run
+        self.restarts = 0
+        self.restart_at: float | None = None   # dead: when the next attempt starts
+        self.starting: _Starting | None = None  # an attempt in progress
+        self.error: str | None = None
+
+    @property
+    def state(self) -> str:
+        if self.alive:
+            return "up"
+        if self.starting is not None:
+            return "restarting"
+        return "dead" if self.restart_at is not None else "failed"
 
     def view(self, bound: int = 0) -> WorkerView:
         s = self.client.stats
@@ -210,13 +313,15 @@ class _Worker:
 
 class Router:
     def __init__(self, specs: list[WorkerSpec], policy: str | RoutingPolicy = "disagg",
-                 startup_timeout_s: float = 900.0):
+                 startup_timeout_s: float = 900.0, restart: RestartPolicy | None = None):
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("worker names must be unique")
         for s in specs:
             if s.role not in ROLES:
                 raise ValueError(f"unknown worker role {s.role!r}; roles: {ROLES}")
         self.policy = make_policy(policy)
+        self.restart = restart if restart is not None else RestartPolicy()
+        self.startup_timeout_s = startup_timeout_s
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = [pool.submit(EngineClient, s.config, startup_timeout_s, s.name)
                        for s in specs]
@@ -251,47 +356,56 @@ class Router:
         self._closed = False
         self._store = None
         self.two_sided = False
+        self._orphans: list[RequestOutput] = []  # outputs produced outside step()
         try:
             self._connect_kv()
         except BaseException:  # a bad pairing, or a worker that died on the way: stop them all
             self.shutdown(5.0)
             raise
 
-    def _connect_kv(self) -> None:
-        """Introduce prefill and decode workers. One-sided connectors: each decode worker maps
-        every prefill worker's pools. Two-sided: every (prefill, decode) pair forms a process
-        group at a TCPStore hosted here; both ends are told, and they join on their next step."""
+    def _connect_kv(self, new: set[str] | None = None) -> None:
+        """Introduce prefill and decode workers (new: only the pairs with one end among these
+        live workers, after a restart; None: all). One-sided connectors: each decode worker
+        maps every prefill worker's pools. Two-sided: every (prefill, decode) pair forms a
+        process group at a TCPStore hosted here; both ends are told, and they join on their
+        next step. Workers are named by their incarnation (client.name)."""
         from .connector import get_connector_class
-        prefill = [w for w in self.workers.values() if w.spec.role == "prefill"]
-        decode = [w for w in self.workers.values() if w.spec.role == "decode"]
+        live = [w for w in self.workers.values() if w.alive]
+        prefill = [w for w in live if w.spec.role == "prefill"]
+        decode = [w for w in live if w.spec.role == "decode"]
         if not prefill or not decode:
             return
+        wanted = lambda p, d: new is None or p.spec.name in new or d.spec.name in new  # noqa: E731
         cls = get_connector_class(decode[0].spec.config.kv_connector)
         self.two_sided = cls.two_sided
         plan: dict[str, list] = {}
         if not cls.two_sided:
             for d in decode:
-                plan[d.spec.name] = [p.client.info.kv_export for p in prefill]
+                peers = [p.client.info.kv_export for p in prefill if wanted(p, d)]
+                if peers:
+                    plan[d.spec.name] = peers
         else:
             import datetime
-            import socket
 
             import torch.distributed as dist
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            self._store = dist.TCPStore("127.0.0.1", port, is_master=True,
-                                        wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=120))
+            if self._store is None:  # port 0: the store picks a free one
+                self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                            wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=120))
+            store = f"127.0.0.1:{self._store.port}"
             heads = prefill[0].client.info.kv_export.num_kv_heads
             for p in prefill:
                 for d in decode:
-                    pair = dict(producer=p.spec.name, consumer=d.spec.name,
+                    if not wanted(p, d):
+                        continue
+                    pair = dict(producer=p.client.name, consumer=d.client.name,
                                 producer_tp=p.spec.config.tensor_parallel_size,
                                 consumer_tp=d.spec.config.tensor_parallel_size,
-                                num_kv_heads=heads, store=f"127.0.0.1:{port}")
+                                num_kv_heads=heads, store=store)
                     plan.setdefault(p.spec.name, []).append(KVPair(**pair, side="producer"))
                     plan.setdefault(d.spec.name, []).append(KVPair(**pair, side="consumer"))
+        # a worker's peer count includes those of dead incarnations: wait for this many more
+        before = {name: self.workers[name].client.check_integrity().kv_peers for name in plan}
         for name, peers in plan.items():
             errors = self.workers[name].client.connect_kv(peers)
             bad = next((e for e in errors if e is not None), None)
@@ -301,7 +415,7 @@ class Router:
         # Ready means joined: wait for it, so that a deployment is whole when it is returned.
         deadline = time.monotonic() + 300
         for name, peers in plan.items():
-            while self.workers[name].client.check_integrity().kv_peers < len(peers):
+            while self.workers[name].client.check_integrity().kv_peers < before[name] + len(peers):
                 if time.monotonic() > deadline:
                     raise EngineDeadError(f"{name} did not join its KV peers in 300 s")
                 time.sleep(0.01)
@@ -317,11 +431,14 @@ class Router:
             if "prompt" in prompt and "prompt_token_ids" not in prompt:
                 return self._prompt_ids(prompt["prompt"])
             ids = prompt.get("prompt_token_ids")
+            text = prompt.get("prompt")  # tokenized by the caller (the server does)
         else:
-            ids = prompt
+            ids, text = prompt, None
         if not isinstance(ids, (list, tuple)):
             raise ValueError("prompt_token_ids must be a list of integers")
-        return None, list(ids)
+        if text is not None and not isinstance(text, str):
+            raise ValueError("prompt must be a string")
+        return text, list(ids)
 
     def _live(self) -> list[WorkerView]:
         return [w.view(self._bound.get(name, 0)) for name, w in self.workers.items() if w.alive]
@@ -356,6 +473,9 @@ class Router:
                                                     arrival_time=r.arrival_time or now), text))
             except ValueError as e:
                 errors[i] = str(e)
+            except Exception as e:  # noqa: BLE001 - whatever a request carries (a tokenizer's
+                # TypeError on a lone surrogate...) is that request's error, never the router's
+                errors[i] = f"the prompt cannot be processed: {type(e).__name__}: {e}"
         while todo:
             batches: dict[str, list[tuple[int, AddRequest, _Route]]] = {}
             for i, req, text in todo:
@@ -367,7 +487,7 @@ class Router:
                         or req.params.max_tokens <= 1):
                     path = self.policy.collocated(live) or path
                 if path is None:
-                    errors[i] = "no live worker can serve requests"
+                    errors[i] = Unavailable(f"no worker can serve requests now ({self._summary()})")
                     continue
                 route = _Route(req, text, n, path,
                                "prefill" if path.kind == "disagg" else "collocated",
@@ -382,6 +502,8 @@ class Router:
                 w = self.workers[name]
                 try:
                     res = w.client.add_requests([sent for _, sent, _ in items])
+                except ValueError:  # the batch does not encode: each alone, only the bad fails
+                    res = [self._add_one(w, sent) for _, sent, _ in items]
                 except EngineDeadError as e:
                     for *_, route in items:
                         self._unbind(route)
@@ -397,6 +519,13 @@ class Router:
                     self._routes[sent.request_id] = route
                     self.route_stats.requests[route.path.kind] += 1
         return errors
+
+    @staticmethod
+    def _add_one(w: _Worker, req: AddRequest) -> str | None:
+        try:
+            return w.client.add_requests([req])[0]
+        except ValueError as e:
+            return str(e)
 
     def _first_leg(self, route: _Route) -> tuple[str, AddRequest]:
         req = route.req
@@ -425,7 +554,7 @@ class Router:
                 self._release_held(rid, route.path.prefill)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._routes)
+        return bool(self._routes or self._orphans)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._routes)
@@ -434,11 +563,13 @@ class Router:
     def step(self, timeout_s: float | None = None, wakeup_fd: int | None = None
              ) -> list[RequestOutput]:
         """Outputs of whatever the workers reported next (blocks until something, timeout_s or
-        wakeup_fd readable: then [])."""
+        wakeup_fd readable: then []). With nothing in flight it returns at once, unless
+        timeout_s is given: then it waits as long, noticing idle workers' deaths and
+        restarts meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             outs = self._collect()
-            if outs or not self._routes:
+            if outs or (not self._routes and deadline is None):
                 return outs
             poller = zmq.Poller()
             for w in self.workers.values():
@@ -447,7 +578,9 @@ class Router:
                         poller.register(p, zmq.POLLIN)
             if wakeup_fd is not None:
                 poller.register(wakeup_fd, zmq.POLLIN)
-            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            # a start in progress is not pollable: look at it every 0.2 s
+            cap = 0.2 if self._restarting() else 1.0
+            left = cap if deadline is None else min(cap, deadline - time.monotonic())
             events = dict(poller.poll(max(0, int(left * 1000))))
             if wakeup_fd is not None and wakeup_fd in events:
                 return self._collect()
@@ -455,7 +588,8 @@ class Router:
                 return []
 
     def _collect(self) -> list[RequestOutput]:
-        results: list[RequestOutput] = []
+        self._service()
+        results, self._orphans = self._orphans, []
         for w in list(self.workers.values()):
             if not w.alive:
                 continue
@@ -521,7 +655,7 @@ class Router:
                 [CompletionOutput(o.index, o.text, list(o.token_ids), o.logprobs, None, None,
                                   list(o.token_ids), o.text)],
                 False, dict(out.metrics)))
-        source = msgspec.structs.replace(out.kv_transfer, worker=p.spec.name)
+        source = msgspec.structs.replace(out.kv_transfer, worker=p.client.name)
         route.stage = "handoff"
         self._handoffs.setdefault(route.path.worker, []).append(
             (route, dataclasses.replace(route.req, kv_source=source), p.spec.name))
@@ -534,12 +668,15 @@ class Router:
         pending, self._handoffs = self._handoffs, {}
         # A dead prefill worker's KV died with it (and a pull from a dead GPU's memory could
         # fault the decode GPU): the decode worker recomputes the prompt, then continues.
+        # (a restarted prefill worker is a new incarnation: the KV died with the old one)
         gone = {n for n, w in self.workers.items()
                 if w.spec.role == "prefill" and (not w.alive or w.client.exited())}
-        if gone:
+        if gone or any(sent.kv_source.worker != self.workers[prefill].client.name
+                       for items in pending.values() for _, sent, prefill in items):
             for items in pending.values():
                 for k, (route, sent, prefill) in enumerate(items):
-                    if prefill in gone:
+                    if prefill in gone or sent.kv_source.worker != \
+                            self.workers[prefill].client.name:
                         items[k] = (route, dataclasses.replace(
                             sent, kv_source=sent.kv_source.without_kv()), prefill)
         while pending:
@@ -553,14 +690,26 @@ class Router:
                 except EngineDeadError as e:
                     self._worker_died(d, e, results)
             if errors is None:
-                other = self.policy.least_loaded(self._live(), "decode")
+                live = self._live()
+                other = self.policy.least_loaded(live, "decode")
+                if other is None:
+                    # no decode worker left: the request continues whole on another worker,
+                    # which recomputes the prompt (the producer drops the KV it holds)
+                    whole = self.policy.collocated(live)
+                    other = None if whole is None else self.workers[whole.worker].view()
+                    if other is not None:
+                        for k, (route, sent, prefill) in enumerate(items):
+                            if not sent.kv_source.lost:
+                                self._release_held(route.req.request_id, prefill)
+                                items[k] = (route, dataclasses.replace(
+                                    sent, kv_source=sent.kv_source.without_kv()), prefill)
                 if other is not None:
                     for route, _, _ in items:
                         self._unbind(route)
                         route.path = route.path._replace(worker=other.name)
                     pending.setdefault(other.name, []).extend(items)
                     continue
-                errors = [f"worker {name} is gone and no decode worker is left"] * len(items)
+                errors = [f"worker {name} is gone and no worker is left to continue on"] * len(items)
             sends: dict[str, list[KVSend]] = {}
             for (route, sent, prefill), err in zip(items, errors):
                 self._unbind(route)
@@ -568,7 +717,7 @@ class Router:
                 held = not sent.kv_source.lost   # else: recomputed there (producer died)
                 if err is None and held and self.two_sided:  # sent as it is handed over
                     sends.setdefault(prefill, []).append(
-                        KVSend(sent.kv_source.request_id, name, sent.kv_source.block_ids))
+                        KVSend(sent.kv_source.request_id, d.client.name, sent.kv_source.block_ids))
                 if self._routes.get(rid) is not route:  # aborted meanwhile
                     if held:
                         self._release_held(rid, prefill)
@@ -615,7 +764,7 @@ class Router:
         results.append(RequestOutput(
             route.req.request_id, route.prompt, route.req.prompt["prompt_token_ids"],
             [CompletionOutput(0, "", tokens, None, "abort", why)], True,
-            {"arrival": route.arrival}))
+            {"arrival": route.arrival}, error=why))
 
     def _worker_died(self, w: _Worker, error: Exception,
                      results: list[RequestOutput] | None = None, raise_if_none_left: bool = True) -> None:
@@ -625,8 +774,11 @@ class Router:
             return
         w.alive = False
         w.outstanding = 0
+        w.error = str(error)
         w.client.shutdown(1.0)
-        results = results if results is not None else []
+        self._schedule_restart(w)
+        # (found dead while adding: its requests' final outputs go out with the next step's)
+        results = results if results is not None else self._orphans
         retry = []
         for route in list(self._routes.values()):
             # (a request being handed to w is not on it yet: the hand-off finds another)
@@ -642,15 +794,75 @@ class Router:
                 self._fail(route, f"worker {w.spec.name} died: {error}", results)
         if retry:
             self.route_stats.rerouted += len(retry)
-            errors = self.add_requests([dataclasses.replace(r.req, arrival_time=r.arrival)
-                                        for r in retry]) if self._live() else \
-                ["no live worker"] * len(retry)
+            again = [dataclasses.replace(r.req, arrival_time=r.arrival, prompt=(
+                r.req.prompt if r.prompt is None else {**r.req.prompt, "prompt": r.prompt}))
+                for r in retry]
+            errors = self.add_requests(again) if self._live() else \
+                [Unavailable(f"no live worker ({self._summary()})")] * len(retry)
             for r, err in zip(retry, errors):
                 if err is not None:
                     self._routes[r.req.request_id] = r
                     self._fail(r, f"worker {w.spec.name} died and rerouting failed: {err}", results)
-        if not self._live() and raise_if_none_left:
+        if not self._live() and raise_if_none_left and not self._restarting():
             raise EngineDeadError(f"every worker is gone (last: {w.spec.name}: {error})")
+
+    # ---- restarts ---------------------------------------------------------------------------
+    def _schedule_restart(self, w: _Worker) -> None:
+        now = time.monotonic()
+        if now - w.started >= self.restart.stable_s:
+            w.attempts = 0
+        if self._closed or w.attempts >= self.restart.max_restarts:
+            w.restart_at = None   # failed: stays out of routing
+            return
+        w.restart_at = now + self.restart.delay(w.attempts)
+        w.attempts += 1
+
+    def _restarting(self) -> bool:
+        """Some dead worker will be tried again."""
+        return any(w.restart_at is not None or w.starting is not None
+                   for w in self.workers.values())
+
+    def _service(self) -> None:
+        """Restart upkeep between steps (never blocks on a start): begins the attempts whose
+        back-off has passed, and takes the started workers back into routing."""
+        now = time.monotonic()
+        for w in self.workers.values():
+            if w.alive or self._closed:
+                continue
+            if w.starting is None and w.restart_at is not None and now >= w.restart_at:
+                w.restart_at = None
+                w.generation += 1
+                w.starting = _Starting(w.spec, f"{w.spec.name}.{w.generation}",
+                                       self.startup_timeout_s)
+            elif w.starting is not None and w.starting.done.is_set():
+                st, w.starting = w.starting, None
+                if st.error is not None:
+                    w.error = f"restart failed: {type(st.error).__name__}: {st.error}"
+                    w.started = now
+                    self._schedule_restart(w)
+                else:
+                    self._adopt(w, st.client)
+
+    def _adopt(self, w: _Worker, client: EngineClient) -> None:
+        """A restarted worker joins: its KV peers are connected, then it is routed to."""
+        w.client, w.alive, w.started, w.outstanding = client, True, time.monotonic(), 0
+        try:
+            self._connect_kv({w.spec.name})
+        except Exception as e:  # noqa: BLE001 - (ValueError, EngineDeadError...): another attempt
+            w.alive = False
+            w.error = f"restarted, but its KV peers could not be connected: {e}"
+            client.shutdown(1.0)
+            self._schedule_restart(w)
+            return
+        w.restarts += 1
+
+    def _summary(self) -> str:
+        return ", ".join(f"{w.spec.name} {w.state}" for w in self.workers.values())
+
+    def health(self) -> list[WorkerHealth]:
+        """Every worker's state (the server's /health and metrics)."""
+        return [WorkerHealth(w.spec.name, w.spec.role, w.state, w.restarts, w.error)
+                for w in self.workers.values()]
 
     # ---- lifecycle --------------------------------------------------------------------------
     def check_workers(self) -> dict[str, WorkerStats]:
@@ -674,10 +886,11 @@ class Router:
         return _sum_stats(self.check_workers().values())
 
     @property
-    def stats(self) -> WorkerStats | None:
+    def stats(self) -> WorkerStats:
         """The live workers' stats as of their last reports, summed (what metrics show)."""
-        known = [w.client.stats for w in self.workers.values() if w.alive and w.client.stats]
-        return _sum_stats(known) if known else None
+        # (all zeros while no worker is up: a dead worker's last report is not the present)
+        return _sum_stats(w.client.stats for w in self.workers.values()
+                          if w.alive and w.client.stats)
 
     def num_free_blocks(self) -> int:
         return min(s.num_kv_blocks - s.num_kv_blocks_used for s in self.check_workers().values())
@@ -707,10 +920,16 @@ class Router:
             return
         self._closed = True
         self._routes.clear()
+        for w in self.workers.values():
+            if w.starting is not None:
+                w.starting.abandon()
+                w.starting = None
+            w.restart_at = None
         # decode workers first: they may still be reading the prefill workers' pools
         order = sorted(self.workers.values(), key=lambda w: w.spec.role != "decode")
         for w in order:
             w.client.shutdown(timeout_s)
+        self._store = None  # the TCPStore's server stops with its last reference
 
     def __enter__(self):
         return self

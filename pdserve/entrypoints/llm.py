@@ -16,7 +16,7 @@ from ..sampling_params import SamplingParams
 # Several workers behind a router (P/D disaggregation): how many of each role, their TP sizes
 # (default tensor_parallel_size) and the routing policy (pdserve/disagg/router.py).
 _DEPLOYMENT_ARGS = ("prefill", "decode", "collocated", "prefill_tp", "decode_tp", "collocated_tp",
-                    "routing_policy")
+                    "routing_policy", "worker_restarts", "restart_backoff_s")
 
 
 class LLM:
@@ -28,7 +28,9 @@ class LLM:
 
     P/D disaggregation: prefill=N, decode=M (and/or collocated=K) start that many workers, each
     its own processes and TP group (prefill_tp / decode_tp / collocated_tp), behind a Router
-    that picks a path per request (routing_policy: "disagg", "collocated", "round-robin").
+    that picks a path per request (routing_policy: "disagg", "collocated", "round-robin"); a
+    worker that dies is restarted up to worker_restarts times in a row (default 3; 0: never),
+    the first after restart_backoff_s seconds (default 1), doubling.
 
     With tensor_parallel_size > 1 (or distributed_executor_backend="mp") the engine runs in
     worker processes and llm_engine is an EngineClient with the same request API; call
@@ -38,11 +40,15 @@ class LLM:
         deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
         config = EngineConfig(model=model, **engine_args)
         if deploy:
-            from ..disagg.router import Router, plan_workers
+            from ..disagg.router import RestartPolicy, Router, plan_workers
             policy = deploy.pop("routing_policy", None)
+            restart = RestartPolicy(**{k: v for k, v in (
+                ("max_restarts", deploy.pop("worker_restarts", None)),
+                ("backoff_s", deploy.pop("restart_backoff_s", None))) if v is not None})
             specs = plan_workers(config, kv_connector=config.kv_connector or "shared", **deploy)
             disagg = any(s.role == "prefill" for s in specs)
-            self.llm_engine = Router(specs, policy or ("disagg" if disagg else "collocated"))
+            self.llm_engine = Router(specs, policy or ("disagg" if disagg else "collocated"),
+                                     restart=restart)
         elif config.executor_backend == "mp":
             from ..worker.client import EngineClient
             self.llm_engine = EngineClient(config)
