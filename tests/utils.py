@@ -82,3 +82,27 @@ def run_compiled(script: str) -> None:
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=300, cwd=root)
     assert res.returncode == 0 and "compiled-ok" in res.stdout, res.stderr[-4000:]
+
+
+def save_tiny_model_with_tokenizer(path) -> str:
+    """A folder the server starts from in seconds: a two-layer Llama config for dummy weights
+    (load_format="dummy") with the embedded SmolLM2's real tokenizer and chat template, so
+    text prompts, chat and tokenization behave as with the real model."""
+    import json
+    import os
+
+    from pdserve.loader.model_loader import load_tokenizer, resolve_source
+    tok = load_tokenizer(resolve_source(None))
+    os.makedirs(path, exist_ok=True)
+    tok.backend.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                   "chat_template": tok.chat_template}, f)
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": tok.vocab_size,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+           "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)

@@ -4,9 +4,20 @@
     GET  /v1/models, /health, /metrics (Prometheus), /tokenizer_info
     POST /tokenize, /detokenize
 
-The engine runs in worker processes (an EngineClient driven through AsyncEngine); this process
-only parses, tokenizes chat templates, formats and streams. Every client mistake is a 400 with an
-OpenAI-style error body; a dropped connection aborts its requests.
+The engine runs in worker processes behind a Router (one collocated worker, or a P/D
+deployment), driven through AsyncEngine; this process parses, tokenizes and renders chat
+templates (on a thread pool, never on the event loop), formats and streams.
+
+What a client can see go wrong, and how:
+    its own mistake (bad field, prompt too long, text that is not Unicode)   400 + error body
+    a body over --max-request-bytes                                          413
+    --max-queued-requests requests already waiting for a first token         503 + Retry-After
+    no live worker now (one is restarting), or its worker died mid-request   503, or in a stream
+    the drain deadline of a shutdown                                         an error event + [DONE]
+    anything unexpected                                                      500 + error body
+A stream answers with its headers (and an SSE comment) as soon as the request is admitted, then
+sends a comment after every --keepalive seconds of silence; a dropped connection aborts its
+requests.
 """
 from __future__ import annotations
 
@@ -17,18 +28,21 @@ import dataclasses
 import itertools
 import sys
 import time
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import AddRequest
 from ..outputs import RequestOutput
 from ..worker.client import EngineDeadError
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, RequestStream
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        ErrorResponse, TokenizeRequest)
@@ -42,10 +56,55 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+def _error(status: int, message: str, param: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "not_found_error",
+            413: "invalid_request_error"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status)
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def _error_event(message: str, code: int = 503) -> bytes:
+    return _sse({"error": {"message": message, "type": "server_error", "param": None,
+                           "code": code}}) + b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the HTTP front protects itself and its clients (the `pdserve serve` flags)."""
+    max_request_bytes: int = 32 * 2 ** 20  # a larger body is a 413 before it is parsed
+    max_queued_requests: int | None = None  # waiting for a first token; beyond: 503
+    shutdown_timeout_s: float = 120.0    # SIGTERM: streams get this long to finish
+    keepalive_s: float = 10.0            # an SSE comment after this long without an event
+    tokenizer_threads: int = 4           # tokenization and chat templates run there
+
+    def __post_init__(self):
+        for name in ("max_request_bytes", "tokenizer_threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        q = self.max_queued_requests
+        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 0):
+            raise ValueError(f"max_queued_requests must be a non-negative integer, got {q!r}")
+        for name in ("shutdown_timeout_s", "keepalive_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+
+
+class _Busy(Exception):
+    """Too many requests are waiting for their first token (503 with Retry-After)."""
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+# A text with more characters than this many per token of the context is judged from its head
+# first (tokenizing a whole 10 MB prompt takes seconds, only to reject it); and the head's count
+# may exceed the whole text's by a few tokens cut at its end.
+_HEAD_CHARS_PER_TOKEN = 16
+_HEAD_MARGIN = 16
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -59,11 +118,16 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, options: ServeOptions):
         self.engine = engine
         self.model_name = model_name
+        self.options = options
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.pool = ThreadPoolExecutor(options.tokenizer_threads,
+                                       thread_name_prefix="pdserve-tokenize")
+        self.waiting: set[RequestStream] = set()  # admitted, no output yet
+        self.draining = False   # a shutdown has begun
 
     # ---- helpers -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -76,15 +140,72 @@ class _Server:
             raise ValueError("this server has no tokenizer (started with skip_tokenizer_init)")
         return self.engine.tokenizer
 
-    async def run(self, rid: str, prompt: Any, params) -> AsyncIterator[list[RequestOutput]]:
-        """The request's outputs in batches: all that have arrived since the consumer last
-        asked (see AsyncEngine.generate_batches)."""
-        timer = RequestTimer(self.metrics)
-        # Closed explicitly: an abandoned async generator would abort its request only when
-        # the garbage collector finalizes it.
-        gen = self.engine.generate_batches(AddRequest(rid, prompt, params))
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer threads. Whatever it raises is the request's fault (a
+        ValueError: a 400), named, never the server's."""
         try:
-            async for batch in gen:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template's or a tokenizer's error on input
+            raise ValueError(f"the request cannot be tokenized: {type(e).__name__}: {e}") from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (runs on the tokenizer threads); ValueError when it cannot fit
+        the context, judged from its head when it is far longer than the context holds."""
+        tok = self.tokenizer()
+        limit = self.engine.max_model_len
+        head = _HEAD_CHARS_PER_TOKEN * limit
+        if len(text) > head:
+            n = len(tok.encode(text[:head], add_special_tokens))
+            if n > limit + _HEAD_MARGIN:
+                raise ValueError(f"the prompt has more than {n - _HEAD_MARGIN} tokens (counted in "
+                                 f"its first {head} of {len(text)} characters); max_model_len "
+                                 f"is {limit}")
+        return tok.encode(text, add_special_tokens)
+
+    def check_length(self, num_prompt: int, max_tokens: int) -> None:
+        limit = self.engine.max_model_len
+        if num_prompt >= limit:
+            raise ValueError(f"the prompt has {num_prompt} tokens; max_model_len is {limit} "
+                             "(room for at least one generated token is needed)")
+        if num_prompt + max_tokens > limit:
+            raise ValueError(f"max_tokens {max_tokens} is more than the context leaves: the "
+                             f"prompt has {num_prompt} tokens and max_model_len is {limit}, so "
+                             f"at most {limit - num_prompt} can be generated")
+
+    async def admit(self, reqs: list[AddRequest]) -> list[RequestStream]:
+        """Admits every engine request of one HTTP request, or none: the first rejection is
+        raised (ValueError: 400; EngineDeadError: 503) and the admitted ones are aborted.
+        Each admitted stream counts as waiting until its first output or its close()."""
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
+        limit = self.options.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise _Busy(f"{len(self.waiting)} requests are waiting for their first token "
+                        f"(--max-queued-requests {limit}); retry later")
+        got = await asyncio.gather(*(self.engine.add(r) for r in reqs), return_exceptions=True)
+        streams = [g for g in got if isinstance(g, RequestStream)]
+        self.waiting.update(streams)
+        error = next((g for g in got if isinstance(g, BaseException)), None)
+        if error is not None:
+            await self.close(streams)
+            raise error
+        return streams
+
+    async def close(self, streams: list[RequestStream]) -> None:
+        """Idempotent: aborts the streams' requests unless they finished."""
+        for st in streams:
+            self.waiting.discard(st)
+            await st.aclose()
+
+    async def outputs(self, stream: RequestStream) -> AsyncIterator[list[RequestOutput]]:
+        """An admitted request's output batches, timed for the metrics; leaving early aborts
+        the request."""
+        timer = RequestTimer(self.metrics)
+        try:
+            async for batch in stream:
+                self.waiting.discard(stream)
                 for out in batch:
                     timer.on_output(out)
                 self.metrics.update_stats(self.engine.stats)
@@ -95,7 +216,7 @@ class _Server:
             self.metrics.failed.inc()
             raise
         finally:
-            await gen.aclose()
+            await self.close([stream])
 
     async def merged(self, gens: list[AsyncIterator[list[RequestOutput]]]
                      ) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
@@ -150,7 +271,9 @@ class _Server:
         return str(tid) if tok is None else tok.decode([tid], False)
 
     # ---- completions ---------------------------------------------------------------------------
-    def completion_prompts(self, req: CompletionRequest) -> list[Any]:
+    async def completion_prompts(self, req: CompletionRequest) -> list[dict]:
+        """Each prompt as {"prompt_token_ids", and "prompt" for a text}: texts are tokenized
+        off the event loop."""
         p = req.prompt
         if isinstance(p, str):
             prompts = [p]
@@ -165,6 +288,12 @@ class _Server:
                              "or a list of token-id lists, and not empty")
         if any(isinstance(x, str) and not x for x in prompts):
             raise ValueError("prompt is empty")
+        texts = [x for x in prompts if isinstance(x, str)]
+        if texts:
+            self.tokenizer()  # (a clear error first when there is none)
+            ids = iter(await asyncio.gather(*(self.off_loop(self.encode, t) for t in texts)))
+            prompts = [{"prompt": x, "prompt_token_ids": next(ids)} if isinstance(x, str) else x
+                       for x in prompts]
         return prompts
 
     def completion_logprobs(self, token_ids: list[int], entries: list, start_offset: int,
@@ -203,16 +332,19 @@ class _Server:
         params = req.sampling_params(1 if score_only else req.max_tokens, req.logprobs)
         if prompt_lp:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-        prompts = self.completion_prompts(req)
+        prompts = await self.completion_prompts(req)
+        for prompt in prompts:
+            self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         cid = f"cmpl-{next(_ids)}"
-        gens = [self.run(f"{cid}-{i}", p, params) for i, p in enumerate(prompts)]
+        streams = await self.admit([AddRequest(f"{cid}-{i}", p, params)
+                                    for i, p in enumerate(prompts)])
         n = params.n
         if req.stream:
             offsets: dict = {}
-            return await self.stream(
-                gens, lambda i, out: self.completion_chunks(cid, req, n, i, out, offsets, score_only),
+            return self.stream(
+                streams, lambda i, out: self.completion_chunks(cid, req, n, i, out, offsets, score_only),
                 cid, "text_completion", req, score_only=score_only)
-        finals = await self.collect(gens, raw)
+        finals = await self.collect(streams, raw)
         choices = []
         tok = self.engine.tokenizer
         for i, out in enumerate(finals):
@@ -279,17 +411,22 @@ class _Server:
         return chunks
 
     # ---- chat ----------------------------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest) -> dict:
-        tok = self.tokenizer()
-        messages = []
-        for m in req.messages:
+    @staticmethod
+    def chat_messages(messages) -> list[dict]:
+        out = []
+        for m in messages:
             content = m.content
-            if isinstance(content, list):  # content parts: keep the text ones
+            if isinstance(content, list):  # content parts: the text ones
                 content = "".join(p.get("text", "") for p in content
                                   if isinstance(p, dict) and p.get("type") == "text")
-            messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-        ids = tok.apply_chat_template(messages, req.add_generation_prompt, tokenize=True)
-        return {"prompt_token_ids": ids}
+            out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        return out
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The rendered chat's token ids (on the tokenizer threads): the template writes BOS
+        where the model wants it."""
+        text = self.tokenizer().apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
 
     def chat_logprobs(self, c, token_ids: list[int], entries: list, k: int) -> dict:
         content = []
@@ -307,21 +444,25 @@ class _Server:
         self.check_model(req.model)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
-        prompt = self.chat_prompt(req)
+        self.tokenizer()
+        ids = await self.off_loop(self.chat_ids, self.chat_messages(req.messages),
+                                  req.add_generation_prompt)
         if max_tokens is None:
-            max_tokens = max(1, self.engine.max_model_len - len(prompt["prompt_token_ids"]))
+            max_tokens = max(1, self.engine.max_model_len - len(ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.check_length(len(ids), max_tokens)
         k = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         params = req.sampling_params(max_tokens, k if req.logprobs else None)
         cid = f"chatcmpl-{next(_ids)}"
-        gens = [self.run(cid, prompt, params)]
+        streams = await self.admit([AddRequest(cid, {"prompt_token_ids": ids}, params)])
         if req.stream:
-            return await self.stream(gens, lambda i, out: self.chat_chunks(cid, req, out),
-                                     cid, "chat.completion.chunk", req, first=self.chat_role_chunks(cid, params.n))
-        (out,) = await self.collect(gens, raw)
+            return self.stream(streams, lambda i, out: self.chat_chunks(cid, req, out),
+                               cid, "chat.completion.chunk", req,
+                               first=self.chat_role_chunks(cid, params.n))
+        (out,) = await self.collect(streams, raw)
         choices = [{"index": c.index,
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": (self.chat_logprobs(c, c.token_ids, c.logprobs or [], k)
@@ -354,54 +495,56 @@ class _Server:
         return chunks
 
     # ---- running requests ----------------------------------------------------------------------
-    async def collect(self, gens, raw: Request) -> list[RequestOutput]:
+    async def collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
         """Final outputs of every request; aborts them all if the client hangs up first."""
-        finals: list[RequestOutput | None] = [None] * len(gens)
+        finals: list[RequestOutput | None] = [None] * len(streams)
 
         async def consume():
-            async for i, batch in self.merged(gens):
+            async for i, batch in self.merged([self.outputs(st) for st in streams]):
                 if batch[-1].finished:
                     finals[i] = batch[-1]
 
         task = asyncio.create_task(consume())
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            if not task.done() and await raw.is_disconnected():
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise asyncio.CancelledError("client disconnected")
+            task.result()  # re-raise ValueError / EngineDeadError
+        finally:
+            if not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise asyncio.CancelledError("client disconnected")
-        task.result()  # re-raise ValueError / EngineDeadError
+            await self.close(streams)
         return finals  # type: ignore[return-value]
 
-    async def stream(self, gens, to_chunks, cid: str, obj: str, req, first: list | None = None,
-                     score_only: bool = False):
-        """An SSE response. The first output is awaited before answering, so a request the
-        engine rejects still gets a plain 400."""
-        it = self.merged(gens).__aiter__()
-        try:
-            head = await it.__anext__()
-        except StopAsyncIteration:
-            head = None
+    def stream(self, streams: list[RequestStream], to_chunks, cid: str, obj: str, req,
+               first: list | None = None, score_only: bool = False) -> StreamingResponse:
+        """The SSE response of admitted requests: headers and a comment at once, a comment
+        after every keepalive_s without an event, and a terminal event whatever happens (the
+        outputs' end, an error event + [DONE] when the deployment ends the requests)."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        keepalive = self.options.keepalive_s
 
         async def body():
             # One write per batch of outputs (every event of every step that arrived since the
             # last write), each event encoded by msgspec: per-event cost is what caps a stream
             # server's tokens/s.
             finals = {}
+            it = self.merged([self.outputs(st) for st in streams]).__aiter__()
+            nxt: asyncio.Future | None = None
             try:
-                if first:
-                    yield b"".join(_sse(ch) for ch in first)
-                pending = [head] if head is not None else []
+                yield b": admitted\n\n" + b"".join(_sse(ch) for ch in first or ())
                 while True:
-                    if pending:
-                        i, batch = pending.pop()
-                    else:
-                        try:
-                            i, batch = await it.__anext__()
-                        except StopAsyncIteration:
-                            break
+                    nxt = asyncio.ensure_future(it.__anext__())
+                    while not (await asyncio.wait({nxt}, timeout=keepalive))[0]:
+                        yield b": keep-alive\n\n"
+                    try:
+                        i, batch = nxt.result()
+                    except StopAsyncIteration:
+                        break
                     if batch[-1].finished:
                         finals[i] = batch[-1]
                     data = b"".join(_sse(ch) for out in batch for ch in to_chunks(i, out))
@@ -413,26 +556,87 @@ class _Server:
                                  "model": self.model_name, "choices": [],
                                  "usage": self.usage(list(finals.values()), score_only)})
                 yield tail + b"data: [DONE]\n\n"
-            except (ValueError, EngineDeadError) as e:
-                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
-                                      "code": 500}})
+            except ValueError as e:
+                yield _error_event(str(e), 400)
+            except EngineDeadError as e:
+                yield _error_event(str(e), 503)
+            except Exception as e:  # noqa: BLE001 - a stream always ends with a terminal event
+                yield _error_event(f"internal error: {type(e).__name__}: {e}", 500)
             finally:
+                if nxt is not None and not nxt.done():
+                    nxt.cancel()
                 await it.aclose()
+                await self.close(streams)
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        # (the background task also runs when the client left before the body started)
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 background=BackgroundTask(self.close, streams))
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """The first SIGTERM/SIGINT (on the event loop): no new requests; the ones in flight
+        have shutdown_timeout_s to finish, then end with an error (see end_in_flight)."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(self.options.shutdown_timeout_s, self.end_in_flight)
+
+    def end_in_flight(self) -> None:
+        n = self.engine.end_all(f"the server is shutting down: the drain timeout "
+                                f"({self.options.shutdown_timeout_s:g} s) has passed")
+        if n:
+            print(f"pdserve: ended {n} request(s) still running at the drain deadline",
+                  file=sys.stderr, flush=True)
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
-    srv = _Server(engine, model_name)
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413, told by its Content-Length
+    before a byte of it is read, or (chunked) once the bytes read pass the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._reject(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return msg
+
+        await self.app(scope, counted, send)
+
+    async def _reject(self, scope, receive, send):
+        resp = _error(413, f"the request body is larger than the server's limit of "
+                           f"{self.limit} bytes (--max-request-bytes)")
+        await resp(scope, receive, send)
+
+
+def build_app(engine: AsyncEngine, model_name: str,
+              options: ServeOptions | None = None) -> FastAPI:
+    options = options or ServeOptions()
+    srv = _Server(engine, model_name, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        await engine.shutdown()  # uvicorn has let in-flight requests finish (SIGTERM drains)
+        # uvicorn has let in-flight requests finish (or end at the drain deadline)
+        await engine.shutdown(5.0)
+        srv.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pdserve", version="0.1", lifespan=lifespan,
                   responses={400: {"model": ErrorResponse}})
     app.state.server = srv
+    app.add_middleware(_BodyLimit, limit=options.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):
@@ -444,11 +648,25 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc: EngineDeadError):
-        return _error(503, f"the engine is not available: {exc}")
+        return _error(503, f"the engine is not available: {exc}", headers={"Retry-After": "1"})
+
+    @app.exception_handler(_Busy)
+    async def _busy(request, exc: _Busy):
+        return _error(503, str(exc), headers={"Retry-After": "1"})
+
+    @app.exception_handler(_BodyTooLarge)
+    async def _too_large(request, exc: _BodyTooLarge):
+        return _error(413, f"the request body is larger than the server's limit of "
+                           f"{options.max_request_bytes} bytes (--max-request-bytes)")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        # a bug, never the client's fault; still an OpenAI error body, never plain text
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -464,32 +682,48 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             "id": model_name, "object": "model", "created": srv.created, "owned_by": "pdserve",
             "max_model_len": engine.max_model_len}]}
 
+    def workers() -> list[dict]:
+        # a snapshot read from the event loop while the I/O thread runs the router: plain
+        # attribute reads, no step boundary to wait for (health must answer at once)
+        return [dataclasses.asdict(h) for h in engine.client.health()]
+
     @app.get("/health")
     async def health():
+        """200 while requests can be served (the body names any worker that is not up:
+        "degraded"); 503 when none can (every worker down or restarting, the engine gone,
+        a shutdown begun)."""
         if engine.dead is not None:
-            return _error(503, engine.dead)
-        return Response(status_code=200)
+            return JSONResponse({"status": "dead", "reason": engine.dead}, status_code=503)
+        if srv.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        ws = workers()
+        up = [w for w in ws if w["state"] == "up"]
+        if not up:
+            return JSONResponse({"status": "unavailable", "workers": ws}, status_code=503)
+        if len(up) < len(ws):
+            return JSONResponse({"status": "degraded", "workers": ws})
+        return JSONResponse({"status": "ok", "workers": ws})
 
     @app.get("/metrics")
     async def metrics():
         if engine.dead is None:  # fresh worker state (running, waiting, KV blocks)
             with contextlib.suppress(EngineDeadError, AssertionError):
                 srv.metrics.update_stats(await engine.check_integrity())
-        routes = getattr(engine.client, "route_stats", None)
-        if routes is not None:
-            srv.metrics.update_routes(routes)
+        srv.metrics.update_routes(engine.client.route_stats)
+        srv.metrics.update_workers(engine.client.health())
         return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/admin/check")
     async def admin_check():
-        """The worker's invariants (block pool, scheduler) and its KV use, between two steps."""
+        """The workers' invariants (block pool, scheduler) and their KV use, between two steps."""
         try:
             stats = await engine.check_integrity()
         except AssertionError as e:
             return _error(500, str(e))
         return {"ok": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "num_kv_blocks_used": stats.num_kv_blocks_used,
-                "num_kv_blocks": stats.num_kv_blocks, "worker_pids": engine.client.pids}
+                "num_kv_blocks": stats.num_kv_blocks, "worker_pids": engine.client.pids,
+                "workers": workers()}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -498,10 +732,10 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await srv.off_loop(tok.encode, req.prompt, req.add_special_tokens)
         else:
-            ids = tok.apply_chat_template([m.model_dump() for m in req.messages],
-                                          req.add_generation_prompt, tokenize=True)
+            ids = await srv.off_loop(srv.chat_ids, srv.chat_messages(req.messages),
+                                     req.add_generation_prompt)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -511,7 +745,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await srv.off_loop(tok.decode, req.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -523,6 +757,20 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     return app
 
 
+def _uvicorn_server(config, on_exit: Callable[[], None]):
+    """A uvicorn server whose first SIGTERM/SIGINT also starts our drain clock (uvicorn's own
+    graceful timeout is set a few seconds longer, for the terminal events to go out)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..cli import _deployment_args, _engine_args, engine_config
     p = argparse.ArgumentParser(prog="pdserve serve")
@@ -531,6 +779,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value or the file name)")
     p.add_argument("--log-level", default="warning")
+    d = ServeOptions()
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="seconds SIGTERM lets in-flight requests finish; the rest then end with "
+                        "an error event (streams) or a 503")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 503 (Retry-After) while this many requests wait for a first "
+                        "token (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="a larger request body is answered 413")
+    p.add_argument("--keepalive", type=float, default=d.keepalive_s,
+                   help="seconds of silence after which a stream gets an SSE comment")
+    p.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
+                   help="threads that tokenize prompts and render chat templates")
     _engine_args(p)
     _deployment_args(p)
     a = p.parse_args(argv)
@@ -538,24 +799,34 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from ..worker.client import EngineClient
-    config = engine_config(a)
-    make_client = lambda: EngineClient(config)  # noqa: E731
-    if a.prefill or a.decode or a.collocated:  # several workers behind a router (P/D)
-        from ..disagg.router import Router, plan_workers
-        specs = plan_workers(config, a.prefill, a.decode, a.collocated, a.prefill_tp,
+    from ..disagg.router import RestartPolicy, Router, plan_workers
+    try:
+        options = ServeOptions(a.max_request_bytes, a.max_queued_requests, a.shutdown_timeout,
+                               a.keepalive, a.tokenizer_threads)
+        restart = RestartPolicy(max_restarts=a.worker_restarts, backoff_s=a.restart_backoff)
+        config = engine_config(a)
+        # always behind a router, one worker too: it turns a worker's death into errors for
+        # its requests and restarts it
+        collocated = a.collocated or (0 if a.prefill or a.decode else 1)
+        specs = plan_workers(config, a.prefill, a.decode, collocated, a.prefill_tp,
                              a.decode_tp, a.collocated_tp, a.kv_connector)
-        policy = a.routing_policy or ("disagg" if a.prefill else "collocated")
-        make_client = lambda: Router(specs, policy)  # noqa: E731
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    policy = a.routing_policy or ("disagg" if a.prefill else "collocated")
     name = a.served_model_name or (os.path.basename(os.path.normpath(a.model)) if a.model
                                    else "SmolLM2-135M-Instruct")
 
     async def serve():
-        client = await asyncio.to_thread(make_client)
-        engine = AsyncEngine(client, asyncio.get_running_loop())
-        app = build_app(engine, name)
-        server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port,
-                                               log_level=a.log_level, timeout_graceful_shutdown=60))
+        client = await asyncio.to_thread(Router, specs, policy, restart=restart)
+        loop = asyncio.get_running_loop()
+        engine = AsyncEngine(client, loop)
+        app = build_app(engine, name, options)
+        srv = app.state.server
+        server = _uvicorn_server(
+            uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                           timeout_graceful_shutdown=options.shutdown_timeout_s + 5),
+            lambda: loop.call_soon_threadsafe(srv.begin_shutdown))
         print(f"pdserve: serving {name!r} on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
         await server.serve()
 

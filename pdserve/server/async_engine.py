@@ -1,10 +1,14 @@
-"""AsyncEngine: the asyncio face of an EngineClient, for the HTTP server.
+"""AsyncEngine: the asyncio face of a Router (one worker or a P/D deployment), for the server.
 
-zmq sockets belong to one thread, so one I/O thread owns the EngineClient. It sends the adds and
-aborts that coroutines queue, waits for the worker's outputs (woken early by a pipe when a
+zmq sockets belong to one thread, so one I/O thread owns the Router. It sends the adds and
+aborts that coroutines queue, waits for the workers' outputs (woken early by a pipe when a
 command arrives) and hands each request's outputs to that request's asyncio queue. A request
 whose consumer goes away (client disconnect, cancellation) is aborted, which frees its blocks on
 the worker at its next step.
+
+The I/O thread outlives anything a request or a worker can do: a command that raises fails that
+command alone; when the whole deployment is gone (every worker dead, no restart left) every
+stream ends with EngineDeadError, and later commands are answered with it at once.
 """
 from __future__ import annotations
 
@@ -15,13 +19,69 @@ import select
 import threading
 from typing import AsyncIterator
 
+from ..disagg.router import Unavailable
 from ..engine.llm_engine import AddRequest
 from ..outputs import RequestOutput
-from ..worker.client import EngineClient, EngineDeadError
+from ..worker.client import EngineDeadError
+
+
+class RequestStream:
+    """An admitted request's outputs, in batches: each item is every output that arrived since
+    the consumer last asked (one or more engine steps, oldest first), so a consumer that fell
+    behind catches up with one write. Raises EngineDeadError when the deployment ends the
+    request (its worker died, the server shuts down). aclose() before the final output aborts
+    the request (whether iteration started or not)."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, queue_: asyncio.Queue):
+        self._engine, self.request_id, self._queue = engine, request_id, queue_
+        self.finished = False
+        self._closed = False
+        self._error: BaseException | None = None  # to raise after the outputs before it
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> list[RequestOutput]:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        batch = [await self._queue.get()]
+        while not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        for i, item in enumerate(batch):
+            if isinstance(item, BaseException):
+                # what came before the error is delivered first, the error on the next call
+                self._end()
+                if i:
+                    self._error = item
+                    return batch[:i]
+                raise item
+            if item.finished:
+                del batch[i + 1:]  # nothing follows a final output
+                if item.error is not None:
+                    self._end()
+                    raise EngineDeadError(item.error)
+                self.finished = True
+                self._end()
+                break
+        return batch
+
+    def _end(self) -> None:
+        self._engine._streams.pop(self.request_id, None)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._end()
+        if not self.finished:
+            self._engine._command(("abort", self.request_id))
 
 
 class AsyncEngine:
-    def __init__(self, client: EngineClient, loop: asyncio.AbstractEventLoop):
+    def __init__(self, client, loop: asyncio.AbstractEventLoop):
         self.client = client
         self.tokenizer = client.tokenizer
         self.max_model_len = client.max_model_len
@@ -32,7 +92,6 @@ class AsyncEngine:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._streams: dict[str, asyncio.Queue] = {}
-        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="pdserve-engine-io", daemon=True)
         self._thread.start()
 
@@ -41,21 +100,9 @@ class AsyncEngine:
         return self.client.stats
 
     # ---- coroutine side ----------------------------------------------------------------------
-    async def generate(self, req: AddRequest) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as the worker produces them. ValueError if the worker rejects
-        it, EngineDeadError if the worker dies. Leaving early aborts the request."""
-        gen = self.generate_batches(req)
-        try:
-            async for batch in gen:
-                for out in batch:
-                    yield out
-        finally:
-            await gen.aclose()  # leaving early aborts now, not when the GC finalizes gen
-
-    async def generate_batches(self, req: AddRequest) -> AsyncIterator[list[RequestOutput]]:
-        """Like generate(), but each item is every output of the request that has arrived by
-        then (one or more engine steps, oldest first): a consumer that fell behind catches up
-        with one write instead of one per step."""
+    async def add(self, req: AddRequest) -> RequestStream:
+        """Admits one request: ValueError if it is rejected (the request's fault),
+        EngineDeadError if nothing can serve it (no live worker, the engine is gone)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         stream: asyncio.Queue = asyncio.Queue()
@@ -70,27 +117,34 @@ class AsyncEngine:
             raise
         if error is not None:
             self._streams.pop(req.request_id, None)
+            if isinstance(error, Unavailable):
+                raise EngineDeadError(error)
             raise ValueError(error)
-        finished = False
+        return RequestStream(self, req.request_id, stream)
+
+    async def generate(self, req: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request one at a time (add() + iteration); leaving early aborts."""
+        stream = await self.add(req)
         try:
-            while not finished:
-                batch = [await stream.get()]
-                while not stream.empty():
-                    batch.append(stream.get_nowait())
-                for i, item in enumerate(batch):
-                    if isinstance(item, BaseException):
-                        if i:
-                            yield batch[:i]
-                        raise item
-                    if item.finished:
-                        finished = True
-                        del batch[i + 1:]  # nothing follows a final output
-                        break
-                yield batch
+            async for batch in stream:
+                for out in batch:
+                    yield out
         finally:
-            self._streams.pop(req.request_id, None)
-            if not finished:
-                self._command(("abort", req.request_id))
+            await stream.aclose()
+
+    def end_all(self, why: str) -> int:
+        """Ends every stream now with EngineDeadError(why) and aborts its request (the drain
+        deadline of a shutdown); returns how many were ended."""
+        ids = list(self._streams)
+        for rid in ids:
+            self._streams.pop(rid).put_nowait(EngineDeadError(why))
+        if ids:
+            self._command(("abort", ids))
+        return len(ids)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
 
     def _command(self, cmd) -> None:
         self._cmds.put(cmd)
@@ -99,21 +153,22 @@ class AsyncEngine:
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
 
-    async def check_integrity(self):
-        """Runs the worker's invariant checks between two steps; returns its fresh stats
-        (AssertionError if an invariant is broken)."""
+    async def call(self, fn, *args):
+        """Runs fn(client, *args) on the I/O thread between two steps; its result (or its
+        exception, raised here)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         fut = self.loop.create_future()
-        self._command(("check", fut))
-        error = await fut
-        if isinstance(error, str):
-            raise AssertionError(error)
-        return self.client.stats
+        self._command(("call", fut, fn, args))
+        return await fut
+
+    async def check_integrity(self):
+        """Runs the workers' invariant checks between two steps; returns their fresh stats
+        (AssertionError if an invariant is broken)."""
+        return await self.call(lambda c: c.check_integrity())
 
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
-        self._stopping = True
-        self._command(("stop", None))
+        self._command(("stop",))
         await asyncio.to_thread(self._thread.join, drain_timeout_s + 5)
         await asyncio.to_thread(self.client.shutdown, drain_timeout_s)
         os.close(self._wake_r)
@@ -127,8 +182,12 @@ class AsyncEngine:
             pass  # the event loop is closed: nobody is waiting any more
 
     @staticmethod
-    def _resolve(fut: asyncio.Future, value) -> None:
-        if not fut.done():
+    def _resolve(fut: asyncio.Future, value, error: BaseException | None = None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
             fut.set_result(value)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
@@ -141,68 +200,80 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
-    @staticmethod
-    def _add_each_or_all(client: EngineClient, reqs: list[AddRequest]) -> list[str | None]:
-        """One round trip for the batch; if the batch cannot even be sent (one request that
-        does not encode), each request alone, so only the bad one fails."""
+    def _die(self, why: str) -> None:
+        self.dead = why
+        self._post(self._fail_all, EngineDeadError(why))
+
+    def _add(self, adds: list) -> None:
         try:
-            return client.add_requests(reqs)
-        except ValueError:
-            errors: list[str | None] = []
-            for r in reqs:
-                try:
-                    errors.extend(client.add_requests([r]))
-                except ValueError as e:
-                    errors.append(str(e))
-            return errors
+            errors = self.client.add_requests([c[1] for c in adds])
+        except EngineDeadError as e:
+            self._die(str(e))
+            errors = [e] * len(adds)
+        except Exception as e:  # noqa: BLE001 - a bug reached by one request's content must
+            # not end the others: the batch fails, the engine stays
+            errors = [f"the request could not be added: {type(e).__name__}: {e}"] * len(adds)
+        for (_, _, fut), err in zip(adds, errors):
+            if isinstance(err, BaseException):
+                self._post(self._resolve, fut, None, EngineDeadError(str(err)))
+            else:
+                self._post(self._resolve, fut, err)
 
     def _run(self) -> None:
         client = self.client
-        try:
+        while True:
+            adds, aborts, calls, stop = [], [], [], False
             while True:
-                adds, aborts, checks, stop = [], [], [], False
-                while True:
-                    try:
-                        cmd = self._cmds.get_nowait()
-                    except queue.Empty:
-                        break
-                    if cmd[0] == "add":
-                        adds.append(cmd)
-                    elif cmd[0] == "abort":
-                        aborts.append(cmd[1])
-                    elif cmd[0] == "check":
-                        checks.append(cmd[1])
-                    else:
-                        stop = True
-                if adds:
-                    errors = self._add_each_or_all(client, [c[1] for c in adds])
-                    for (_, _, fut), err in zip(adds, errors):
-                        self._post(self._resolve, fut, err)
-                if aborts:
-                    client.abort_request(aborts)
-                for fut in checks:
-                    try:
-                        self._post(self._resolve, fut, client.check_integrity())
-                    except AssertionError as e:
-                        self._post(self._resolve, fut, str(e))
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    adds.append(cmd)
+                elif cmd[0] == "abort":
+                    aborts += [cmd[1]] if isinstance(cmd[1], str) else cmd[1]
+                elif cmd[0] == "call":
+                    calls.append(cmd)
+                else:
+                    stop = True
+            if self.dead is not None:  # answer at once: nothing will serve these
+                for _, _, fut in adds:
+                    self._post(self._resolve, fut, None, EngineDeadError(self.dead))
+                for _, fut, _, _ in calls:
+                    self._post(self._resolve, fut, None, EngineDeadError(self.dead))
                 if stop:
                     return
-                if client.has_unfinished_requests():
-                    outs = client.step(wakeup_fd=self._wake_r)
-                    if outs:
-                        self._post(self._deliver, outs)
-                else:
-                    select.select([self._wake_r], [], [], 1.0)
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-        except EngineDeadError as e:
-            self.dead = str(e)
-            self._post(self._fail_all, e)
-            for cmd in list(adds):
-                self._post(self._resolve, cmd[2], f"the engine is dead: {e}")
-        except Exception as e:  # noqa: BLE001 - never leave coroutines waiting forever
-            self.dead = f"engine I/O thread failed: {type(e).__name__}: {e}"
-            self._post(self._fail_all, EngineDeadError(self.dead))
+                select.select([self._wake_r], [], [], 1.0)
+                self._drain_wakeups()
+                continue
+            try:
+                if adds:
+                    self._add(adds)
+                if aborts:
+                    client.abort_request(aborts)
+                for _, fut, fn, args in calls:
+                    try:
+                        self._post(self._resolve, fut, fn(client, *args))
+                    except EngineDeadError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - the caller's to handle
+                        self._post(self._resolve, fut, None, e)
+                if stop:
+                    return
+                # idle: still wait on the workers (a death, a restart) but at most a second
+                outs = client.step(timeout_s=None if client.has_unfinished_requests() else 1.0,
+                                   wakeup_fd=self._wake_r)
+                if outs:
+                    self._post(self._deliver, outs)
+            except EngineDeadError as e:
+                self._die(str(e))
+            except Exception as e:  # noqa: BLE001 - never leave coroutines waiting forever
+                self._die(f"engine I/O thread failed: {type(e).__name__}: {e}")
+            self._drain_wakeups()
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass

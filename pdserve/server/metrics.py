@@ -53,6 +53,18 @@ class Metrics:
                                     "off without KV (recomputed) or failed", ["outcome"],
                                     registry=r)
 
+        self.worker_up = Gauge("pdserve:worker_up", "1 while a worker serves, 0 while it is dead "
+                               "or restarting", ["worker", "role", "state"], registry=r)
+        self.worker_restarts = Gauge("pdserve:worker_restarts", "Restarts of a worker so far",
+                                     ["worker"], registry=r)
+
+    def update_workers(self, health) -> None:
+        """From Router.health(): one series per worker, labelled with its state now."""
+        self.worker_up.clear()
+        for h in health:
+            self.worker_up.labels(h.name, h.role, h.state).set(1 if h.state == "up" else 0)
+            self.worker_restarts.labels(h.name).set(h.restarts)
+
     def update_routes(self, rs) -> None:
         """From a Router's RouterStats."""
         for path, n in rs.requests.items():
