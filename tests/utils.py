@@ -29,20 +29,22 @@ def paged_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tens
 
 
 def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0, **overrides):
-    """A small random HF model saved as safetensors: Qwen2 (QKV bias, untied) or Llama (tied).
-    Returns the transformers model (eval, fp32)."""
+    """A small random HF model saved as safetensors: Qwen2 (QKV bias, untied), Llama (tied) or
+    Mistral (untied); `overrides` go to the transformers config class. Returns the transformers
+    model (eval, fp32)."""
     import transformers
     torch.manual_seed(seed)
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=0, bos_token_id=1)
-    common.update(overrides)
-    if kind == "qwen2":
-        cfg = transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=False)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    else:
-        cfg = transformers.LlamaConfig(**common, rope_theta=5e5, tie_word_embeddings=True, head_dim=16)
-        model = transformers.LlamaForCausalLM(cfg)
+    per_kind = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                          dict(rope_theta=1e6, tie_word_embeddings=False)),
+                "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                          dict(rope_theta=5e5, tie_word_embeddings=True, head_dim=16)),
+                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                            dict(rope_theta=1e4, tie_word_embeddings=False, head_dim=16))}
+    config_cls, model_cls, extra = per_kind[kind]
+    model = model_cls(config_cls(**{**common, **extra, **overrides}))
     with torch.no_grad():  # biases are zero and norms one at init: make them count
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n:

@@ -14,7 +14,9 @@ class AttentionBackend(abc.ABC):
     """Contract: `forward` rotates q and k by RoPE at `positions` (cos_sin: [max_pos, D] float32,
     cos in the first half, sin in the second, rotate-half pairing), writes k and v into
     `kv_cache` at `meta.slot_mapping`, then returns, for every query token, softmax(q·Kᵀ·scale)·V
-    over that sequence's cached tokens and its new tokens up to and including itself (causal).
+    over that sequence's cached tokens and its new tokens up to and including itself (causal);
+    with `sliding_window` W (None: no window) a token at position p sees only keys at positions
+    > p - W (itself and the W - 1 before it), the layer's own setting, constant for a model.
     q: [T, H, D]; k, v: [T, Hkv, D] (possibly strided views) with H a multiple of Hkv;
     kv_cache: [2, num_blocks, block_size, Hkv, D]. It must not touch cache slots outside the
     batch's slot mapping, and must not read host copies of device data when
@@ -26,7 +28,7 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor: ...
+                scale: float, sliding_window: int | None = None) -> torch.Tensor: ...
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -1,6 +1,7 @@
 """Reference attention over the paged KV cache in plain torch: the CPU backend, and the
 `--attention-backend torch` choice on GPU. Decode rows are batched into one call; prefill chunks
-run one sequence at a time with a causal mask offset by their cached context."""
+run one sequence at a time with a causal mask offset by their cached context (and, for a
+sliding-window layer, cut below the window)."""
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,8 @@ def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, positions, cos_sin, kv_cache, meta: AttentionMetadata, scale):
+    def forward(self, q, k, v, positions, cos_sin, kv_cache, meta: AttentionMetadata, scale,
+                sliding_window=None):
         q, k = apply_rope(q, k, positions, cos_sin)
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -39,29 +41,34 @@ class TorchPagedAttention(AttentionBackend):
             blocks = meta.block_tables[:nd, : -(-max(lens[:nd]) // block_size)]
             kv = gather_blocks(kv_cache, blocks)
             kk, vv = kv[0].flatten(1, 2), kv[1].flatten(1, 2)  # [nd, L, Hkv, D]
-            pos = torch.arange(kk.shape[1], device=q.device)
-            mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+            pos = torch.arange(kk.shape[1], device=q.device)[None, :]
+            seen = pos < meta.seq_lens[:nd, None]             # the query sits at seq_len - 1
+            if sliding_window is not None:
+                seen &= pos >= meta.seq_lens[:nd, None] - sliding_window
             o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kk.transpose(1, 2),
-                                               vv.transpose(1, 2), attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
+                                               vv.transpose(1, 2), attn_mask=seen[:, None, None, :],
+                                               scale=scale, enable_gqa=True)
             out[:nd] = o.squeeze(2)
         qsl = meta.query_start_loc_host
         for i in range(nd, len(lens)):
             s, e, n = qsl[i], qsl[i + 1], lens[i]
             kv = gather_blocks(kv_cache, meta.block_tables[i, : -(-n // block_size)])
             kk, vv = kv[0].flatten(0, 1)[:n], kv[1].flatten(0, 1)[:n]
-            out[s:e] = _attend(q[s:e], kk, vv, n - (e - s), scale)
+            out[s:e] = _attend(q[s:e], kk, vv, n - (e - s), scale, sliding_window)
         return out
 
 
-def _attend(q, k, v, ctx: int, scale: float):
+def _attend(q, k, v, ctx: int, scale: float, window: int | None):
     """q: [n, H, D] new tokens at positions ctx..ctx+n-1; k, v: [ctx+n, Hkv, D]."""
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if ctx == 0:
+    if ctx == 0 and window is None:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
         n = q.shape[0]
-        mask = torch.arange(ctx + n, device=q.device)[None, :] <= (
-            torch.arange(n, device=q.device)[:, None] + ctx)
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        kpos = torch.arange(ctx + n, device=q.device)[None, :]
+        qpos = torch.arange(n, device=q.device)[:, None] + ctx
+        seen = kpos <= qpos
+        if window is not None:
+            seen &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seen, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)

@@ -4,6 +4,8 @@ One call attends every query token of a flat batch over its sequence's cached co
 new tokens up to and including itself (causal), reading K/V through a block table. Grouped-query
 attention reads each K/V head once for all G = H / Hkv query heads that share it, and split-K
 ("flash-decoding") cuts long key ranges into pieces so that a few long sequences still fill the GPU.
+With a sliding window W (a host int, the same for the whole call: one model layer), the query at
+position p sees only keys at positions > p - W.
 
 Batch layout (decode rows usually first, but any order works)::
 
@@ -32,6 +34,14 @@ row r = (r // G)-th token of the tile, head kv_head * G + r % G::
       ...          |                                            |        |
     Tiles below the tile's first query position need no mask; tiles that reach its last query
     position get the causal mask; tiles wholly past it are never visited (causal skipping).
+    With a window (SLIDING, a constexpr; W itself a runtime scalar) the key range starts at the
+    first row's window edge instead of 0, tile-aligned down:
+
+        keys:  0 ...... | masked: window edge | no mask     | masked: causal | (skipped)
+                (never  ^kv_lo                ^full_lo      ^full_end        ^kv_hi
+                 read)    = (p_first - W + 1)   = (p_last     = (p_first + 1)  = p_last + 1
+                            rounded down          - W + 1)      rounded down
+                                                  rounded up
     Rows pack tokens x heads (rather than one program per query head) so each K/V byte is read
     once per kv head for all G heads, for prefill as for decode, and one code path serves both.
 
@@ -48,8 +58,9 @@ Two launches of one stage-1 kernel, each sequence picked by exactly one of them 
 With S > 1 splits, each program writes its partial (m, l, acc) in fp32 and a reduce kernel (the
 same grid without the split axis) combines them:
     M = max_s m_s,   out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-Split s of a tile covers keys [s*C, (s+1)*C), C = ceil(ceil(kv_hi / S) / BLOCK_N) * BLOCK_N with
-kv_hi the tile's own key count, so splits follow each sequence's real length, not max_seq_len.
+Split s of a tile covers keys [kv_lo + s*C, kv_lo + (s+1)*C), C = ceil(ceil((kv_hi - kv_lo) / S) /
+BLOCK_N) * BLOCK_N with [kv_lo, kv_hi) the tile's own key range (kv_lo = 0 without a window), so
+splits follow each sequence's real length, not max_seq_len.
 S defaults to 1 for short contexts and grows until B * Hkv * S >= 4 * num_SMs, with at least
 256 keys per split (default_num_kv_splits).
 
@@ -155,12 +166,13 @@ def _load_block_ids(bt_row_ptr, start, hi, offs_n, stride_btn, BS: tl.constexpr)
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, blk, k_ptr, v_ptr,
+def _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, window, blk, k_ptr, v_ptr,
                  stride_cb, stride_cs, kv_head_off, offs_n, offs_d,
                  BS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 SLIDING: tl.constexpr, DOT_PREC: tl.constexpr):
     """One BLOCK_N tile of keys [start, start + BLOCK_N) whose physical block ids (one per key)
-    are blk: gather K/V, score, online-softmax update."""
+    are blk: gather K/V, score, online-softmax update. MASKED tiles apply the causal mask and,
+    when SLIDING, the window's lower edge (key p visible to row r iff p > pos_r - window)."""
     p = start + offs_n                                               # key positions  [BLOCK_N]
     if MASKED:
         in_range = p < hi
@@ -182,7 +194,10 @@ def _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, blk, k_ptr, v_p
     if MASKED:
         # causal mask; for every stored row it also hides p >= hi (pos_row < kv_hi, and tiles
         # never cross a split end since splits are BLOCK_N multiples)
-        s = tl.where(p[None, :] <= pos_row[:, None], s, float("-inf"))
+        seen = p[None, :] <= pos_row[:, None]
+        if SLIDING:
+            seen = seen & (p[None, :] + window > pos_row[:, None])
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     pr = tl.exp2(s - m_new[:, None])
@@ -194,15 +209,16 @@ def _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, blk, k_ptr, v_p
 # Not specialized on the values that change from step to step (Triton would compile a variant
 # per value class: == 1, a multiple of 16, other): the batch size, the splits, the skip, and the
 # block table's row stride (its width: the longest sequence's block count).
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_skip", "stride_btb"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_skip", "window", "stride_btb"])
 def _paged_attn_stage1(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, sl_ptr, qsl_ptr, m_part, l_part, acc_part,
-        qk_scale, num_seqs, num_splits, q_skip,
+        qk_scale, num_seqs, num_splits, q_skip, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
         stride_btb, stride_btn, stride_sl,
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
-        ONE_TILE_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+        ONE_TILE_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
+        DOT_PREC: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -217,16 +233,29 @@ def _paged_attn_stage1(
     kv_len = tl.load(sl_ptr + b * stride_sl)
     ctx = kv_len - q_len
     n_tok = tl.minimum(q_len - j0, TPT)
-    kv_hi = ctx + j0 + n_tok                      # keys [0, kv_hi) are seen by some row of the tile
+    kv_hi = ctx + j0 + n_tok                      # keys [kv_lo, kv_hi) are seen by some row
+    if SLIDING:
+        # the tile's first row sees keys from ctx + j0 + 1 - window on (tile-aligned down; all
+        # operands kept >= 0: integer division rounds differently in the interpreter)
+        kv_lo = (tl.maximum(ctx + j0 + 1 - window, 0) // BLOCK_N) * BLOCK_N
+    else:
+        kv_lo = kv_hi * 0
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
-        lo = pid_s * chunk
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = kv_lo + pid_s * chunk
         hi = tl.minimum(lo + chunk, kv_hi)
     else:
-        lo = kv_hi * 0
+        lo = kv_lo
         hi = kv_hi
-    # keys below ctx + j0 + 1 are visible to every row: whole tiles there need no mask
-    full_end = tl.maximum(tl.minimum(hi, ((ctx + j0 + 1) // BLOCK_N) * BLOCK_N), lo)
+    # Keys in [full_lo, full_end) are visible to every row: whole tiles there need no mask.
+    # Below ctx + j0 + 1 (the first row's causal edge) ...
+    if SLIDING:
+        # ... and from the last row's window start ctx + j0 + n_tok - window on (tile-aligned up)
+        full_lo = tl.minimum(tl.maximum(
+            tl.cdiv(tl.maximum(ctx + j0 + n_tok - window, 0), BLOCK_N) * BLOCK_N, lo), hi)
+    else:
+        full_lo = lo
+    full_end = tl.maximum(tl.minimum(hi, ((ctx + j0 + 1) // BLOCK_N) * BLOCK_N), full_lo)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -249,20 +278,28 @@ def _paged_attn_stage1(
     # Block ids are fetched one tile ahead into registers, so the K/V gathers of a tile depend on
     # a loop-carried value rather than on a load of the same iteration (lets the software
     # pipeliner keep K/V loads in flight across iterations).
-    # Two loops that differ only in the constexpr MASKED flag: tiles wholly below the causal
-    # diagonal compile without any mask arithmetic.
+    # Loops that differ only in the constexpr MASKED flag: tiles wholly inside every row's
+    # visible range compile without any mask arithmetic. The window's lower edge [lo, full_lo)
+    # exists only when SLIDING (otherwise full_lo == lo).
     blk = _load_block_ids(bt_row_ptr, lo, hi, offs_n, stride_btn, BS)
-    for start in range(lo, full_end, BLOCK_N):
+    if SLIDING:
+        for start in range(lo, full_lo, BLOCK_N):
+            blk_next = _load_block_ids(bt_row_ptr, start + BLOCK_N, hi, offs_n, stride_btn, BS)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, window,
+                                         blk, k_ptr, v_ptr, stride_cb, stride_cs, kv_head_off,
+                                         offs_n, offs_d, BS, D, D_PAD, True, True, DOT_PREC)
+            blk = blk_next
+    for start in range(full_lo, full_end, BLOCK_N):
         blk_next = _load_block_ids(bt_row_ptr, start + BLOCK_N, hi, offs_n, stride_btn, BS)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, blk, k_ptr,
-                                     v_ptr, stride_cb, stride_cs, kv_head_off, offs_n, offs_d,
-                                     BS, D, D_PAD, False, DOT_PREC)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, window, blk,
+                                     k_ptr, v_ptr, stride_cb, stride_cs, kv_head_off, offs_n,
+                                     offs_d, BS, D, D_PAD, False, SLIDING, DOT_PREC)
         blk = blk_next
     for start in range(full_end, hi, BLOCK_N):
         blk_next = _load_block_ids(bt_row_ptr, start + BLOCK_N, hi, offs_n, stride_btn, BS)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, blk, k_ptr,
-                                     v_ptr, stride_cb, stride_cs, kv_head_off, offs_n, offs_d,
-                                     BS, D, D_PAD, True, DOT_PREC)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, window, blk,
+                                     k_ptr, v_ptr, stride_cb, stride_cs, kv_head_off, offs_n,
+                                     offs_d, BS, D, D_PAD, True, SLIDING, DOT_PREC)
         blk = blk_next
 
     if SPLIT:
@@ -348,7 +385,7 @@ def default_num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int = 13
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_query_len,
-           max_seq_len, num_kv_splits):
+           max_seq_len, num_kv_splits, sliding_window):
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                "seq_lens": seq_lens, "query_start_loc": query_start_loc}
     for name, t in tensors.items():
@@ -409,6 +446,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, ma
             raise ValueError(f"{name} must be a non-negative host int, got {val!r}")
     if num_kv_splits is not None and (not _is_int(num_kv_splits) or num_kv_splits < 1):
         raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+    if sliding_window is not None and (not _is_int(sliding_window) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
 
 
 def _is_int(val) -> bool:
@@ -429,7 +468,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
-                    num_kv_splits: int | None = None) -> torch.Tensor:
+                    num_kv_splits: int | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged K/V (see module doc).
 
     q [T, H, D] (strided ok, last dim contiguous); k_cache/v_cache [NB, BS, Hkv, D] (views ok);
@@ -437,21 +477,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [B+1] int32. max_query_len / max_seq_len: host upper bounds of q_len / seq_lens. Returns out
     [T, H, D] in q's dtype; rows >= query_start_loc[B] are not written. num_kv_splits forces the
     split-K factor of the decode launch (None: default_num_kv_splits); the prefill launch, when
-    there is one, always picks its own."""
+    there is one, always picks its own. sliding_window W (a host int, None: off): the query at
+    position p sees only keys at positions > p - W."""
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
-                            num_kv_splits=num_kv_splits)
+                            num_kv_splits=num_kv_splits, sliding_window=sliding_window)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *,
                      max_query_len, max_seq_len, out=None, num_kv_splits=None,
-                     decode_config: dict | None = None, prefill_config: dict | None = None,
-                     only_prefill_kernel: bool = False):
+                     sliding_window=None, decode_config: dict | None = None,
+                     prefill_config: dict | None = None, only_prefill_kernel: bool = False):
     """paged_attention with overrides of DECODE_CONFIG / PREFILL_CONFIG entries (bench sweeps,
     tests on tiny shapes; prefill_config may also carry "num_kv_splits") and only_prefill_kernel
     (send every sequence, decodes included, through the query-tile launch, to test it alone)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_query_len,
-           max_seq_len, num_kv_splits)
+           max_seq_len, num_kv_splits, sliding_window)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     max_query_len, max_seq_len = operator.index(max_query_len), operator.index(max_seq_len)
@@ -468,7 +509,9 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     D_PAD = max(16, _next_pow2(D))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no TF32 rounding
     sms = _num_sms(q.device)
+    sliding = sliding_window is not None
     common = dict(qk_scale=float(scale) * _LOG2E, num_seqs=B,
+                  window=operator.index(sliding_window) if sliding else 0,  # read only if SLIDING
                   stride_qt=q.stride(0), stride_qh=q.stride(1),
                   stride_ot=out.stride(0), stride_oh=out.stride(1),
                   stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1),
@@ -492,7 +535,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
             m_part, l_part, acc_part, num_splits=splits, q_skip=q_skip, **common,
             G=G, D=D, D_PAD=D_PAD, BS=BS, BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
-            ONE_TILE_PER_SEQ=one_tile, SPLIT=split, DOT_PREC=dot_prec,
+            ONE_TILE_PER_SEQ=one_tile, SPLIT=split, SLIDING=sliding, DOT_PREC=dot_prec,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if split:
             _paged_attn_reduce[(n_tiles, Hkv)](
@@ -502,11 +545,14 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                 num_warps=4, num_stages=1)
         return tpt
 
+    def keys_per_tile(tpt):  # upper bound on the keys one tile reads (host ints only)
+        return min(max_seq_len, sliding_window + tpt) if sliding else max_seq_len
+
     # decode launch: one program per (sequence, kv head, split) for every q_len <= its TPT
     small_tpt = max(dec["block_m"], _next_pow2(G), 16) // G
     if not only_prefill_kernel:
         splits = (operator.index(num_kv_splits) if num_kv_splits
-                  else default_num_kv_splits(B * Hkv, max_seq_len, sms))
+                  else default_num_kv_splits(B * Hkv, keys_per_tile(small_tpt), sms))
         launch(dec, B, True, 0, splits)
     # prefill launch: query tiles of the longer sequences; skipped when none can exist
     if only_prefill_kernel or max_query_len > small_tpt:
@@ -516,8 +562,9 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         # its own heuristic only (num_kv_splits is the decode launch's): it splits only grids
         # smaller than PREFILL_TARGET_PROGRAMS_PER_SM * SMs, which bounds the partials' memory
         splits = pre.get("num_kv_splits") or default_num_kv_splits(
-            busy_tiles * Hkv, max_seq_len, sms, per_sm=PREFILL_TARGET_PROGRAMS_PER_SM,
-            min_keys=PREFILL_MIN_KEYS_PER_SPLIT, max_splits=PREFILL_MAX_SPLITS)
+            busy_tiles * Hkv, keys_per_tile(large_tpt), sms,
+            per_sm=PREFILL_TARGET_PROGRAMS_PER_SM, min_keys=PREFILL_MIN_KEYS_PER_SPLIT,
+            max_splits=PREFILL_MAX_SPLITS)
         launch(pre, n_tiles, False, 0 if only_prefill_kernel else small_tpt, splits)
     return out
 
@@ -528,7 +575,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                        query_start_loc: torch.Tensor, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
     """The readable spec, in float32 torch, one sequence at a time (reads device values: not for
     CUDA graphs). Rows that belong to no sequence come back as zeros."""
     T, H, D = q.shape
@@ -552,6 +600,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qq = q[s:e].float()                                        # [n, H, D]
         scores = torch.einsum("nhd,lhd->hnl", qq, k) * scale
         qpos = ctx + torch.arange(n, device=q.device)
-        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        hidden = pos[None, :] > qpos[:, None]                    # [n, L]: causal
+        if sliding_window is not None:
+            hidden |= pos[None, :] <= qpos[:, None] - sliding_window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         out[s:e] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
     return out.to(q.dtype)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style) and Qwen2 (the same with QKV bias),
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and Qwen2 (the same with QKV bias), with
+per-layer sliding-window attention where the config asks for it (Mistral, Qwen2),
 written on torch ops. forward() takes tensors only; batch layout arrives through
 attention.metadata.forward_context. The model never mentions ranks: the TP layers do."""
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.rotary = rotary
         self.backend = backend
+        self.sliding_window = cfg.window_of(layer_idx)   # None: attends to the whole context
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D], bound by the runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,7 @@ class Attention(nn.Module):
                                  k.view(t, self.num_kv_heads, self.head_dim),
                                  v.view(t, self.num_kv_heads, self.head_dim), positions,
                                  self.rotary.cos_sin, self.kv_cache, get_attention_metadata(),
-                                 self.scale)
+                                 self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, -1))
 
 

@@ -8,6 +8,9 @@ an unused block poisons the output), unused block-table entries point at a NaN b
 strided slice of a fused qkv tensor, the caches are kv[0] / kv[1] views, and the output is NaN
 before the call. Rows past query_start_loc[B] (no sequence) must come back untouched (still NaN).
 
+Sliding windows are checked the same way (the float64 reference keeps keys > p - window), and
+keys below the window are poisoned to prove they are never read.
+
 GPU runs (@pytest.mark.gpu): bf16 at Qwen2.5-1.5B / 7B shapes, long contexts, CUDA graphs.
 """
 from __future__ import annotations
@@ -78,9 +81,10 @@ def make_case(q_lens, ctxs, H, Hkv, D, BS, dtype, *, device=DEV, seed=0, pad_tok
                 n_real=sum(q_lens), q_lens=list(q_lens), ctxs=list(ctxs))
 
 
-def dense_ref64(case) -> torch.Tensor:
+def dense_ref64(case, window=None) -> torch.Tensor:
     """Independent float64 reference: rebuild each sequence's K/V block by block from the table,
-    expand heads by h // G, causal mask offset by the cached context, plain softmax."""
+    expand heads by h // G, causal mask offset by the cached context (with a window: only the
+    `window` most recent positions up to the query's own), plain softmax."""
     q, kv, bt = case["q"].double().cpu(), case["kv"].double().cpu(), case["block_tables"].cpu()
     T, H, D = q.shape
     BS, Hkv = kv.shape[2], kv.shape[3]
@@ -98,7 +102,10 @@ def dense_ref64(case) -> torch.Tensor:
         k, v = kvs[0][:, heads], kvs[1][:, heads]                       # [L, H, D]
         qq = q[start:start + n]                                         # [n, H, D]
         s = torch.einsum("nhd,lhd->hnl", qq, k) * case["scale"]
-        allowed = torch.arange(L)[None, :] <= (ctx + torch.arange(n))[:, None]   # [n, L]
+        qpos = (ctx + torch.arange(n))[:, None]
+        allowed = torch.arange(L)[None, :] <= qpos                      # [n, L]
+        if window is not None:
+            allowed &= torch.arange(L)[None, :] >= qpos - (window - 1)
         s = s.masked_fill(~allowed[None], float("-inf"))
         out[start:start + n] = torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), v)
         start += n
@@ -122,18 +129,25 @@ def run(case, fn=None, **kw):
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
-def check(case, out, dtype):
+def check(case, out, dtype, window=None, refs=None):
+    """refs: (dense float64, paged_attention_ref) computed beforehand (when the cache has been
+    poisoned since)."""
     n = case["n_real"]
     got = out[:n].double().cpu()
     assert not torch.isnan(got).any(), "a query row was left unwritten or read poisoned K/V"
     assert torch.isnan(out[n:]).all(), "rows that belong to no sequence must be left untouched"
-    ref64 = dense_ref64(case)[:n]
-    err64 = (got - ref64).abs().max().item() if n else 0.0
+    ref64, ref = refs or references(case, window)
+    err64 = (got - ref64[:n]).abs().max().item() if n else 0.0
     assert err64 <= TOL[dtype], f"max abs err vs float64 dense reference {err64}"
-    ref = paged_attention_ref(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
-                              case["seq_lens"], case["query_start_loc"], case["scale"])
     err = (got - ref[:n].double().cpu()).abs().max().item() if n else 0.0
     assert err <= TOL[dtype], f"max abs err vs paged_attention_ref {err}"
+
+
+def references(case, window=None):
+    ref = paged_attention_ref(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
+                              case["seq_lens"], case["query_start_loc"], case["scale"],
+                              sliding_window=window)
+    return dense_ref64(case, window), ref
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +293,67 @@ def test_default_num_kv_splits_heuristic():
     assert 128 * s >= 2 * 132
 
 
+def poison_below(case, first_key_read):
+    """NaN into every cached key/value of sequence b below position first_key_read[b]: the kernel
+    must not read them at all (a masked read would still turn the output into NaN)."""
+    BS = case["kv"].shape[2]
+    for b, lo in enumerate(first_key_read):
+        for p in range(lo):
+            case["kv"][:, int(case["block_tables"][b, p // BS]), p % BS] = float("nan")
+
+
+# a decode with a long context, a short multi-token row (decode launch), a padding row, a
+# prefill chunk over cached context and one from scratch, all longer than most windows below
+WINDOW_CASE = dict(q_lens=[1, 3, 0, 18, 12], ctxs=[45, 20, 0, 23, 0])
+WINDOW_TILES = dict(decode_config=SMALL_N, prefill_config={"block_m": 16, "block_n": 16})
+
+
+@pytest.mark.parametrize("window,dtype", [(1, torch.float32), (5, torch.float32),
+                                          (16, torch.float16), (17, torch.float32),
+                                          (22, torch.float32), (45, torch.float32),
+                                          (100, torch.float32)])
+def test_sliding_window(window, dtype):
+    """Each query at position p sees keys (p - window, p]: windows of one key, smaller than a
+    key tile, exactly a tile, one past it, longer than any sequence (= no window). 22 and 45 put
+    the last row's window edge one key past a tile boundary (the prefill tile at j0 = 8 of the
+    ctx-23 row; the decode row at 45): that tile must still be masked."""
+    case = make_case(**WINDOW_CASE, H=4, Hkv=2, D=D_CPU, BS=BS_CPU, dtype=dtype, seed=window,
+                     pad_tokens=2)
+    out = run(case, sliding_window=window, **WINDOW_TILES)
+    check(case, out, dtype, window)
+    if window == 100:   # a window longer than every sequence changes nothing
+        check(case, out, dtype)
+
+
+@pytest.mark.parametrize("only_prefill_kernel", [False, True])
+def test_sliding_window_forced_splits(only_prefill_kernel):
+    """Split-K over the window's key range (not over [0, seq_len)): same as one split."""
+    case = make_case(**WINDOW_CASE, H=4, Hkv=2, D=D_CPU, BS=BS_CPU, dtype=torch.float32, seed=2,
+                     pad_tokens=1)
+    kw = dict(sliding_window=9, only_prefill_kernel=only_prefill_kernel)
+    one = run(case, num_kv_splits=1, **kw, **WINDOW_TILES)
+    many = run(case, num_kv_splits=3, **kw, decode_config=SMALL_N,
+               prefill_config={"block_m": 16, "block_n": 16, "num_kv_splits": 3})
+    check(case, many, torch.float32, 9)
+    n = case["n_real"]
+    assert torch.allclose(many[:n], one[:n], atol=1e-5, rtol=0)
+
+
+def test_sliding_window_skips_keys_below_the_window():
+    """Keys below the first query's window (rounded down to a key tile) are never read: poisoned
+    with NaN there, the output is unchanged. Decode rows and a prefill chunk over context."""
+    window, block_n = 8, 16
+    case = make_case([1, 1, 20], [90, 40, 50], 4, 2, D_CPU, BS_CPU, torch.float32, seed=21)
+    refs = references(case, window)
+    first = [(max(c + 1 - window, 0) // block_n) * block_n for c in case["ctxs"]]
+    assert min(first) >= 32
+    poison_below(case, first)
+    out = run(case, sliding_window=window, decode_config={"block_n": block_n},
+              prefill_config={"block_m": 16, "block_n": block_n, "num_kv_splits": 2},
+              num_kv_splits=2)
+    check(case, out, torch.float32, window, refs)
+
+
 def _bad_inputs():
     c = make_case([1, 3], [10, 5], 4, 2, D_CPU, BS_CPU, torch.float32)
     args = dict(q=c["q"], k_cache=c["k_cache"], v_cache=c["v_cache"],
@@ -311,6 +386,9 @@ def _bad_inputs():
         "out shape": ({}, dict(out=torch.empty(1, 4, D_CPU))),
         "out dtype": ({}, dict(out=torch.empty(c["q"].shape, dtype=torch.float16))),
         "not a tensor": (dict(seq_lens=[11, 8]), {}),
+        "zero window": ({}, dict(sliding_window=0)),
+        "float window": ({}, dict(sliding_window=4.0)),
+        "tensor window": ({}, dict(sliding_window=torch.tensor(4))),
     }
     for name, (a, k) in bad.items():
         yield pytest.param({**args, **a}, {**kw, **k}, id=name)
@@ -362,24 +440,26 @@ def test_kernels_compile_for_sm90():
             assert k.asm["cubin"]
             return k
 
-        for dt, G, D, one, split, cfg in [
-                ("bf16", 6, 128, True, True, pa.DECODE_CONFIG),
-                ("bf16", 7, 128, True, False, pa.DECODE_CONFIG),
-                ("fp16", 1, 64, True, True, pa.DECODE_CONFIG),
-                ("bf16", 6, 128, False, False, pa.PREFILL_CONFIG),
-                ("bf16", 7, 96, False, True, pa.PREFILL_CONFIG),
-                ("fp32", 2, 64, False, False, pa.PREFILL_CONFIG)]:
+        for dt, G, D, one, split, sliding, cfg in [
+                ("bf16", 6, 128, True, True, False, pa.DECODE_CONFIG),
+                ("bf16", 7, 128, True, False, False, pa.DECODE_CONFIG),
+                ("fp16", 1, 64, True, True, False, pa.DECODE_CONFIG),
+                ("bf16", 6, 128, False, False, False, pa.PREFILL_CONFIG),
+                ("bf16", 7, 96, False, True, False, pa.PREFILL_CONFIG),
+                ("bf16", 4, 128, False, True, True, pa.PREFILL_CONFIG),
+                ("fp32", 2, 64, False, False, False, pa.PREFILL_CONFIG)]:
             d_pad = 1 << (D - 1).bit_length()
             bm = max(cfg["block_m"], 1 << (G - 1).bit_length(), 16)
             bn = cfg["block_n"] or max(16, min(128, cfg["block_n_elems"] // d_pad))
             if dt == "fp32":
                 bn = 32
             const = dict(G=G, D=D, D_PAD=d_pad, BS=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // G,
-                         ONE_TILE_PER_SEQ=one, SPLIT=split,
+                         ONE_TILE_PER_SEQ=one, SPLIT=split, SLIDING=sliding,
                          DOT_PREC="ieee" if dt == "fp32" else "tf32")
             k = build(pa._paged_attn_stage1, dt, const, cfg["num_warps"], cfg["num_stages"])
             # default tiles must leave room for >= 2 programs per SM (228 KB of smem on sm_90)
-            assert k.metadata.shared <= 112 * 1024, (dt, G, D, one, split, k.metadata.shared)
+            assert k.metadata.shared <= 112 * 1024, (dt, G, D, one, split, sliding,
+                                                     k.metadata.shared)
             if split:
                 rconst = {n: const[n] for n in ("G", "D", "D_PAD", "BLOCK_M", "TPT",
                                                 "ONE_TILE_PER_SEQ")}
@@ -429,13 +509,13 @@ def _gpu_case(q_lens, ctxs, H, Hkv, D=128, BS=16, dtype=torch.bfloat16, seed=0, 
                 n_real=sum(q_lens), q_lens=q_lens, ctxs=ctxs)
 
 
-def _gpu_check(case, out, tol=2e-2):
+def _gpu_check(case, out, tol=2e-2, window=None):
     n = case["n_real"]
     assert not torch.isnan(out[:n]).any()
     assert torch.isnan(out[n:]).all()
     ref = paged_attention_ref(case["q"].float(), case["k_cache"].float(), case["v_cache"].float(),
                               case["block_tables"], case["seq_lens"], case["query_start_loc"],
-                              case["scale"])
+                              case["scale"], sliding_window=window)
     err = (out[:n].float() - ref[:n]).abs().max().item()
     assert err <= tol, f"max abs err {err} vs float32 reference"
     return err
@@ -480,10 +560,26 @@ def test_gpu_other_shapes(dtype, D, H, Hkv, BS):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_metadata():
+@pytest.mark.parametrize("H,Hkv", MODELS)
+@pytest.mark.parametrize("window", [1, 100, 4096])
+def test_gpu_sliding_window(H, Hkv, window):
+    """bf16 at engine shapes, decodes and prefill chunks longer than the window: default
+    heuristics (split-K on the decode rows), forced splits, loose (graph-style) bounds."""
+    q_lens = [1] * 8 + [512, 300, 0, 2, 700]
+    ctxs = [700 * i + 5 for i in range(8)] + [1024, 3000, 0, 6000, 0]
+    case = _gpu_case(q_lens, ctxs, H, Hkv, seed=window, pad_tokens=3)
+    _gpu_check(case, run(case, sliding_window=window), window=window)
+    _gpu_check(case, run(case, sliding_window=window, num_kv_splits=4), window=window)
+    _gpu_check(case, run(case, sliding_window=window, max_query_len=2048, max_seq_len=16384),
+               window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 256])
+def test_gpu_cuda_graph_replay_with_new_metadata(window):
     """Capture once with static buffers and static upper bounds (max_query_len = T,
     max_seq_len = MAXB * BS); replay with other lengths, q_lens (decodes, chunks, padding rows,
-    unassigned tail rows), block tables and cache contents."""
+    unassigned tail rows), block tables and cache contents. The window is fixed at capture."""
     H, Hkv, D, BS = 12, 2, 128, 16
     T, B, MAXB, NB = 64, 8, 256, 1200
     scenarios = [([1] * 6 + [40, 0], [300, 7, 1000, 64, 4000, 2, 500, 0]),
@@ -506,7 +602,8 @@ def test_gpu_cuda_graph_replay_with_new_metadata():
     def step():
         paged_attention(static["q"], static["kv"][0], static["kv"][1], static["block_tables"],
                         static["seq_lens"], static["query_start_loc"], D ** -0.5,
-                        max_query_len=T, max_seq_len=MAXB * BS, out=static["out"])
+                        max_query_len=T, max_seq_len=MAXB * BS, out=static["out"],
+                        sliding_window=window)
 
     fill(cases[0])
     s = torch.cuda.Stream()
@@ -521,7 +618,7 @@ def test_gpu_cuda_graph_replay_with_new_metadata():
         fill(case)
         graph.replay()
         torch.cuda.synchronize()
-        _gpu_check(case, static["out"])
+        _gpu_check(case, static["out"], window=window)
 
 
 @pytest.mark.gpu
