@@ -122,6 +122,12 @@ class KVPair(msgspec.Struct, tag=True):
     num_kv_heads: int
     store: str
     side: str                      # "producer" | "consumer"
+    # The producer abandons a send that has not completed this long after it could start (the
+    # pair's previous send done): the consumer is dead or stuck. The pair is then broken (later
+    # sends to it are skipped; the consumer's loads from it fail and are recomputed). Set by
+    # whoever pairs the workers, above the consumer's kv_transfer_timeout_s (by then the
+    # consumer has given up on that load anyway).
+    send_timeout_s: float = 60.0
 
 
 class KVSend(msgspec.Struct, array_like=True):

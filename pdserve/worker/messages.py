@@ -53,6 +53,7 @@ class WorkerStats(msgspec.Struct):
     num_kv_blocks: int
     num_preemptions: int
     kv_peers: int = 0   # P/D: peers this worker's connector has joined (or given up on)
+    kv_broken: int = 0  # P/D, two-sided: pairs among kv_peers that broke (or were dropped)
 
 
 class CheckIntegrity(msgspec.Struct, tag=True):

@@ -350,7 +350,8 @@ class _Driver:
         return self.m.WorkerStats(len(sched.running), len(sched.waiting),
                                   eng.kv.pool.num_used_blocks, eng.num_kv_blocks,
                                   sched.num_preemptions,
-                                  0 if conn is None else conn.num_peers())
+                                  0 if conn is None else conn.num_peers(),
+                                  0 if conn is None else conn.num_broken())
 
     def _read_messages(self) -> None:
         m, eng = self.m, self.engine
