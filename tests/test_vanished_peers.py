@@ -30,6 +30,7 @@ from pdserve.disagg.connector import get_connector_class
 from pdserve.disagg.kv_transfer import KVPair, KVSend
 from pdserve.engine.llm_engine import AddRequest, LLMEngine
 from pdserve.worker import client as client_module
+from pdserve.worker import messages
 from pdserve.worker.client import EngineClient, EngineDeadError
 from pdserve.worker.worker import ClientGone, WorkerConfig, _Outbox
 
@@ -177,8 +178,8 @@ def test_producer_outlives_a_consumer_that_stops_then_dies(model, connector):
     and silent, as a dead peer looks to NCCL) with a send to it pending; the producer gives
     that send up after the pair's send_timeout_s (2 s), marks the pair broken, and meanwhile
     or right after serves a plain request and its send to d2, exactly. Then d1 is killed: the
-    producer stays up, skips sends to d1, serves whole requests, and holds no KV
-    block."""
+    producer stays up, skips sends to d1, serves whole requests, and holds no KV block. A
+    DropPeer for d2 (alive) breaks that pair too."""
     import torch.distributed as dist
     base = EngineConfig(model=model, kv_connector=connector, **ENGINE)
     reference = LLMEngine(EngineConfig(model=model, **ENGINE))
@@ -224,6 +225,7 @@ def test_producer_outlives_a_consumer_that_stops_then_dies(model, connector):
 
         os.kill(D1.pids[0], signal.SIGKILL)          # and now it is dead
         D1._procs[0].join(10)
+        P._send(messages.DropPeer("d1"))   # what the router sends when it sees that (no-op now)
         P.add_requests([AddRequest("e", PROMPT, dataclasses.replace(GREEDY, max_tokens=1),
                                    kv_hold=True)])
         held = _collect(P, "e", 30).kv_transfer
@@ -234,6 +236,11 @@ def test_producer_outlives_a_consumer_that_stops_then_dies(model, connector):
         assert (stats.kv_peers, stats.kv_broken) == (2, 1)
         assert stats.num_kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
         assert not P.exited()
+        P._send(messages.DropPeer("d2"))   # reaches every rank's connector with the next step
+        t0 = time.monotonic()
+        while P.check_integrity().kv_broken < 2:
+            assert time.monotonic() - t0 < 10, "DropPeer did not break the pair with d2"
+            time.sleep(0.01)
     finally:
         for c in clients:
             c.shutdown(10)

@@ -130,6 +130,12 @@ class KVPair(msgspec.Struct, tag=True):
     send_timeout_s: float = 60.0
 
 
+class KVDrop(msgspec.Struct, tag=True):
+    """A peer worker is gone (the router saw it die): abort the pair with it now, instead of
+    waiting for a transfer to time out. Travels to every rank with the step, like a KVPeer."""
+    worker: str
+
+
 class KVSend(msgspec.Struct, array_like=True):
     """Producer side of a two-sided transfer: send these held blocks of `request_id` to
     `consumer` (its ranks receive them in the order the sends were asked for)."""

@@ -392,6 +392,8 @@ class _Driver:
                 eng.release_kv(msg.request_ids)
             elif isinstance(msg, m.SendKV):
                 eng.send_kv(msg.sends)
+            elif isinstance(msg, m.DropPeer):
+                eng.drop_kv_peer(msg.worker)
 
 
 def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
