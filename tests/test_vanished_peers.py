@@ -107,6 +107,7 @@ def test_worker_exits_when_its_client_stops_reading(model):
         t0 = time.monotonic()
         assert_processes_gone(client.pids, timeout_s=60)
         print(f"worker exited {time.monotonic() - t0:.1f} s after its client stopped reading")
+        client._procs[0].join(10)          # (a zombie leader may wait for its threads)
         assert client._procs[0].exitcode == 0       # nobody to serve: a clean exit
     finally:
         client.shutdown(5)
@@ -143,6 +144,7 @@ def test_rank0_gives_up_on_a_rank_that_takes_no_steps(model, monkeypatch, how):
                     client.step(timeout_s=1)
         else:
             assert_processes_gone([client.pids[0]], timeout_s=60)
+            client._procs[0].join(10)      # (a zombie leader may wait for its threads)
             assert client._procs[0].exitcode == 1
         print(f"rank 0 gave up {time.monotonic() - t0:.1f} s after rank 1 stopped taking steps")
     finally:
