@@ -11,6 +11,10 @@ Every rank of a worker in a P/D deployment owns one connector over its own KV ca
                                                to compute; not ok -> cancel (no write after it)
 
     producer rank (two-sided only):  send_blocks(KVSend) when the router asks (SendKV)
+    either end (two-sided only):     drop_peer(name) when the router saw that worker die
+                                     (DropPeer): the pair is aborted. Without it a producer
+                                     gives up a send after KVPair.send_timeout_s, breaking
+                                     the pair the same way, and goes on serving.
 
 With a one-sided connector a load never involves the producer, so neither side waits for a
 matching send/receive. The driver of the consumer (rank 0) decides when a load is done and
@@ -32,6 +36,7 @@ never finish (until cancelled).
 from __future__ import annotations
 
 import abc
+import datetime
 import os
 import pickle
 import threading
@@ -98,6 +103,15 @@ class KVConnector(abc.ABC):
     def num_peers(self) -> int:
         """Peers added so far (a two-sided pair that could not be formed counts: it was tried)."""
 
+    def drop_peer(self, worker: str) -> None:
+        """Worker `worker` is gone (every rank, in the same step): stop waiting for it. A
+        two-sided pair with it is aborted: pending sends are abandoned, later sends skipped,
+        loads from it fail. One-sided connectors have nothing that waits for a peer."""
+
+    def num_broken(self) -> int:
+        """Peers (of num_peers()) this connector has given up on."""
+        return 0
+
     def check_peer(self, peer: KVPeer | KVPair) -> None:
         """Rank 0, when a peer is announced: ValueError if it cannot work (before any rank
         commits to it)."""
@@ -155,6 +169,12 @@ class _HostMark:
         return (end.t - self.t) * 1e3
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception as one line (gloo's messages run on with advice)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def _timed_event(stream):
     """A timing event recorded on stream (CUDA), or a host time stamp (stream None: CPU)."""
     if stream is None:
@@ -201,6 +221,21 @@ class _Load:
     keep: list = field(default_factory=list)  # buffers in use by queued copies
     status: object = None          # two-sided CUDA: the producer's status word (pinned host)
     reported: bool = False
+
+
+@dataclass(eq=False)
+class _Sending:
+    """A two-sided producer's send whose GPU work may still run (NcclConnector on CUDA)."""
+    works: list                    # its torch.distributed Work objects
+    keep: list                     # the buffers they read
+    since: float                   # when it could start: issued, or its predecessor done
+    timeout_s: float               # the pair's send_timeout_s
+
+    def done(self) -> bool:
+        try:
+            return all(w.is_completed() for w in self.works)
+        except Exception:  # noqa: BLE001 - a failed send is over too
+            return True
 
 
 @register_connector
@@ -501,8 +536,14 @@ class _PairConnector(KVConnector):
     order (a request aborted before its load still gets a receive-and-discard load), so every
     send meets its receive. Each message is a status word (1: the producer still held the blocks)
     then one [layers, 2, blocks, block_size, heads, head_dim] tensor per producer rank that holds
-    heads this consumer rank needs. A pair that cannot form, or breaks, is marked broken: its
-    loads fail (and are recomputed), its sends are skipped."""
+    heads this consumer rank needs. A pair that cannot form, or breaks, is marked broken for
+    good: its loads fail (and are recomputed), its sends are skipped.
+
+    A pair breaks when its transport fails (gloo notices a dead peer's closed connection at
+    once), when a send has waited KVPair.send_timeout_s (a stopped peer; a dead one over NCCL,
+    which notices nothing by itself), or when the router drops the peer (drop_peer). The
+    producer abandons that pair's pending sends and goes on serving its other pairs: the blocks
+    were copied out of its pool when the send was issued, so its KV is not held by them."""
 
     two_sided = True
     join_timeout_s = 60.0
@@ -512,6 +553,7 @@ class _PairConnector(KVConnector):
         self.to_consumer: dict[str, tuple[object, KVPair]] = {}
         self.from_producer: dict[str, tuple[object, KVPair]] = {}
         self.broken: dict[str, str] = {}        # the other worker -> why its pair is unusable
+        self._aborted: set[str] = set()         # pairs whose group was torn down already
         self.loads: dict[str, _Load] = {}
         self._finished: deque[_Load] = deque()
         self._lock = threading.Lock()
@@ -522,6 +564,22 @@ class _PairConnector(KVConnector):
     def num_peers(self) -> int:
         return len(self.to_consumer) + len(self.from_producer)
 
+    def num_broken(self) -> int:
+        return len(self.broken)
+
+    def drop_peer(self, worker: str) -> None:
+        if worker in self.to_consumer or worker in self.from_producer:
+            self._break(worker, f"pair with {worker} dropped: that worker is gone")
+
+    def _break(self, other: str, why: str) -> None:
+        """Mark the pair with `other` broken (the first reason stays). Any thread may call it."""
+        self.broken.setdefault(other, why)
+
+    def _group(self, other: str):
+        """The process group of the pair with `other` (None: never formed)."""
+        entry = self.to_consumer.get(other) or self.from_producer.get(other)
+        return None if entry is None else entry[0]
+
     def check_peer(self, peer) -> None:
         if not isinstance(peer, KVPair):
             raise ValueError(f"the {self.name} connector pairs workers with KVPair")
@@ -529,8 +587,6 @@ class _PairConnector(KVConnector):
             raise ValueError(f"bad KVPair side {peer.side!r}")
 
     def add_peer(self, peer) -> None:
-        import datetime
-
         import torch.distributed as dist
         self.check_peer(peer)
         table = self.to_consumer if peer.side == "producer" else self.from_producer
@@ -543,13 +599,14 @@ class _PairConnector(KVConnector):
         try:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
             prefixed = dist.PrefixStore(f"{peer.producer}->{peer.consumer}", store)
-            pg = self._new_group(prefixed, rank, peer.producer_tp + peer.consumer_tp, timeout)
+            pg = self._new_group(prefixed, rank, peer.producer_tp + peer.consumer_tp, timeout,
+                                 peer)
         except Exception as e:  # noqa: BLE001 - e.g. the other worker died before joining
             self.broken[other] = f"pair with {other} could not be formed: {type(e).__name__}: {e}"
             pg = None
         table[other] = (pg, peer)
 
-    def _new_group(self, store, rank: int, size: int, timeout):
+    def _new_group(self, store, rank: int, size: int, timeout, pair: KVPair):
         import torch.distributed as dist
         return dist.ProcessGroupGloo(store, rank, size, timeout)
 
@@ -572,12 +629,13 @@ class _PairConnector(KVConnector):
             yield hc, tuple(shape)
 
     def _close_groups(self, abort: bool = False) -> None:
-        # gloo's own threads must stop before the interpreter exits (else: abort at exit)
-        for pg, _ in [*self.to_consumer.values(), *self.from_producer.values()]:
-            if pg is None:
+        # gloo's own threads must stop before the interpreter exits (else: abort at exit); a
+        # broken pair's group may still have work queued: never wait for it
+        for other, (pg, _) in [*self.to_consumer.items(), *self.from_producer.items()]:
+            if pg is None or other in self._aborted:
                 continue
             try:
-                pg.abort() if abort else pg.shutdown()
+                pg.abort() if abort or other in self.broken else pg.shutdown()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
         self.to_consumer.clear()
@@ -587,10 +645,12 @@ class _PairConnector(KVConnector):
 @register_connector
 class TorchDistConnector(_PairConnector):
     """Pairs over gloo between CPU processes (the path for hosts without shared memory). Sends
-    and receives run on one thread each per connector (a gloo Work completes only through
-    wait()); the received data is scattered into the blocks under a lock that a cancel takes
-    too, so nothing lands after a cancel returns. On CUDA use "nccl" (the same pairing and
-    order, on streams instead of threads)."""
+    and receives run on a thread per pair and direction (a gloo Work completes only through
+    wait(), so a stuck peer holds up only its own pair's thread); each wait is bounded by the
+    pair's send_timeout_s (gloo then closes the pair's connection, so the other end fails at
+    once too). The received data is scattered into the blocks under a lock that a cancel
+    takes too, so nothing lands after a cancel returns. On CUDA use "nccl" (the same pairing
+    and order, on streams instead of threads)."""
 
     name = "torch-dist"
 
@@ -599,32 +659,32 @@ class TorchDistConnector(_PairConnector):
         if kv_cache.device.type != "cpu":
             raise ValueError("the torch-dist connector runs on CPU (gloo); on GPUs use "
                              "kv_connector='nccl' (or 'shared' / 'relay' on one host)")
-        self._recvs: deque[_Load] = deque()
-        self._sends: deque[tuple] = deque()
+        # ("send", consumer) / ("recv", producer) -> that pair's jobs in order, each queue
+        # worked by its own thread
+        self._queues: dict[tuple[str, str], deque] = {}
+        self._threads: list[threading.Thread] = []
         self._wake = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._loop, args=(q, f), daemon=True, name=n)
-                         for q, f, n in ((self._recvs, self._recv_one, "kv-recv"),
-                                         (self._sends, self._send_one, "kv-send"))]
-        for t in self._threads:
-            t.start()
 
     # ---- producer ----------------------------------------------------------------------------
     def send_blocks(self, send: KVSend) -> None:
         pg, pair = self.to_consumer[send.consumer]
-        if pg is None:
+        if pg is None or send.consumer in self.broken:
             return                              # no pair with that consumer (broken)
         blocks = self.kv.index_select(2, torch.tensor(send.block_ids, dtype=torch.long))
         for dst, t in self._outgoing(pair, blocks):
-            self._push(self._sends, (pg, dst, t, send.ok))
+            self._push(("send", send.consumer), self._send_one, (pg, pair, dst, t, send.ok))
 
     def _send_one(self, job) -> None:
-        pg, dst, t, ok = job
+        pg, pair, dst, t, ok = job
+        if pair.consumer in self.broken:
+            return                              # abandoned with its pair
+        timeout = datetime.timedelta(seconds=pair.send_timeout_s)
         try:
-            pg.send([torch.tensor([1 if ok else 0], dtype=torch.int64)], dst, 0).wait()
-            pg.send([t], dst, 0).wait()
-        except Exception:  # noqa: BLE001 - the consumer gave up on this pair (timeout, death)
-            pass
+            pg.send([torch.tensor([1 if ok else 0], dtype=torch.int64)], dst, 0).wait(timeout)
+            pg.send([t], dst, 0).wait(timeout)
+        except Exception as e:  # noqa: BLE001 - the consumer is gone (closed) or stuck (timeout)
+            self._break(pair.consumer, f"pair with {pair.consumer} broke: {_first_line(e)}")
 
     # ---- consumer ----------------------------------------------------------------------------
     def start_load(self, load: KVLoad, sync: bool) -> None:
@@ -635,7 +695,7 @@ class TorchDistConnector(_PairConnector):
             self.loads[load.request_id] = item
         else:
             item.cancel = True                  # receive and discard (keeps the pair in step)
-        self._push(self._recvs, item)
+        self._push(("recv", load.worker), self._recv_one, item)
         if sync and load.dst_block_ids and self.fault != "hang":
             item.done.wait()
 
@@ -647,11 +707,12 @@ class TorchDistConnector(_PairConnector):
             if why is not None:
                 raise RuntimeError(why)
             parts = []
+            timeout = datetime.timedelta(seconds=pair.send_timeout_s)
             for hc, shape in self._incoming(pair, len(load.src_block_ids)):
                 status = torch.zeros(1, dtype=torch.int64)
-                pg.recv([status], hc.src_rank, 0).wait()
+                pg.recv([status], hc.src_rank, 0).wait(timeout)
                 buf = torch.empty(shape, dtype=self.kv.dtype)
-                pg.recv([buf], hc.src_rank, 0).wait()
+                pg.recv([buf], hc.src_rank, 0).wait(timeout)
                 if int(status) != 1:
                     item.error = "the producer no longer held the blocks"
                 parts.append((hc, buf))
@@ -667,8 +728,8 @@ class TorchDistConnector(_PairConnector):
                     for hc, buf in parts:
                         self.kv[:, :, :, :, hc.dst_heads].index_copy_(2, dst, buf)
         except Exception as e:  # noqa: BLE001 - a broken pair fails its loads; they recompute
-            item.error = f"{type(e).__name__}: {e}"
-            self.broken.setdefault(load.worker, f"pair with {load.worker} broke: {item.error}")
+            item.error = _first_line(e)
+            self._break(load.worker, f"pair with {load.worker} broke: {item.error}")
         item.end = time.perf_counter()
         item.done.set()
         if load.dst_block_ids:
@@ -692,8 +753,15 @@ class TorchDistConnector(_PairConnector):
             item.cancel = True
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def _push(self, q: deque, job) -> None:
+    def _push(self, key: tuple[str, str], handle, job) -> None:
         with self._wake:
+            q = self._queues.get(key)
+            if q is None:
+                q = self._queues[key] = deque()
+                t = threading.Thread(target=self._loop, args=(q, handle), daemon=True,
+                                     name=f"kv-{key[0]}-{key[1]}")
+                t.start()
+                self._threads.append(t)
             q.append(job)
             self._wake.notify_all()
 
@@ -711,9 +779,11 @@ class TorchDistConnector(_PairConnector):
         with self._wake:
             self._closed = True
             self._wake.notify_all()
+        deadline = time.monotonic() + 5.0
         for t in self._threads:
-            t.join(timeout=5.0)
-        self._close_groups()
+            t.join(max(0.0, deadline - time.monotonic()))
+        # a thread still waiting (at most send_timeout_s) must not meet a shut-down group
+        self._close_groups(abort=any(t.is_alive() for t in self._threads))
 
 
 @register_connector
@@ -727,31 +797,47 @@ class NcclConnector(_PairConnector):
     enqueues the receives and the scatter on its transfer stream and an event marks the end:
     NCCL works on its own streams, overlapping compute on both sides.
 
-    A pair whose transfer never ends (the producer died) is aborted when the load is given up
-    (kv_transfer_timeout_s): its NCCL communicator is torn down, that cancel waits no longer,
-    and later loads from that producer fail at once (their prompts are recomputed).
+    NCCL notices no dead peer by itself, and a hung NCCL operation cannot be cancelled: only
+    its communicator can be torn down (ProcessGroupNCCL.abort(), one pair's group; the TP group
+    and other pairs are untouched). So a pair is aborted
+      - consumer: when a load is given up (kv_transfer_timeout_s) and its transfer still does
+        not arrive within cancel_grace_s; that cancel waits no longer, and later loads from
+        that producer fail at once (their prompts are recomputed);
+      - producer: when its oldest send has not completed send_timeout_s (KVPair) after it
+        could start, checked by a watcher thread (the step loop may be idle); its buffers go,
+        later sends to that consumer are skipped;
+      - either end: when the router says the other worker died (drop_peer).
+    torch's own watchdog would end the whole process once a pair's operation outlived the
+    group's timeout: that timeout is set well above send_timeout_s, so the pair is aborted
+    first.
 
     On CPU the same code runs over gloo, so CI exercises it; there every send and receive
     blocks its caller until the other side takes part (the router's single hand-off order
-    keeps that from deadlocking), which is fine for tests, not for serving: "torch-dist" is the
-    CPU connector."""
+    keeps that from deadlocking; a send waits at most send_timeout_s), which is fine for
+    tests, not for serving: "torch-dist" is the CPU connector."""
 
     name = "nccl"
     cancel_grace_s = 5.0
+    watch_interval_s = 0.5      # how often the producer's watcher looks at pending sends
+    group_timeout_factor = 4    # the pair group's (torch watchdog) timeout, in send_timeout_s
 
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
         super().__init__(kv_cache, tp_rank, tp_size, num_kv_heads)
         self.cuda = kv_cache.device.type == "cuda"
         self._inflight: deque[_Load] = deque()     # loads whose GPU work may still run
-        self._sending: deque[tuple[list, list]] = deque()  # (works, buffers) of sends
+        # consumer -> its pair's sends whose GPU work may still run, in order
+        self._sending: dict[str, deque[_Sending]] = {}
         self._stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
 
-    def _new_group(self, store, rank: int, size: int, timeout):
+    def _new_group(self, store, rank: int, size: int, timeout, pair: KVPair):
         import torch.distributed as dist
         if not self.cuda:
-            return super()._new_group(store, rank, size, timeout)
+            return super()._new_group(store, rank, size, timeout, pair)
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts._timeout = max(timeout, datetime.timedelta(
+            seconds=self.group_timeout_factor * pair.send_timeout_s))
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         pg.eager_connect_single_device(self.kv.device)  # the communicator, now, on all ranks
         return pg
@@ -759,9 +845,10 @@ class NcclConnector(_PairConnector):
     # ---- producer ----------------------------------------------------------------------------
     def send_blocks(self, send: KVSend) -> None:
         pg, pair = self.to_consumer[send.consumer]
-        if pg is None:
+        if pg is None or send.consumer in self.broken:
             return                              # no pair with that consumer (broken)
         dev = self.kv.device
+        timeout = datetime.timedelta(seconds=pair.send_timeout_s)
         with on_device(dev):
             idx = torch.tensor(send.block_ids, dtype=torch.long).to(dev, non_blocking=True)
             blocks = self.kv.index_select(2, idx)
@@ -773,15 +860,42 @@ class NcclConnector(_PairConnector):
                     sent = [pg.send([status], dst, 0), pg.send([t], dst, 0)]
                     if not self.cuda:
                         for w in sent:   # gloo: a send completes only through wait()
-                            w.wait()
+                            w.wait(timeout)
                     works += sent
                     keep.append(t)
             except Exception as e:  # noqa: BLE001 - the consumer is gone: stop sending to it
-                self.broken[send.consumer] = f"pair with {send.consumer} broke: {e}"
-                self.to_consumer[send.consumer] = (None, pair)
-        if self.cuda:
-            self._sending.append((works, keep))
+                self._abort_pair(send.consumer, f"pair with {send.consumer} broke: "
+                                                f"{_first_line(e)}")
+        if self.cuda and works and send.consumer not in self.broken:
+            with self._lock:
+                self._sending.setdefault(send.consumer, deque()).append(
+                    _Sending(works, keep, time.monotonic(), pair.send_timeout_s))
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                                 name="kv-send-watch")
+                self._watcher.start()
         self._prune()
+
+    def _retire_sends(self) -> None:
+        """Drop finished sends, pair by pair in order (their buffers go); abort a pair whose
+        oldest send has not finished send_timeout_s after it could start (the one before it
+        done): its consumer is dead or stuck."""
+        now, stale = time.monotonic(), []
+        with self._lock:
+            for consumer, q in self._sending.items():
+                while q and q[0].done():
+                    q.popleft()
+                    if q:
+                        q[0].since = max(q[0].since, now)
+                if q and now - q[0].since > q[0].timeout_s:
+                    stale.append((consumer, q[0].timeout_s))
+        for consumer, limit in stale:
+            self._abort_pair(consumer, f"pair with {consumer} aborted: a send did not complete "
+                                       f"in {limit:g} s")
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.watch_interval_s):
+            self._retire_sends()
 
     # ---- consumer ----------------------------------------------------------------------------
     def start_load(self, load: KVLoad, sync: bool) -> None:
@@ -852,8 +966,7 @@ class NcclConnector(_PairConnector):
 
     def _prune(self) -> None:
         """Retire GPU work that has finished, in order: sends (their buffers go) and loads."""
-        while self._sending and all(w.is_completed() for w in self._sending[0][0]):
-            self._sending.popleft()
+        self._retire_sends()
         while self._inflight and self._inflight[0].event.query():
             item = self._inflight[0]
             if self.fault == "hang" and not item.cancel:
@@ -885,21 +998,40 @@ class NcclConnector(_PairConnector):
         deadline = time.monotonic() + self.cancel_grace_s
         while not item.event.query():
             if time.monotonic() > deadline:
-                self._abort_pair(item.load.worker)
+                self._abort_pair(item.load.worker, f"pair with {item.load.worker} aborted: a "
+                                                   "transfer did not arrive")
                 break
             time.sleep(0.001)
         item.event.synchronize()
 
-    def _abort_pair(self, producer: str) -> None:
-        pg, _ = self.from_producer[producer]
-        self.broken[producer] = f"pair with {producer} aborted: a transfer did not arrive"
-        try:
-            pg.abort()
-        except Exception:  # noqa: BLE001 - best effort: the communicator may already be gone
-            pass
+    def drop_peer(self, worker: str) -> None:
+        if worker in self.to_consumer or worker in self.from_producer:
+            self._abort_pair(worker, f"pair with {worker} dropped: that worker is gone")
+
+    def _abort_pair(self, other: str, why: str) -> None:
+        """Break the pair with `other` and tear its communicator down, once: NCCL work queued on
+        it ends (there is no other way to end a hung send or receive). Any thread may call it;
+        the pair's send buffers go after the abort."""
+        with self._lock:
+            self._break(other, why)
+            if other in self._aborted:
+                return
+            self._aborted.add(other)
+        pg = self._group(other)
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - best effort: the communicator may already be gone
+                pass
+        with self._lock:
+            self._sending.pop(other, None)
 
     def close(self) -> None:
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(5.0)
         self._prune()
-        self._close_groups(abort=bool(self._inflight or self._sending))  # never wait on them
+        # work still queued is never waited for: its groups are aborted
+        self._close_groups(abort=bool(self._inflight or any(self._sending.values())))
         self._inflight.clear()
         self._sending.clear()

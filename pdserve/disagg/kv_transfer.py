@@ -122,6 +122,18 @@ class KVPair(msgspec.Struct, tag=True):
     num_kv_heads: int
     store: str
     side: str                      # "producer" | "consumer"
+    # The producer abandons a send that has not completed this long after it could start (the
+    # pair's previous send done): the consumer is dead or stuck. The pair is then broken (later
+    # sends to it are skipped; the consumer's loads from it fail and are recomputed). Set by
+    # whoever pairs the workers, above the consumer's kv_transfer_timeout_s (by then the
+    # consumer has given up on that load anyway).
+    send_timeout_s: float = 60.0
+
+
+class KVDrop(msgspec.Struct, tag=True):
+    """A peer worker is gone (the router saw it die): abort the pair with it now, instead of
+    waiting for a transfer to time out. Travels to every rank with the step, like a KVPeer."""
+    worker: str
 
 
 class KVSend(msgspec.Struct, array_like=True):

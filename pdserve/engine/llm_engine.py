@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from ..config import EngineConfig
 from ..devices import on_device
-from ..disagg.kv_transfer import KVLoadDone, KVPeer, KVSend, KVSource
+from ..disagg.kv_transfer import KVDrop, KVLoadDone, KVPeer, KVSend, KVSource
 from ..layers.parallel_state import get_tp_group
 from ..loader.model_loader import ModelSource, load_model, load_tokenizer, resolve_source
 from ..models.config import ModelConfig
@@ -299,6 +299,12 @@ class LLMEngine:
         for p in peers:
             self.runner.connector.check_peer(p)  # ValueError on a mismatched layout
             self.scheduler.add_kv_peer(p)
+
+    def drop_kv_peer(self, worker: str) -> None:
+        """A peer worker is gone: every rank aborts its pair with it next step (two-sided
+        connectors; the others have nothing to abort)."""
+        if self.runner.connector is not None:
+            self.scheduler.add_kv_peer(KVDrop(worker))
 
     def send_kv(self, sends: list[KVSend]) -> None:
         """Two-sided producer: send held KV to consumers (next step, every rank), then drop the

@@ -2,7 +2,8 @@
 rank 0, encoded as msgpack by msgspec. SamplingParams and RequestOutput travel as the dataclasses
 they are (msgspec re-runs SamplingParams' validation on arrival).
 
-    client ── AddRequests / Abort / CheckIntegrity / Drain / ConnectKV / ReleaseKV ─> worker rank 0
+    client ── AddRequests / Abort / CheckIntegrity / Drain / ConnectKV / ReleaseKV / SendKV /
+              DropPeer ─> worker rank 0
     client <── Ready / Accepted / Outputs / IntegrityReport / Drained / Failed ── worker rank 0
 
 Every AddRequests (and ConnectKV) is answered by exactly one Accepted (one error or None per request, in order)
@@ -40,6 +41,15 @@ class SendKV(msgspec.Struct, tag=True):
     sends: list[KVSend]
 
 
+class DropPeer(msgspec.Struct, tag=True):
+    """P/D: worker `worker` is gone (its process died). Two-sided connectors abort the pair with
+    it on every rank: pending sends to it are abandoned, later SendKV to it are skipped, loads
+    from it fail (and are recomputed). Without this message the same happens once a send has
+    waited KVPair.send_timeout_s; with it, at the next step. No reply; harmless for a worker
+    that was never paired with `worker`, or already dropped it."""
+    worker: str
+
+
 class ReleaseKV(msgspec.Struct, tag=True):
     """P/D producer: drop the KV held for these (finished kv_hold) requests."""
     request_ids: list[str]
@@ -53,6 +63,7 @@ class WorkerStats(msgspec.Struct):
     num_kv_blocks: int
     num_preemptions: int
     kv_peers: int = 0   # P/D: peers this worker's connector has joined (or given up on)
+    kv_broken: int = 0  # P/D, two-sided: pairs among kv_peers that broke (or were dropped)
 
 
 class CheckIntegrity(msgspec.Struct, tag=True):
@@ -105,5 +116,6 @@ class Failed(msgspec.Struct, tag=True):
     message: str
 
 
-ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain, ConnectKV, ReleaseKV, SendKV]
+ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain, ConnectKV, ReleaseKV, SendKV,
+                 DropPeer]
 FromWorker = Union[Ready, Accepted, Outputs, IntegrityReport, Drained, Failed]

@@ -18,6 +18,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
 from ..devices import on_device
+from ..disagg.kv_transfer import KVDrop
 from ..engine.scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, SamplingBatch
 from .cuda_graph import CUDAGraphRunner
@@ -129,12 +130,15 @@ class ModelRunner:
             self.connector.close()
 
     def _kv_work(self, out: SchedulerOutput) -> None:
-        """P/D consumer: reach new producers, apply the driver's verdicts (before this forward
-        reads or reuses those blocks), start new pulls."""
+        """P/D: reach new peers (or drop dead ones), apply the driver's verdicts (before this
+        forward reads or reuses those blocks), send (producer), start new pulls (consumer)."""
         if self.connector is None:
             raise ValueError("KV transfer needs a kv_connector")
-        for peer in out.kv_peers:
-            self.connector.add_peer(peer)
+        for peer in out.kv_peers:   # joins and drops, in the order they were announced
+            if isinstance(peer, KVDrop):
+                self.connector.drop_peer(peer.worker)
+            else:
+                self.connector.add_peer(peer)
         for rid, ok in out.kv_verdicts:
             self.connector.finish(rid, ok)
         for send in out.kv_sends:

@@ -13,15 +13,24 @@ so ranks cannot diverge: the others learn sampled tokens from the next step's ch
 Lifecycle: Drain -> rank 0 rejects new requests, finishes the ones in flight, tells the other
 ranks to stop, releases CUDA graphs (they captured collectives) before the process group, answers
 Drained, and every rank exits. A rank that notices its client is gone exits too.
+
+Rank 0's sends (outputs to the client, steps to the other ranks) never block on a reader that is
+gone: zmq keeps queueing for a reader that vanished (up to 1000 messages) and then blocks, so a
+send that finds the queue full waits only while the reader lives and at most
+WorkerConfig.send_timeout_s (_Outbox). A client that takes nothing for that long is gone: rank 0
+exits cleanly, there is nobody to serve. A rank that takes no step for that long, or exited, fails
+the worker (Failed names it).
 """
 from __future__ import annotations
 
 import os
 import pickle
+import select
 import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import msgspec
 import zmq
@@ -31,7 +40,62 @@ from .output_delta import DeltaEncoder
 from .step_broadcast import StepDecoder, StepEncoder
 
 _IDLE_POLL_MS = 500  # how often an idle rank checks that its client is still alive
+_SEND_POLL_MS = 100  # how often a send that finds no room looks at its reader
 _STOP = b"stop"      # driver -> followers: no more steps (a step is a pickle, never this)
+
+
+class ClientGone(Exception):
+    """Rank 0's client exited or takes no output: nobody to serve, rank 0 exits cleanly."""
+
+
+class RankGone(RuntimeError):
+    """A follower rank exited or takes no step: the worker fails."""
+
+
+class _Outbox:
+    """Rank 0's PUSH socket to one reader (its client, or one follower rank).
+
+    A message that fits in the queue is sent at once (the normal path: one non-blocking send).
+    When it does not fit, the send waits for room while `alive()` holds, at most timeout_s, and
+    otherwise raises `gone` naming the reader: zmq would block for ever, as it keeps a queue for
+    a reader that has vanished (a connecting socket outlives its peer) and a stopped process
+    never drains its own."""
+
+    def __init__(self, sock: zmq.Socket, reader: str, alive: Callable[[], bool],
+                 timeout_s: float, gone: type[Exception]):
+        self.sock, self.reader, self.alive = sock, reader, alive
+        self.timeout_s, self.gone = timeout_s, gone
+
+    def send(self, payload) -> None:
+        if self.offer(payload):
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if not self.alive():
+                raise self.gone(f"{self.reader} exited")
+            if time.monotonic() >= deadline:
+                raise self.gone(f"{self.reader} took no message for {self.timeout_s:g} s "
+                                "(stopped or stuck)")
+            if self.sock.poll(_SEND_POLL_MS, zmq.POLLOUT) and self.offer(payload):
+                return
+
+    def offer(self, payload) -> bool:
+        """Send if the queue has room; False if not (nothing sent)."""
+        try:
+            self.sock.send(payload, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+
+def _process_alive(pid: int) -> Callable[[], bool]:
+    """A liveness check for a process that is not our child (a sibling rank): its pidfd turns
+    readable once it has exited, zombie or not, and never names a reused pid."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return lambda: False
+    return lambda: not select.select([fd], [], [], 0)[0]
 
 
 class _StepProfiler:
@@ -130,13 +194,21 @@ class WorkerConfig:
     client_pid: int             # ranks exit when this process is gone
     workdir: str | None = None  # the worker's own directory (KV pool files of a P/D worker)
     name: str = "worker"        # how P/D peers name this worker
+    # a reader (client or rank) that takes no message for this long, with rank 0's queue to it
+    # full, is gone (_Outbox)
+    send_timeout_s: float = 5.0
+
+    def __post_init__(self):
+        v = self.send_timeout_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"send_timeout_s must be a positive number, got {v!r}")
 
 
 def worker_main(wc: WorkerConfig, rank: int) -> None:
     """Entry point of one rank's process."""
     import torch
 
-    from ..layers.parallel_state import destroy_tp_group, init_tp_group
+    from ..layers.parallel_state import destroy_tp_group, get_tp_group, init_tp_group
 
     tp = wc.engine.tensor_parallel_size
     # This rank's view of the configuration: its own GPU; "mp" is how it was started, and
@@ -154,21 +226,30 @@ def worker_main(wc: WorkerConfig, rank: int) -> None:
     out = None
     try:
         if rank == 0:
-            out = ctx.socket(zmq.PUSH)
-            out.setsockopt(zmq.LINGER, 5000)
-            out.connect(wc.addresses.outputs)
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 5000)
+            sock.connect(wc.addresses.outputs)
+            out = _Outbox(sock, f"the client (pid {wc.client_pid})",
+                          lambda: _client_alive(wc.client_pid), wc.send_timeout_s, ClientGone)
         init_tp_group(rank, tp, wc.addresses.dist_init_method, device,
                       one_shot=not cfg.disable_custom_all_reduce)
+        pids = get_tp_group().all_gather_object(os.getpid())  # rank 0 watches the others
         if rank == 0:
-            _Driver(cfg, wc, ctx, out).run()
+            _Driver(cfg, wc, ctx, out, pids[1:]).run()
         else:
             _follow(cfg, wc, ctx, rank)
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
         if out is not None:
             from .messages import Failed
             kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
-            detail = str(e) if isinstance(e, ValueError) else traceback.format_exc()
-            out.send(msgspec.msgpack.encode(Failed(kind, detail)))
+            # errors that say all there is to say (a bad configuration, a lost rank) travel
+            # without their traceback
+            plain = isinstance(e, (ValueError, RankGone))
+            detail = str(e) if plain else traceback.format_exc()
+            try:
+                out.send(msgspec.msgpack.encode(Failed(kind, detail)))
+            except ClientGone:
+                pass                    # nobody left to tell
         else:
             traceback.print_exc()
         ctx.destroy(linger=2000)
@@ -184,7 +265,8 @@ def _client_alive(pid: int) -> bool:
 class _Driver:
     """Rank 0: the engine loop. Reads client messages between steps, never during one."""
 
-    def __init__(self, cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, out: zmq.Socket):
+    def __init__(self, cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, out: _Outbox,
+                 follower_pids: list[int]):
         from ..engine.llm_engine import LLMEngine
         from . import messages as m
         self.m = m
@@ -192,11 +274,12 @@ class _Driver:
         self.out = out
         self.requests = ctx.socket(zmq.PULL)
         self.requests.connect(wc.addresses.requests)
-        self.followers = []
-        for addr in wc.addresses.steps:
+        self.followers: list[_Outbox] = []
+        for rank, (addr, pid) in enumerate(zip(wc.addresses.steps, follower_pids), start=1):
             s = ctx.socket(zmq.PUSH)
             s.connect(addr)
-            self.followers.append(s)
+            self.followers.append(_Outbox(s, f"worker rank {rank} (pid {pid})",
+                                          _process_alive(pid), wc.send_timeout_s, RankGone))
         self.step_encoder = StepEncoder()
         self.engine = LLMEngine(cfg, on_schedule=self._broadcast if self.followers else None,
                                 kv_dir=wc.workdir)
@@ -208,12 +291,23 @@ class _Driver:
     def _broadcast(self, sched) -> None:
         payload = self.step_encoder.encode(sched)
         for s in self.followers:
-            s.send(payload, copy=False)
+            s.send(payload)
 
     def _send(self, msg) -> None:
-        self.out.send(self.encoder.encode(msg), copy=False)
+        self.out.send(self.encoder.encode(msg))
 
     def run(self) -> None:
+        try:
+            self._serve()
+        except ClientGone:
+            return                      # nobody to serve: a clean exit
+        finally:
+            # (a rank whose queue is full now is stuck or gone: it is not waited for)
+            for s in self.followers:
+                s.offer(_STOP)
+            self.engine.runner.release()
+
+    def _serve(self) -> None:
         m, eng = self.m, self.engine
         attn = eng.model.layers[0].self_attn
         weight_bytes = sum(p.numel() * p.element_size()
@@ -228,32 +322,27 @@ class _Driver:
         profiler = _StepProfiler(0)
         slow = _SlowSteps(self.wc.name)
         last_expiry = time.monotonic()
-        try:
-            while True:
-                busy = eng.has_unfinished_requests() or eng.scheduler.has_kv_work()
-                if self.requests.poll(0 if busy else _IDLE_POLL_MS):
-                    self._read_messages()
-                if not _client_alive(self.wc.client_pid):
-                    return
-                if eng.has_unfinished_requests() or eng.scheduler.has_kv_work():
-                    profiler.step()
-                    slow.start()
-                    outs = eng.step()
-                    slow.end(len(eng.scheduler.running), len(eng.scheduler.waiting))
-                    loads = eng.take_kv_events()
-                    if outs or loads:
-                        outs = [self.deltas.encode(o) for o in outs]
-                        self._send(m.Outputs(outs, self._stats(), loads))
-                elif self.draining:
-                    self._send(m.Drained())
-                    return
-                if eng.kv.held and time.monotonic() - last_expiry > 1.0:
-                    last_expiry = time.monotonic()
-                    eng.expire_held_kv(last_expiry)
-        finally:
-            for s in self.followers:
-                s.send(_STOP)
-            eng.runner.release()
+        while True:
+            busy = eng.has_unfinished_requests() or eng.scheduler.has_kv_work()
+            if self.requests.poll(0 if busy else _IDLE_POLL_MS):
+                self._read_messages()
+            if not _client_alive(self.wc.client_pid):
+                return
+            if eng.has_unfinished_requests() or eng.scheduler.has_kv_work():
+                profiler.step()
+                slow.start()
+                outs = eng.step()
+                slow.end(len(eng.scheduler.running), len(eng.scheduler.waiting))
+                loads = eng.take_kv_events()
+                if outs or loads:
+                    outs = [self.deltas.encode(o) for o in outs]
+                    self._send(m.Outputs(outs, self._stats(), loads))
+            elif self.draining:
+                self._send(m.Drained())
+                return
+            if eng.kv.held and time.monotonic() - last_expiry > 1.0:
+                last_expiry = time.monotonic()
+                eng.expire_held_kv(last_expiry)
 
     def _stats(self):
         eng, sched = self.engine, self.engine.scheduler
@@ -261,7 +350,8 @@ class _Driver:
         return self.m.WorkerStats(len(sched.running), len(sched.waiting),
                                   eng.kv.pool.num_used_blocks, eng.num_kv_blocks,
                                   sched.num_preemptions,
-                                  0 if conn is None else conn.num_peers())
+                                  0 if conn is None else conn.num_peers(),
+                                  0 if conn is None else conn.num_broken())
 
     def _read_messages(self) -> None:
         m, eng = self.m, self.engine
@@ -302,6 +392,8 @@ class _Driver:
                 eng.release_kv(msg.request_ids)
             elif isinstance(msg, m.SendKV):
                 eng.send_kv(msg.sends)
+            elif isinstance(msg, m.DropPeer):
+                eng.drop_kv_peer(msg.worker)
 
 
 def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
