@@ -53,7 +53,7 @@ def model(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")   # inherited by the worker processes
     # the workers these tests start give a reader that takes nothing 1 s (default 5 s)
     monkeypatch.setattr(client_module, "WorkerConfig",
-                        functools.partial(WorkerConfig, send_timeout_s=1.0))
+                        functools.partial(WorkerConfig, send_timeout_s=1.0, client_timeout_s=1.0))
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(MODEL))
@@ -98,7 +98,7 @@ def test_a_send_to_a_vanished_reader_gives_up(tmp_path):
 def test_worker_exits_when_its_client_stops_reading(model):
     """The client's output socket closes without a word while the worker streams (its process
     lives on, so the worker's parent check passes): once 1000 outputs wait unread, the worker
-    gives the client send_timeout_s (1 s here) and exits cleanly instead of blocking for
+    gives the client client_timeout_s (1 s here) and exits cleanly instead of blocking for
     ever."""
     client = EngineClient(EngineConfig(model=model, **ENGINE))
     try:

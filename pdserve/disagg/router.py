@@ -776,6 +776,10 @@ class Router:
         w.outstanding = 0
         w.error = str(error)
         w.client.shutdown(1.0)
+        if self.two_sided:  # its pairs are aborted now, not after a send times out
+            for other in self.workers.values():
+                if other.alive and other.spec.role != w.spec.role:
+                    other.client.drop_kv_peer(w.client.name)
         self._schedule_restart(w)
         # (found dead while adding: its requests' final outputs go out with the next step's)
         results = results if results is not None else self._orphans

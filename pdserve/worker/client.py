@@ -187,6 +187,11 @@ class EngineClient:
         if sends and self._dead is None and not self._closed:
             self._send(m.SendKV(list(sends)))
 
+    def drop_kv_peer(self, worker: str) -> None:
+        """P/D: worker (a peer's KV name) is gone; abort the pair with it (no reply)."""
+        if self._dead is None and not self._closed:
+            self._send(m.DropPeer(worker))
+
     def release_kv(self, request_ids: list[str]) -> None:
         if request_ids and self._dead is None and not self._closed:
             self._send(m.ReleaseKV(list(request_ids)))

@@ -17,9 +17,9 @@ Drained, and every rank exits. A rank that notices its client is gone exits too.
 Rank 0's sends (outputs to the client, steps to the other ranks) never block on a reader that is
 gone: zmq keeps queueing for a reader that vanished (up to 1000 messages) and then blocks, so a
 send that finds the queue full waits only while the reader lives and at most
-WorkerConfig.send_timeout_s (_Outbox). A client that takes nothing for that long is gone: rank 0
-exits cleanly, there is nobody to serve. A rank that takes no step for that long, or exited, fails
-the worker (Failed names it).
+WorkerConfig.send_timeout_s (client_timeout_s for the client) (_Outbox). A client that takes
+nothing for that long is gone: rank 0 exits cleanly, there is nobody to serve. A rank that takes
+no step for that long, or exited, fails the worker (Failed names it).
 """
 from __future__ import annotations
 
@@ -194,14 +194,17 @@ class WorkerConfig:
     client_pid: int             # ranks exit when this process is gone
     workdir: str | None = None  # the worker's own directory (KV pool files of a P/D worker)
     name: str = "worker"        # how P/D peers name this worker
-    # a reader (client or rank) that takes no message for this long, with rank 0's queue to it
-    # full, is gone (_Outbox)
+    # a follower rank that takes no step for this long, with rank 0's queue to it full, is gone
+    # (_Outbox); so is a client whose process lives on without reading for client_timeout_s
+    # (longer: a router may be busy with another worker for seconds, e.g. a restart's KV join)
     send_timeout_s: float = 5.0
+    client_timeout_s: float = 60.0
 
     def __post_init__(self):
-        v = self.send_timeout_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"send_timeout_s must be a positive number, got {v!r}")
+        for name in ("send_timeout_s", "client_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
 
 
 def worker_main(wc: WorkerConfig, rank: int) -> None:
@@ -230,7 +233,7 @@ def worker_main(wc: WorkerConfig, rank: int) -> None:
             sock.setsockopt(zmq.LINGER, 5000)
             sock.connect(wc.addresses.outputs)
             out = _Outbox(sock, f"the client (pid {wc.client_pid})",
-                          lambda: _client_alive(wc.client_pid), wc.send_timeout_s, ClientGone)
+                          lambda: _client_alive(wc.client_pid), wc.client_timeout_s, ClientGone)
         init_tp_group(rank, tp, wc.addresses.dist_init_method, device,
                       one_shot=not cfg.disable_custom_all_reduce)
         pids = get_tp_group().all_gather_object(os.getpid())  # rank 0 watches the others
