@@ -1,46 +1,63 @@
 """The OpenAI-compatible request bodies (pydantic; they make the OpenAPI schema) and how each
-becomes SamplingParams. Unknown fields are ignored, as OpenAI clients send extras."""
+becomes SamplingParams.
+
+JSON types are taken at their word: an integer field takes a JSON integer (true is not 1 and "5"
+is not 5), a boolean field only true or false, a number field any JSON number. Unknown fields are
+ignored, as OpenAI clients send extras.
+"""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
+                      StrictFloat, Tag)
+from pydantic_core import PydanticCustomError
 
 from ..sampling_params import SamplingParams
 
+
+def _json_int(v: Any) -> Any:
+    # pydantic's lax int takes true as 1 and "5" as 5; its strict int refuses 5.0, which JSON
+    # Schema, and so the published schema, counts as an integer. Between the two: no bools, no
+    # strings; an integral float passes (a fractional one fails the int validation after this).
+    if isinstance(v, (bool, str)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return v
+
+
 # Requests cross to the worker processes through msgspec, which only carries 64-bit integers: a
 # larger one must be a 400 here, not an OverflowError that kills the engine's I/O thread.
-Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1), BeforeValidator(_json_int)]
+Number = StrictFloat  # a JSON number, integers included; not a string or a bool
 # n sequences are forked per prompt on the worker; without a cap one request could ask for
 # billions of them (OpenAI's own limit is 128).
 MAX_N = 128
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
-    n: Annotated[int, Field(le=MAX_N)] = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_json_int)] = 1
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
     top_k: Optional[Int64] = None
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    min_p: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[Int64]] = None
+    stop_token_ids: Optional[list[Int64]] = None  # the engine checks them against the vocabulary
     seed: Optional[Int64] = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: Int64 = 0
-    skip_special_tokens: bool = True
-    stream: bool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """ValueError (-> HTTP 400) for any bad value, from SamplingParams' own checks."""
         kw = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, seed=self.seed,
@@ -54,11 +71,27 @@ class _Sampling(BaseModel):
         return SamplingParams(**kw)
 
 
+def _prompt_kind(v: Any) -> str | None:
+    # Picks the one reading a bad prompt is checked against, so its error says what is wrong
+    # with it ("prompt.token_ids.0: Input should be a valid integer"), not with every reading.
+    if isinstance(v, list):
+        return {str: "texts", list: "token_id_lists"}.get(type(v[0]) if v else None, "token_ids")
+    return "text" if isinstance(v, str) else None
+
+
+Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")],
+                         Annotated[list[Int64], Tag("token_ids")],
+                         Annotated[list[list[Int64]], Tag("token_id_lists")]],
+                   Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                                 custom_error_message="Input should be a string, a list of "
+                                 "strings, a list of token ids or a list of token-id lists")]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[Int64], list[list[Int64]]]
+    prompt: Prompt
     max_tokens: Optional[Int64] = 16
     logprobs: Optional[Int64] = None
-    echo: bool = False
+    echo: StrictBool = False
     best_of: Optional[Int64] = None
     suffix: Optional[str] = None
 
@@ -73,9 +106,9 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[Int64] = None
     max_completion_tokens: Optional[Int64] = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Optional[Int64] = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
 
 class TokenizeRequest(BaseModel):
@@ -83,14 +116,14 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class ErrorBody(BaseModel):

@@ -1,0 +1,109 @@
+"""The server's request schema against a live `pdserve serve` (embedded SmolLM2, one worker):
+values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean). Every
+400 carries the OpenAI error body, and the server keeps answering normal requests after each."""
+import pytest
+
+from .test_server import _start, _stop, _stopped_cleanly
+from .utils import assert_processes_gone
+
+httpx = pytest.importorskip("httpx")
+
+USER = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = _start(["--max-num-seqs", "16", "--max-model-len", "256"])
+    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
+    yield base
+    assert _stopped_cleanly(_stop(proc))
+    assert_processes_gone(pids)
+
+
+def _post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json=body, timeout=120)
+
+
+def _assert_still_serving(base: str) -> None:
+    r = _post(base, "/v1/completions", {"prompt": "Hello", "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+
+
+def _chat(**kw) -> dict:
+    return {"messages": USER, "max_tokens": 1, **kw}
+
+
+def _cmpl(**kw) -> dict:
+    return {"prompt": "Hi", "max_tokens": 1, **kw}
+
+
+# (path, body, words the error message must contain)
+COERCED = [
+    # token ids and integer fields: a JSON bool or a numeric string is not an integer
+    ("/v1/completions", {"prompt": [True, False], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, True]], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", _cmpl(stop_token_ids=[True]), "stop_token_ids"),
+    ("/v1/completions", _cmpl(stop_token_ids=["7"]), "stop_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2.5}, "max_tokens"),
+    ("/v1/completions", _cmpl(n="2"), "n"),
+    ("/v1/completions", _cmpl(n=True), "n"),
+    ("/v1/completions", _cmpl(logprobs=True), "logprobs"),
+    ("/v1/completions", _cmpl(logprobs="2"), "logprobs"),
+    ("/v1/completions", _cmpl(seed="3"), "seed"),
+    ("/v1/completions", _cmpl(seed=False), "seed"),
+    ("/v1/completions", _cmpl(min_tokens=True), "min_tokens"),
+    ("/v1/completions", _cmpl(top_k="5"), "top_k"),
+    ("/v1/completions", _cmpl(best_of=True), "best_of"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs="2"), "top_logprobs"),
+    ("/v1/chat/completions", _chat(max_completion_tokens=True), "max_completion_tokens"),
+    ("/detokenize", {"tokens": [True, 5]}, "tokens"),
+    ("/detokenize", {"tokens": ["5"]}, "tokens"),
+    # floats take numbers (ints too), not strings or bools
+    ("/v1/completions", _cmpl(temperature="0.5"), "temperature"),
+    ("/v1/completions", _cmpl(top_p=True), "top_p"),
+    # booleans: only true / false
+    ("/v1/completions", _cmpl(stream="yes"), "stream"),
+    ("/v1/completions", _cmpl(stream=1), "stream"),
+    ("/v1/completions", _cmpl(echo="true"), "echo"),
+    ("/v1/completions", _cmpl(ignore_eos=1), "ignore_eos"),
+    ("/v1/completions", _cmpl(skip_special_tokens="no"), "skip_special_tokens"),
+    ("/v1/completions", _cmpl(stream=True, stream_options={"include_usage": "yes"}),
+     "include_usage"),
+    ("/v1/chat/completions", _chat(logprobs="yes"), "logprobs"),
+    ("/v1/chat/completions", _chat(add_generation_prompt=0), "add_generation_prompt"),
+    ("/v1/chat/completions", _chat(stream="false"), "stream"),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens": "false"}, "add_special_tokens"),
+    ("/tokenize", {"messages": USER, "add_generation_prompt": 1}, "add_generation_prompt"),
+]
+
+BAD = COERCED
+
+
+@pytest.mark.parametrize("path, body, words", BAD,
+                         ids=[f"{i}:{p}:{w[:40]}" for i, (p, _, w) in enumerate(BAD)])
+def test_rejected_with_openai_error(server, path, body, words):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == "invalid_request_error" and err["code"] == 400, err
+    assert err["param"] is None or isinstance(err["param"], str), err
+    assert words in err["message"], err["message"]
+    _assert_still_serving(server)
+
+
+def test_numbers_json_schema_allows(server):
+    """An integral float is an integer to JSON Schema (and to the schema the server publishes);
+    an int is a number."""
+    r = _post(server, "/v1/completions", {"prompt": [1, 2, 3.0], "max_tokens": 2.0,
+                                          "temperature": 0, "top_p": 1, "seed": 7.0,
+                                          "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+
