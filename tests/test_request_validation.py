@@ -1,6 +1,7 @@
 """The server's request schema against a live `pdserve serve` (embedded SmolLM2, one worker):
-values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean). Every
-400 carries the OpenAI error body, and the server keeps answering normal requests after each."""
+values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean);
+chat roles and content parts are OpenAI's. Every 400 carries the OpenAI error body, and the
+server keeps answering normal requests after each."""
 import pytest
 
 from .test_server import _start, _stop, _stopped_cleanly
@@ -79,7 +80,35 @@ COERCED = [
     ("/tokenize", {"messages": USER, "add_generation_prompt": 1}, "add_generation_prompt"),
 ]
 
-BAD = COERCED
+MESSAGES = [
+    ([{"role": "wizard", "content": "x"}], "role"),
+    ([{"role": "function", "content": "x"}], "role"),
+    ([{"content": "no role"}], "role"),
+    ([{"role": 5, "content": "x"}], "role"),
+    ([{"role": "user"}], "content"),
+    ([{"role": "user", "content": None}], "content"),
+    ([{"role": "system", "content": None}, *USER], "content"),
+    ([{"role": "user", "content": 5}], "content"),
+    ([{"role": "user", "content": [{"type": "image_url",
+                                    "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+     "image_url content parts are not supported"),
+    ([{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                   {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+     "image_url content parts are not supported"),
+    ([{"role": "user", "content": [{"type": "input_audio",
+                                    "input_audio": {"data": "AAAA", "format": "wav"}}]}],
+     "input_audio content parts are not supported"),
+    ([{"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}],
+     "file content parts are not supported"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "text"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "text"),
+    ([{"role": "user", "content": [{"text": "no type"}]}], "type"),
+    ([{"role": "user", "content": ["a bare string"]}], "content"),
+]
+ROLES_AND_CONTENT = [("/v1/chat/completions", _chat(messages=m), w) for m, w in MESSAGES] + [
+    ("/tokenize", {"messages": m}, w) for m, w in MESSAGES]
+
+BAD = COERCED + ROLES_AND_CONTENT
 
 
 @pytest.mark.parametrize("path, body, words", BAD,
@@ -97,6 +126,39 @@ def test_rejected_with_openai_error(server, path, body, words):
     _assert_still_serving(server)
 
 
+def _chat_text(base: str, **kw) -> str:
+    r = _post(base, "/v1/chat/completions", {"max_tokens": 2, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_text_content_parts_are_the_text(server):
+    plain = _chat_text(server, messages=USER)
+    parts = [{"role": "user", "content": [{"type": "text", "text": USER[0]["content"]}]}]
+    assert _chat_text(server, messages=parts) == plain
+    tok = [_post(server, "/tokenize", {"messages": m}).json()["tokens"] for m in (USER, parts)]
+    assert tok[0] == tok[1]
+
+
+def test_openai_roles_accepted(server):
+    convo = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "weather", "arguments": "{}"}}]},
+             {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+             {"role": "system", "content": "Answer in one word."},
+             {"role": "user", "content": "So?"}]
+    assert isinstance(_chat_text(server, messages=convo), str)
+    # an assistant message without content renders as an empty one, in chat and in /tokenize
+    empty = [*USER, {"role": "assistant", "content": ""}, *USER]
+    null = [*USER, {"role": "assistant", "content": None}, *USER]
+    assert _chat_text(server, messages=null) == _chat_text(server, messages=empty)
+    counts = [_post(server, "/tokenize", {"messages": m}) for m in (empty, null)]
+    assert [c.status_code for c in counts] == [200, 200], [c.text for c in counts]
+    assert counts[0].json()["tokens"] == counts[1].json()["tokens"]
+
+
 def test_numbers_json_schema_allows(server):
     """An integral float is an integer to JSON Schema (and to the schema the server publishes);
     an int is a number."""
@@ -107,3 +169,14 @@ def test_numbers_json_schema_allows(server):
     assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                                  "prompt_tokens_details": {"cached_tokens": 0}}
 
+
+def test_schema_states_the_constraints(server):
+    """The constraints are in /openapi.json, where schema-driven clients and fuzzers see them."""
+    spec = httpx.get(server + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["stream"]["type"] == "boolean"
+    roles = set()
+    for ref in chat["messages"]["items"]["oneOf"]:
+        roles |= {schemas[ref["$ref"].rsplit("/", 1)[1]]["properties"]["role"]["const"]}
+    assert roles == {"system", "developer", "user", "assistant", "tool"}

@@ -2,16 +2,17 @@
 becomes SamplingParams.
 
 JSON types are taken at their word: an integer field takes a JSON integer (true is not 1 and "5"
-is not 5), a boolean field only true or false, a number field any JSON number. Unknown fields are
-ignored, as OpenAI clients send extras.
+is not 5), a boolean field only true or false, a number field any JSON number. Chat roles and
+content parts are OpenAI's. Unknown fields are ignored, as OpenAI clients send extras.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
-                      StrictFloat, Tag)
+                      StrictFloat, Tag, model_validator)
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypedDict
 
 from ..sampling_params import SamplingParams
 
@@ -32,6 +33,17 @@ Number = StrictFloat  # a JSON number, integers included; not a string or a bool
 # n sequences are forked per prompt on the worker; without a cap one request could ask for
 # billions of them (OpenAI's own limit is 128).
 MAX_N = 128
+
+
+def _unsupported(message: str) -> PydanticCustomError:
+    """A validation error whose text is exactly `message` (a ValueError would get pydantic's
+    "Value error, " prefix)."""
+    return PydanticCustomError("unsupported", "{message}", {"message": message})
+
+
+def _short(v: Any, limit: int = 40) -> str:
+    s = v if isinstance(v, str) else repr(v)
+    return s if len(s) <= limit else s[:limit] + "..."
 
 
 class StreamOptions(BaseModel):
@@ -96,10 +108,64 @@ class CompletionRequest(_Sampling):
     suffix: Optional[str] = None
 
 
-class ChatMessage(BaseModel):
+# ---- chat messages -----------------------------------------------------------------------------
+class TextPart(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+Content = Union[str, list[TextPart]]
+
+
+class _Message(BaseModel):
+    # name, tool_calls, tool_call_id, ... travel on to the chat template
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: Optional[Union[str, list[dict]]] = None
+    content: Content
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # By name, before the schema's "type should be 'text'": an image the model never saw
+        # must not pass for an answer about it.
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise _unsupported(f"{_short(kind)} content parts are not supported (text only)")
+        return data
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    # OpenAI lets an assistant message that made tool calls have no content. It renders as an
+    # empty message, made "" here so that chat and /tokenize render it alike.
+    content: Optional[Content] = None
+
+    @model_validator(mode="after")
+    def _empty_content(self) -> AssistantMessage:
+        if self.content is None:
+            self.content = ""
+        return self
+
+
+ChatMessage = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage,
+                              ToolMessage], Field(discriminator="role")]
 
 
 class ChatCompletionRequest(_Sampling):
