@@ -1,7 +1,8 @@
 """The server's request schema against a live `pdserve serve` (embedded SmolLM2, one worker):
 values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean);
-chat roles and content parts are OpenAI's. Every 400 carries the OpenAI error body, and the
-server keeps answering normal requests after each."""
+chat roles and content parts are OpenAI's; fields pdserve cannot honour (response_format,
+tools, logit_bias, guided decoding, ...) are refused by name instead of ignored. Every 400
+carries the OpenAI error body, and the server keeps answering normal requests after each."""
 import pytest
 
 from .test_server import _start, _stop, _stopped_cleanly
@@ -108,7 +109,59 @@ MESSAGES = [
 ROLES_AND_CONTENT = [("/v1/chat/completions", _chat(messages=m), w) for m, w in MESSAGES] + [
     ("/tokenize", {"messages": m}, w) for m, w in MESSAGES]
 
-BAD = COERCED + ROLES_AND_CONTENT
+JSON_SCHEMA = {"type": "json_schema",
+               "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+TOOL = {"type": "function", "function": {"name": "get_weather",
+                                         "parameters": {"type": "object", "properties": {}}}}
+REFUSED = [
+    ("/v1/chat/completions", _chat(response_format={"type": "json_object"}),
+     "response_format of type 'json_object' is not supported"),
+    ("/v1/chat/completions", _chat(response_format=JSON_SCHEMA),
+     "response_format of type 'json_schema' is not supported"),
+    ("/v1/completions", _cmpl(response_format={"type": "json_object"}),
+     "response_format of type 'json_object' is not supported"),
+    ("/v1/chat/completions", _chat(tools=[TOOL]), "tools"),
+    ("/v1/chat/completions", _chat(tools=[TOOL], tool_choice="auto"), "tools"),
+    ("/v1/chat/completions", _chat(tool_choice="auto"), "tool_choice"),
+    ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),
+    ("/v1/chat/completions", _chat(tool_choice={"type": "function",
+                                                "function": {"name": "get_weather"}}),
+     "tool_choice"),
+    ("/v1/chat/completions", _chat(functions=[TOOL["function"]]), "functions"),
+    ("/v1/chat/completions", _chat(function_call="auto"), "function_call"),
+    ("/v1/chat/completions", _chat(parallel_tool_calls=True), "parallel_tool_calls"),
+    ("/v1/chat/completions", _chat(logit_bias={"50": -100}), "logit_bias"),
+    ("/v1/completions", _cmpl(logit_bias={"50": 5}), "logit_bias"),
+    ("/v1/chat/completions", _chat(guided_json={"type": "object"}), "guided_json"),
+    ("/v1/completions", _cmpl(guided_regex="[a-z]+"), "guided_regex"),
+    ("/v1/completions", _cmpl(guided_choice=["yes", "no"]), "guided_choice"),
+    ("/v1/chat/completions", _chat(guided_grammar="root ::= 'a'"), "guided_grammar"),
+    ("/v1/chat/completions", _chat(guided_decoding_backend="xgrammar"), "guided_decoding_backend"),
+    ("/v1/chat/completions", _chat(structured_outputs={"choice": ["a", "b"]}),
+     "structured_outputs"),
+    ("/v1/completions", _cmpl(prompt_logprobs=1), "prompt_logprobs"),
+    ("/v1/chat/completions", _chat(prompt_logprobs=1), "prompt_logprobs"),
+    ("/v1/chat/completions", _chat(continue_final_message=True), "continue_final_message"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "image_url"),
+    # more output pdserve would not produce
+    ("/v1/chat/completions", _chat(modalities=["text", "audio"]), "modalities"),
+    ("/v1/chat/completions", _chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
+    ("/v1/completions", _cmpl(guided_whitespace_pattern=" "), "guided_whitespace_pattern"),
+    ("/v1/completions", _cmpl(use_beam_search=True), "use_beam_search"),
+    ("/v1/completions", _cmpl(include_stop_str_in_output=True), "include_stop_str_in_output"),
+    ("/v1/completions", _cmpl(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    ("/v1/completions", _cmpl(bad_words=["x"]), "bad_words"),
+    ("/v1/completions", _cmpl(logits_processors=["m.P"]), "logits_processors"),
+    ("/v1/completions", _cmpl(truncate_prompt_tokens=4), "truncate_prompt_tokens"),
+    ("/v1/chat/completions", _chat(echo=True), "echo"),
+    ("/v1/chat/completions", _chat(add_special_tokens=True), "add_special_tokens"),
+    ("/v1/chat/completions", _chat(chat_template="{{ messages }}"), "chat_template"),
+    ("/v1/chat/completions", _chat(chat_template_kwargs={"enable_thinking": False}),
+     "chat_template_kwargs"),
+]
+
+BAD = COERCED + ROLES_AND_CONTENT + REFUSED
 
 
 @pytest.mark.parametrize("path, body, words", BAD,
@@ -130,6 +183,21 @@ def _chat_text(base: str, **kw) -> str:
     r = _post(base, "/v1/chat/completions", {"max_tokens": 2, "temperature": 0, **kw})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
+
+
+def test_neutral_values_and_client_extras_accepted(server):
+    plain = _chat_text(server, messages=USER)
+    for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none"},
+                  {"tools": [], "tool_choice": "none"}, {"logit_bias": {}},
+                  {"continue_final_message": False}, {"parallel_tool_calls": None},
+                  {"modalities": ["text"], "echo": False, "add_special_tokens": False,
+                   "use_beam_search": False, "chat_template_kwargs": {}},
+                  {"user": "u-1", "metadata": {"k": "v"}, "store": False,
+                   "service_tier": "auto"}):
+        assert _chat_text(server, messages=USER, **extra) == plain, extra
+    r = _post(server, "/v1/completions", _cmpl(response_format={"type": "text"}, user="u-1",
+                                              logit_bias={}))
+    assert r.status_code == 200, r.text
 
 
 def test_text_content_parts_are_the_text(server):
@@ -180,3 +248,5 @@ def test_schema_states_the_constraints(server):
     for ref in chat["messages"]["items"]["oneOf"]:
         roles |= {schemas[ref["$ref"].rsplit("/", 1)[1]]["properties"]["role"]["const"]}
     assert roles == {"system", "developer", "user", "assistant", "tool"}
+    fmt = schemas[chat["response_format"]["anyOf"][0]["$ref"].rsplit("/", 1)[1]]
+    assert fmt["properties"]["type"]["const"] == "text"

@@ -3,7 +3,9 @@ becomes SamplingParams.
 
 JSON types are taken at their word: an integer field takes a JSON integer (true is not 1 and "5"
 is not 5), a boolean field only true or false, a number field any JSON number. Chat roles and
-content parts are OpenAI's. Unknown fields are ignored, as OpenAI clients send extras.
+content parts are OpenAI's. Unknown fields are ignored, as OpenAI clients send extras (user,
+metadata, store, ...), except those that ask for something pdserve does not do (JSON output,
+tools, logit_bias, guided decoding, ...): they are refused by name (_REFUSED), never dropped.
 """
 from __future__ import annotations
 
@@ -46,8 +48,68 @@ def _short(v: Any, limit: int = 40) -> str:
     return s if len(s) <= limit else s[:limit] + "..."
 
 
+# ---- refused fields ----------------------------------------------------------------------------
+_NO_TOOLS = "pdserve has no tool calling"
+_NO_GUIDED = "pdserve has no guided decoding"
+# field -> (values that ask for nothing, why any other value is refused). None asks for nothing.
+_REFUSED: dict[str, tuple[tuple, str]] = {
+    "tools": (([],), f"tools are not supported ({_NO_TOOLS})"),
+    "tool_choice": (("none",), f"tool_choice other than 'none' is not supported ({_NO_TOOLS})"),
+    "parallel_tool_calls": ((), f"parallel_tool_calls is not supported ({_NO_TOOLS})"),
+    "functions": (([],), f"functions are not supported ({_NO_TOOLS})"),
+    "function_call": (("none",), f"function_call other than 'none' is not supported ({_NO_TOOLS})"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "modalities other than ['text'] are not supported"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported; for the logprobs of a prompt use "
+                            "/v1/completions with echo=true and logprobs"),
+    # vLLM's extensions
+    **{name: ((), f"{name} is not supported ({_NO_GUIDED})") for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")},
+    "use_beam_search": ((False,), "use_beam_search is not supported"),
+    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported"),
+    "bad_words": (([],), "bad_words is not supported"),
+    "logits_processors": (([],), "logits_processors is not supported"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+}
+# vLLM's chat extensions (echo and add_special_tokens are completions and /tokenize fields).
+_REFUSED_IN_CHAT: dict[str, tuple[tuple, str]] = {
+    "continue_final_message": ((False,), "continue_final_message is not supported"),
+    "echo": ((False,), "echo is not supported in chat (it is in /v1/completions)"),
+    "add_special_tokens": ((False,), "add_special_tokens is not supported in chat (the chat "
+                                     "template writes the special tokens)"),
+    "chat_template": ((), "chat_template is not supported (the model's own template is used)"),
+    "chat_template_kwargs": (({},), "chat_template_kwargs is not supported"),
+}
+
+
+def _refuse(data: Any, table: dict[str, tuple[tuple, str]]) -> None:
+    if not isinstance(data, dict):
+        return  # the model's own validation says what is wrong
+    for name, (neutral, why) in table.items():
+        v = data.get(name)
+        # (types compared too: 0 is not False)
+        if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
+            raise _unsupported(why)
+
+
+def _refuse_response_format(data: Any) -> None:
+    fmt = data.get("response_format") if isinstance(data, dict) else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if isinstance(kind, str) and kind != "text":
+        raise _unsupported(f"response_format of type {_short(kind)!r} is not supported (only "
+                           "'text': pdserve has no JSON or schema-guided output)")
+
+
+# ---- requests ----------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text"]  # json_object / json_schema are refused with their name
 
 
 class _Sampling(BaseModel):
@@ -70,6 +132,19 @@ class _Sampling(BaseModel):
     skip_special_tokens: StrictBool = True
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
+    # Accepted only where they ask for nothing (_refuse_unsupported runs first); declared so
+    # that the schema shows what is accepted.
+    response_format: Optional[ResponseFormat] = None
+    tool_choice: Optional[Literal["none"]] = None
+    logit_bias: Optional[Annotated[dict[str, Number], Field(max_length=0)]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        _refuse_response_format(data)
+        _refuse(data, _REFUSED)
+        return data
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """ValueError (-> HTTP 400) for any bad value, from SamplingParams' own checks."""
         kw = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, seed=self.seed,
@@ -175,6 +250,12 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: Optional[Int64] = None
     add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported_in_chat(cls, data: Any) -> Any:
+        _refuse(data, _REFUSED_IN_CHAT)
+        return data
 
 
 class TokenizeRequest(BaseModel):
