@@ -33,6 +33,8 @@ def llm(model_dir):
     (dict(max_tokens=0), "max_tokens"),
     (dict(n=0), "n"),
     (dict(min_p=2.0), "min_p"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -55,6 +57,20 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(llm, prompt, match):
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate([good], sp, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    llm.llm_engine.check_integrity()
+    assert llm.llm_engine.kv.num_free_blocks() == 64
+
+
+@pytest.mark.parametrize("stop_token_ids", [[320], [5, 10 ** 6]])  # the tiny model's vocab: 320
+def test_stop_token_ids_outside_the_vocabulary(llm, stop_token_ids):
+    good = {"prompt_token_ids": [3, 4, 5]}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bad = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=stop_token_ids)
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id \d+ is outside the vocabulary"):
+        llm.generate([good, good], [sp, bad], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    last = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop_token_ids=[319])
+    assert len(llm.generate([good], last, use_tqdm=False)[0].outputs[0].token_ids) >= 1
     llm.llm_engine.check_integrity()
     assert llm.llm_engine.kv.num_free_blocks() == 64
 

@@ -1,8 +1,9 @@
 """The server's request schema against a live `pdserve serve` (embedded SmolLM2, one worker):
 values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean);
-chat roles and content parts are OpenAI's; fields pdserve cannot honour (response_format,
-tools, logit_bias, guided decoding, ...) are refused by name instead of ignored. Every 400
-carries the OpenAI error body, and the server keeps answering normal requests after each."""
+chat roles and content parts are OpenAI's; stop_token_ids outside the vocabulary are the
+engine's 400; fields pdserve cannot honour (response_format, tools, logit_bias, guided decoding,
+...) are refused by name instead of ignored. Every 400 carries the OpenAI error body, and the
+server keeps answering normal requests after each."""
 import pytest
 
 from .test_server import _start, _stop, _stopped_cleanly
@@ -10,6 +11,7 @@ from .utils import assert_processes_gone
 
 httpx = pytest.importorskip("httpx")
 
+VOCAB = 49152  # SmolLM2's
 USER = [{"role": "user", "content": "Say hi."}]
 
 
@@ -109,6 +111,14 @@ MESSAGES = [
 ROLES_AND_CONTENT = [("/v1/chat/completions", _chat(messages=m), w) for m, w in MESSAGES] + [
     ("/tokenize", {"messages": m}, w) for m, w in MESSAGES]
 
+OUT_OF_VOCAB = [
+    ("/v1/completions", _cmpl(stop_token_ids=[VOCAB]), "stop_token_ids"),
+    ("/v1/completions", _cmpl(stop_token_ids=[2, 10 ** 6]), "stop_token_ids"),
+    ("/v1/completions", _cmpl(stop_token_ids=[-1]), "stop_token_ids"),
+    ("/v1/chat/completions", _chat(stop_token_ids=[10 ** 6]), "stop_token_ids"),
+    ("/v1/completions", _cmpl(stop_token_ids=[VOCAB], stream=True), "stop_token_ids"),
+]
+
 JSON_SCHEMA = {"type": "json_schema",
                "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
 TOOL = {"type": "function", "function": {"name": "get_weather",
@@ -161,7 +171,7 @@ REFUSED = [
      "chat_template_kwargs"),
 ]
 
-BAD = COERCED + ROLES_AND_CONTENT + REFUSED
+BAD = COERCED + ROLES_AND_CONTENT + OUT_OF_VOCAB + REFUSED
 
 
 @pytest.mark.parametrize("path, body, words", BAD,
@@ -236,6 +246,8 @@ def test_numbers_json_schema_allows(server):
     assert r.status_code == 200, r.text
     assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                                  "prompt_tokens_details": {"cached_tokens": 0}}
+    r = _post(server, "/v1/completions", _cmpl(stop_token_ids=[VOCAB - 1]))
+    assert r.status_code == 200, r.text
 
 
 def test_schema_states_the_constraints(server):

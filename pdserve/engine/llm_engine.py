@@ -192,11 +192,14 @@ class LLMEngine:
         if not isinstance(ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt_token_ids must be a list of integers")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+        self._check_in_vocab("prompt", ids)
         return None, list(ids)
+
+    def _check_in_vocab(self, what: str, ids: Iterable[int]) -> None:
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, final_only: bool = False,
@@ -213,6 +216,8 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:  # its sequences are admitted together
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} "
                              "sequences can run at once")
+        # (SamplingParams checked that they are integers >= 0; the vocabulary is known here)
+        self._check_in_vocab("stop_token_ids", params.stop_token_ids)
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
