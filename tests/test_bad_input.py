@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.config import EngineConfig  # noqa: E402
 
 from .utils import save_tiny_hf_model  # noqa: E402
 
@@ -127,6 +128,51 @@ def test_bad_engine_args():
         LLM(load_format="pickle")
     with pytest.raises(ValueError, match="preset"):
         LLM("qwen2.5-7b")  # a preset has no weights without load_format="dummy"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device="meta"), "device must be cpu or cuda"),
+    (dict(device="cuda:99"), "device 'cuda:99'"),
+    (dict(block_size=10 ** 6), "block_size must be at most 1024"),
+    (dict(num_kv_blocks=2 ** 31), "num_kv_blocks must be at most"),
+    (dict(cuda_graph_max_batch=0), "cuda_graph_max_batch"),
+    (dict(cuda_graph_max_batch=-3), "cuda_graph_max_batch"),
+    (dict(seed=True), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed=2 ** 64), "seed"),
+    (dict(kv_cache_memory_gb=float("inf")), "kv_cache_memory_gb"),
+    (dict(kv_cache_memory_gb="1"), "kv_cache_memory_gb"),
+    (dict(kv_cache_memory_gb=True), "kv_cache_memory_gb"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization"),
+    (dict(enforce_eager="no"), "enforce_eager"),
+    (dict(skip_tokenizer_init=1), "skip_tokenizer_init"),
+    (dict(model=5), "model"),
+])
+def test_bad_engine_config(kwargs, match):
+    """Caught on construction, before a model is loaded (each used to fail later, in torch or
+    in the allocator, or to be taken as something else)."""
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_cuda_device_without_that_gpu():
+    import torch
+    n = torch.cuda.device_count()
+    for device in [f"cuda:{n}"] + (["cuda"] if n == 0 else []):
+        with pytest.raises(ValueError, match=f"device '{device}'"):
+            EngineConfig(device=device)
+    with pytest.raises(ValueError, match="device"):
+        LLM(device=f"cuda:{n}", load_format="dummy")
+
+
+def test_kv_pool_bigger_than_the_machine(model_dir):
+    """A pool no machine here holds is a ValueError naming what sized it, not an allocator
+    error (10**9 blocks of this model: 1.5 TB; 10**6 GiB)."""
+    kw = dict(skip_tokenizer_init=True, block_size=4)
+    with pytest.raises(ValueError, match="KV pool does not fit.*num_kv_blocks=1000000000"):
+        LLM(str(model_dir), num_kv_blocks=10 ** 9, **kw)
+    with pytest.raises(ValueError, match="KV pool does not fit.*kv_cache_memory_gb=1000000"):
+        LLM(str(model_dir), kv_cache_memory_gb=10 ** 6, **kw)
 
 
 def test_dummy_config_folder_takes_token_ids(tmp_path, model_dir):
