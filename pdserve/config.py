@@ -1,12 +1,30 @@
 """EngineConfig: everything `LLM(...)` / the CLI accept, frozen and validated on construction."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOAD_FORMATS = ("auto", "dummy")
+# No kernel assumes a block size: paged attention gathers a block id per key (no power of two, no
+# multiple of its key tile; it compiles once per size) and the KV pull masks its boxes (its tests
+# use 3). The cap is a sanity bound: a block is the least KV a sequence holds, so a larger block
+# only wastes pool (up to block_size - 1 slots a sequence), and 10**6 would make even a
+# one-block pool tens of GB.
+MAX_BLOCK_SIZE = 1024
+# Block ids travel as int32 (block tables), the scratch block included (id num_kv_blocks).
+MAX_NUM_KV_BLOCKS = 2 ** 31 - 2
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -47,19 +65,35 @@ class EngineConfig:
             v = getattr(self, name)
             if v is None and allow_none:
                 return
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "cuda_graph_max_batch"):
             positive(name)
         positive("num_kv_blocks", allow_none=True)
         positive("max_model_len", allow_none=True)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks > MAX_NUM_KV_BLOCKS:
+            raise ValueError(f"num_kv_blocks must be at most {MAX_NUM_KV_BLOCKS} (block ids are "
+                             f"int32), got {self.num_kv_blocks}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path or a preset name, got {self.model!r}")
+        # torch.Generator.manual_seed takes [-2**63, 2**64)
+        if not _is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        for name in ("skip_tokenizer_init", "enforce_eager", "disable_custom_all_reduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.kv_cache_memory_gb is not None and not (
+                _is_number(self.kv_cache_memory_gb) and 0 < self.kv_cache_memory_gb < math.inf):
+            raise ValueError("kv_cache_memory_gb must be a positive finite number, got "
+                             f"{self.kv_cache_memory_gb!r}")
+        if not (_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -78,13 +112,27 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_mode must be sync or async, got {self.kv_transfer_mode!r}")
         for name in ("kv_transfer_timeout_s", "kv_hold_timeout_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if not _is_number(v) or not v > 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         positive("max_kv_loads")
+        self._check_device()
+
+    def _check_device(self) -> None:
         try:
-            torch.device(self.device)
+            d = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"bad device {self.device!r}: {e}") from None
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if d.type == "cuda":
+            # (device_count asks NVML where it can: it leaves CUDA uninitialised in this process)
+            n = torch.cuda.device_count()
+            if n == 0:
+                raise ValueError(f"device {self.device!r}: no CUDA GPU is visible "
+                                 "(torch.cuda.device_count() is 0)")
+            if d.index is not None and d.index >= n:
+                raise ValueError(f"device {self.device!r}: only {n} CUDA GPU(s) are visible "
+                                 f"(cuda:0 to cuda:{n - 1})")
 
     @property
     def torch_device(self) -> torch.device:

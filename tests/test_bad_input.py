@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.config import EngineConfig  # noqa: E402
 
 from .utils import save_tiny_hf_model  # noqa: E402
 
@@ -33,6 +34,8 @@ def llm(model_dir):
     (dict(max_tokens=0), "max_tokens"),
     (dict(n=0), "n"),
     (dict(min_p=2.0), "min_p"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -55,6 +58,20 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(llm, prompt, match):
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate([good], sp, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    llm.llm_engine.check_integrity()
+    assert llm.llm_engine.kv.num_free_blocks() == 64
+
+
+@pytest.mark.parametrize("stop_token_ids", [[320], [5, 10 ** 6]])  # the tiny model's vocab: 320
+def test_stop_token_ids_outside_the_vocabulary(llm, stop_token_ids):
+    good = {"prompt_token_ids": [3, 4, 5]}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bad = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=stop_token_ids)
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id \d+ is outside the vocabulary"):
+        llm.generate([good, good], [sp, bad], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    last = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop_token_ids=[319])
+    assert len(llm.generate([good], last, use_tqdm=False)[0].outputs[0].token_ids) >= 1
     llm.llm_engine.check_integrity()
     assert llm.llm_engine.kv.num_free_blocks() == 64
 
@@ -111,6 +128,51 @@ def test_bad_engine_args():
         LLM(load_format="pickle")
     with pytest.raises(ValueError, match="preset"):
         LLM("qwen2.5-7b")  # a preset has no weights without load_format="dummy"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device="meta"), "device must be cpu or cuda"),
+    (dict(device="cuda:99"), "device 'cuda:99'"),
+    (dict(block_size=10 ** 6), "block_size must be at most 1024"),
+    (dict(num_kv_blocks=2 ** 31), "num_kv_blocks must be at most"),
+    (dict(cuda_graph_max_batch=0), "cuda_graph_max_batch"),
+    (dict(cuda_graph_max_batch=-3), "cuda_graph_max_batch"),
+    (dict(seed=True), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed=2 ** 64), "seed"),
+    (dict(kv_cache_memory_gb=float("inf")), "kv_cache_memory_gb"),
+    (dict(kv_cache_memory_gb="1"), "kv_cache_memory_gb"),
+    (dict(kv_cache_memory_gb=True), "kv_cache_memory_gb"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization"),
+    (dict(enforce_eager="no"), "enforce_eager"),
+    (dict(skip_tokenizer_init=1), "skip_tokenizer_init"),
+    (dict(model=5), "model"),
+])
+def test_bad_engine_config(kwargs, match):
+    """Caught on construction, before a model is loaded (each used to fail later, in torch or
+    in the allocator, or to be taken as something else)."""
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_cuda_device_without_that_gpu():
+    import torch
+    n = torch.cuda.device_count()
+    for device in [f"cuda:{n}"] + (["cuda"] if n == 0 else []):
+        with pytest.raises(ValueError, match=f"device '{device}'"):
+            EngineConfig(device=device)
+    with pytest.raises(ValueError, match="device"):
+        LLM(device=f"cuda:{n}", load_format="dummy")
+
+
+def test_kv_pool_bigger_than_the_machine(model_dir):
+    """A pool no machine here holds is a ValueError naming what sized it, not an allocator
+    error (10**9 blocks of this model: 1.5 TB; 10**6 GiB)."""
+    kw = dict(skip_tokenizer_init=True, block_size=4)
+    with pytest.raises(ValueError, match="KV pool does not fit.*num_kv_blocks=1000000000"):
+        LLM(str(model_dir), num_kv_blocks=10 ** 9, **kw)
+    with pytest.raises(ValueError, match="KV pool does not fit.*kv_cache_memory_gb=1000000"):
+        LLM(str(model_dir), kv_cache_memory_gb=10 ** 6, **kw)
 
 
 def test_dummy_config_folder_takes_token_ids(tmp_path, model_dir):

@@ -10,6 +10,7 @@ the ModelRunner owns tensors.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -85,6 +86,7 @@ def plan_kv_pool(config: EngineConfig, model) -> tuple[int, int]:
                               device=config.torch_device)
         get_tp_group().all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
         num_blocks = max(1, int(budget.item()) // bytes_per_block)
+    _check_pool_fits(config, num_blocks, bytes_per_block)
     capacity = num_blocks * config.block_size
     if config.max_model_len is not None and config.max_model_len > capacity:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool "
@@ -94,6 +96,30 @@ def plan_kv_pool(config: EngineConfig, model) -> tuple[int, int]:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                          f"length {mcfg.max_position_embeddings}")
     return num_blocks, max_model_len
+
+
+def _check_pool_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> None:
+    """A pool the device cannot hold is a ValueError naming what sized it, not an allocator
+    error from inside torch. The bound is what certainly fails: all of the machine's memory on
+    CPU, the GPU's free memory (after the weights) on CUDA."""
+    need = (num_blocks + 1) * bytes_per_block  # + the scratch block
+    device = config.torch_device
+    if device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(device)[0], f"the free memory of {device}"
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = "this machine's memory"
+    if need <= have:
+        return
+    if config.num_kv_blocks:
+        cause = f"num_kv_blocks={config.num_kv_blocks}"
+    elif config.kv_cache_memory_gb is not None:
+        cause = f"kv_cache_memory_gb={config.kv_cache_memory_gb}"
+    else:  # the default budget, or a block bigger than it (the pool has at least one)
+        cause = f"block_size={config.block_size} and the default KV budget"
+    raise ValueError(f"the KV pool does not fit: {num_blocks} blocks (+1 scratch) of "
+                     f"{config.block_size} tokens take {need / (1 << 30):.1f} GiB, more than "
+                     f"{where} ({have / (1 << 30):.1f} GiB); set by {cause}")
 
 
 def _kv_budget_bytes(cfg: EngineConfig) -> int:
@@ -192,11 +218,14 @@ class LLMEngine:
         if not isinstance(ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt_token_ids must be a list of integers")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+        self._check_in_vocab("prompt", ids)
         return None, list(ids)
+
+    def _check_in_vocab(self, what: str, ids: Iterable[int]) -> None:
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, final_only: bool = False,
@@ -213,6 +242,8 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:  # its sequences are admitted together
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} "
                              "sequences can run at once")
+        # (SamplingParams checked that they are integers >= 0; the vocabulary is known here)
+        self._check_in_vocab("stop_token_ids", params.stop_token_ids)
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")

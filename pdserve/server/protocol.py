@@ -1,45 +1,149 @@
 """The OpenAI-compatible request bodies (pydantic; they make the OpenAPI schema) and how each
-becomes SamplingParams. Unknown fields are ignored, as OpenAI clients send extras."""
+becomes SamplingParams.
+
+JSON types are taken at their word: an integer field takes a JSON integer (true is not 1 and "5"
+is not 5), a boolean field only true or false, a number field any JSON number. Chat roles and
+content parts are OpenAI's. Unknown fields are ignored, as OpenAI clients send extras (user,
+metadata, store, ...), except those that ask for something pdserve does not do (JSON output,
+tools, logit_bias, guided decoding, ...): they are refused by name (_REFUSED), never dropped.
+"""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
+                      StrictFloat, Tag, model_validator)
+from pydantic_core import PydanticCustomError
+from typing_extensions import TypedDict
 
 from ..sampling_params import SamplingParams
 
+
+def _json_int(v: Any) -> Any:
+    # pydantic's lax int takes true as 1 and "5" as 5; its strict int refuses 5.0, which JSON
+    # Schema, and so the published schema, counts as an integer. Between the two: no bools, no
+    # strings; an integral float passes (a fractional one fails the int validation after this).
+    if isinstance(v, (bool, str)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return v
+
+
 # Requests cross to the worker processes through msgspec, which only carries 64-bit integers: a
 # larger one must be a 400 here, not an OverflowError that kills the engine's I/O thread.
-Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1), BeforeValidator(_json_int)]
+Number = StrictFloat  # a JSON number, integers included; not a string or a bool
 # n sequences are forked per prompt on the worker; without a cap one request could ask for
 # billions of them (OpenAI's own limit is 128).
 MAX_N = 128
 
 
+def _unsupported(message: str) -> PydanticCustomError:
+    """A validation error whose text is exactly `message` (a ValueError would get pydantic's
+    "Value error, " prefix)."""
+    return PydanticCustomError("unsupported", "{message}", {"message": message})
+
+
+def _short(v: Any, limit: int = 40) -> str:
+    s = v if isinstance(v, str) else repr(v)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ---- refused fields ----------------------------------------------------------------------------
+_NO_TOOLS = "pdserve has no tool calling"
+_NO_GUIDED = "pdserve has no guided decoding"
+# field -> (values that ask for nothing, why any other value is refused). None asks for nothing.
+_REFUSED: dict[str, tuple[tuple, str]] = {
+    "tools": (([],), f"tools are not supported ({_NO_TOOLS})"),
+    "tool_choice": (("none",), f"tool_choice other than 'none' is not supported ({_NO_TOOLS})"),
+    "parallel_tool_calls": ((), f"parallel_tool_calls is not supported ({_NO_TOOLS})"),
+    "functions": (([],), f"functions are not supported ({_NO_TOOLS})"),
+    "function_call": (("none",), f"function_call other than 'none' is not supported ({_NO_TOOLS})"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "modalities other than ['text'] are not supported"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported; for the logprobs of a prompt use "
+                            "/v1/completions with echo=true and logprobs"),
+    # vLLM's extensions
+    **{name: ((), f"{name} is not supported ({_NO_GUIDED})") for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")},
+    "use_beam_search": ((False,), "use_beam_search is not supported"),
+    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported"),
+    "bad_words": (([],), "bad_words is not supported"),
+    "logits_processors": (([],), "logits_processors is not supported"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+}
+# vLLM's chat extensions (echo and add_special_tokens are completions and /tokenize fields).
+_REFUSED_IN_CHAT: dict[str, tuple[tuple, str]] = {
+    "continue_final_message": ((False,), "continue_final_message is not supported"),
+    "echo": ((False,), "echo is not supported in chat (it is in /v1/completions)"),
+    "add_special_tokens": ((False,), "add_special_tokens is not supported in chat (the chat "
+                                     "template writes the special tokens)"),
+    "chat_template": ((), "chat_template is not supported (the model's own template is used)"),
+    "chat_template_kwargs": (({},), "chat_template_kwargs is not supported"),
+}
+
+
+def _refuse(data: Any, table: dict[str, tuple[tuple, str]]) -> None:
+    if not isinstance(data, dict):
+        return  # the model's own validation says what is wrong
+    for name, (neutral, why) in table.items():
+        v = data.get(name)
+        # (types compared too: 0 is not False)
+        if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
+            raise _unsupported(why)
+
+
+def _refuse_response_format(data: Any) -> None:
+    fmt = data.get("response_format") if isinstance(data, dict) else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if isinstance(kind, str) and kind != "text":
+        raise _unsupported(f"response_format of type {_short(kind)!r} is not supported (only "
+                           "'text': pdserve has no JSON or schema-guided output)")
+
+
+# ---- requests ----------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text"]  # json_object / json_schema are refused with their name
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
-    n: Annotated[int, Field(le=MAX_N)] = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_json_int)] = 1
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
     top_k: Optional[Int64] = None
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    min_p: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[Int64]] = None
+    stop_token_ids: Optional[list[Int64]] = None  # the engine checks them against the vocabulary
     seed: Optional[Int64] = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: Int64 = 0
-    skip_special_tokens: bool = True
-    stream: bool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
+    # Accepted only where they ask for nothing (_refuse_unsupported runs first); declared so
+    # that the schema shows what is accepted.
+    response_format: Optional[ResponseFormat] = None
+    tool_choice: Optional[Literal["none"]] = None
+    logit_bias: Optional[Annotated[dict[str, Number], Field(max_length=0)]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        _refuse_response_format(data)
+        _refuse(data, _REFUSED)
+        return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """ValueError (-> HTTP 400) for any bad value, from SamplingParams' own checks."""
@@ -54,28 +158,104 @@ class _Sampling(BaseModel):
         return SamplingParams(**kw)
 
 
+def _prompt_kind(v: Any) -> str | None:
+    # Picks the one reading a bad prompt is checked against, so its error says what is wrong
+    # with it ("prompt.token_ids.0: Input should be a valid integer"), not with every reading.
+    if isinstance(v, list):
+        return {str: "texts", list: "token_id_lists"}.get(type(v[0]) if v else None, "token_ids")
+    return "text" if isinstance(v, str) else None
+
+
+Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")],
+                         Annotated[list[Int64], Tag("token_ids")],
+                         Annotated[list[list[Int64]], Tag("token_id_lists")]],
+                   Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                                 custom_error_message="Input should be a string, a list of "
+                                 "strings, a list of token ids or a list of token-id lists")]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[Int64], list[list[Int64]]]
+    prompt: Prompt
     max_tokens: Optional[Int64] = 16
     logprobs: Optional[Int64] = None
-    echo: bool = False
+    echo: StrictBool = False
     best_of: Optional[Int64] = None
     suffix: Optional[str] = None
 
 
-class ChatMessage(BaseModel):
+# ---- chat messages -----------------------------------------------------------------------------
+class TextPart(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+Content = Union[str, list[TextPart]]
+
+
+class _Message(BaseModel):
+    # name, tool_calls, tool_call_id, ... travel on to the chat template
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: Optional[Union[str, list[dict]]] = None
+    content: Content
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # By name, before the schema's "type should be 'text'": an image the model never saw
+        # must not pass for an answer about it.
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise _unsupported(f"{_short(kind)} content parts are not supported (text only)")
+        return data
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    # OpenAI lets an assistant message that made tool calls have no content. It renders as an
+    # empty message, made "" here so that chat and /tokenize render it alike.
+    content: Optional[Content] = None
+
+    @model_validator(mode="after")
+    def _empty_content(self) -> AssistantMessage:
+        if self.content is None:
+            self.content = ""
+        return self
+
+
+ChatMessage = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage,
+                              ToolMessage], Field(discriminator="role")]
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[Int64] = None
     max_completion_tokens: Optional[Int64] = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Optional[Int64] = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported_in_chat(cls, data: Any) -> Any:
+        _refuse(data, _REFUSED_IN_CHAT)
+        return data
 
 
 class TokenizeRequest(BaseModel):
@@ -83,14 +263,14 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class ErrorBody(BaseModel):
