@@ -11,7 +11,40 @@ for stage in "$@"; do
   case $stage in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
-    tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
+    tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py tests/test_hf_sliding_window.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
+    serve-compare) # issue 13: the same sweep on the hardened server and on 6a8b3c5's (carried as old/),
+           # then a kill -9 of the hardened server's worker: how long until it serves again
+           for side in old new; do
+             pp=$PYTHONPATH; [ $side = old ] && pp="old:$PYTHONPATH"
+             PYTHONPATH=$pp python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
+               --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-$side.log" 2>&1 &
+             pid=$!
+             for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
+               --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
+               --vocab-size 151936 --request-rate ${SERVE_RATES:-16 32 inf} --goodput ttft:500 tpot:50 \
+               --disable-tqdm --result-file "$OUT/serve-compare-$side.json" 2>&1 | tail -6
+             if [ $side = new ]; then
+               python3 - <<'PY' 2>&1 | tee "$OUT/restart.log"
+import json, os, signal, time, urllib.request
+def get(p):
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:8000" + p, timeout=5) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+pid = get("/admin/check")[1]["worker_pids"][0]
+os.kill(pid, signal.SIGKILL); t0 = time.monotonic(); seen = set()
+while time.monotonic() - t0 < 300:
+    code, body = get("/health"); seen.add((code, body.get("status")))
+    if body.get("status") == "ok": break
+    time.sleep(0.1)
+print(json.dumps({"restart_s": round(time.monotonic() - t0, 2), "health_seen": sorted(seen),
+                  "workers": body.get("workers")}))
+PY
+             fi
+             kill -TERM $pid; wait $pid
+           done;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --output "$OUT/decode-latency-h200.json";;
     offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -28,13 +29,18 @@ def _free_port() -> int:
 
 def _start(args: list[str], timeout_s: float = 180.0):
     port = _free_port()
+    # stderr to a file, not a pipe: a pipe nobody reads fills up with the server's log and
+    # then blocks the server (a hang that is the test's, not the server's)
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()}")
+            log.seek(0)
+            raise RuntimeError(f"server exited: {log.read()}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc, base
