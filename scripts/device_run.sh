@@ -24,25 +24,7 @@ for stage in "$@"; do
                --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-16 32 inf} --goodput ttft:500 tpot:50 \
                --disable-tqdm --result-file "$OUT/serve-compare-$side.json" 2>&1 | tail -6
-             if [ $side = new ]; then
-               python3 - <<'PY' 2>&1 | tee "$OUT/restart.log"
-import json, os, signal, time, urllib.request
-def get(p):
-    try:
-        with urllib.request.urlopen("http://127.0.0.1:8000" + p, timeout=5) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-pid = get("/admin/check")[1]["worker_pids"][0]
-os.kill(pid, signal.SIGKILL); t0 = time.monotonic(); seen = set()
-while time.monotonic() - t0 < 300:
-    code, body = get("/health"); seen.add((code, body.get("status")))
-    if body.get("status") == "ok": break
-    time.sleep(0.1)
-print(json.dumps({"restart_s": round(time.monotonic() - t0, 2), "health_seen": sorted(seen),
-                  "workers": body.get("workers")}))
-PY
-             fi
+             [ $side = new ] && python3 scripts/measure_restart.py 2>&1 | tee "$OUT/restart.log"
              kill -TERM $pid; wait $pid
            done;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;

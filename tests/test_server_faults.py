@@ -17,7 +17,9 @@ httpx = pytest.importorskip("httpx")
 from .test_server import _start, _stopped_cleanly  # noqa: E402
 from .utils import _running, assert_processes_gone, save_tiny_model_with_tokenizer  # noqa: E402
 
-LONG = {"prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True}
+# long enough to outlive every deadline here even on an idle machine (the two-layer model
+# makes ~1000 tokens a second on CPU)
+LONG = {"prompt": "Tell me a long story", "max_tokens": 8000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,8 @@ def model(tmp_path_factory):
 
 
 def _serve(model, *args):
-    return _start(["--model", model, "--load-format", "dummy", "--max-model-len", "1024",
-                   "--num-kv-blocks", "512", "--restart-backoff", "0.1", *args])
+    return _start(["--model", model, "--load-format", "dummy", "--max-model-len", "8192",
+                   "--num-kv-blocks", "1024", "--restart-backoff", "0.1", *args])
 
 
 def _sse_lines(base, body, out: list, timeout=60):

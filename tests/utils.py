@@ -102,7 +102,7 @@ def save_tiny_model_with_tokenizer(path) -> str:
                    "chat_template": tok.chat_template}, f)
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": tok.vocab_size,
            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 8192,
            "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
     with open(os.path.join(path, "config.json"), "w") as f:
