@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_int, check_number, is_int, is_number
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOAD_FORMATS = ("auto", "dummy")
 # No kernel assumes a block size: paged attention gathers a block id per key (no power of two, no
@@ -17,14 +19,6 @@ LOAD_FORMATS = ("auto", "dummy")
 MAX_BLOCK_SIZE = 1024
 # Block ids travel as int32 (block tables), the scratch block included (id num_kv_blocks).
 MAX_NUM_KV_BLOCKS = 2 ** 31 - 2
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -61,17 +55,11 @@ class EngineConfig:
     max_kv_loads: int = 64              # consumer: pulls in flight at once
 
     def __post_init__(self):
-        def positive(name, allow_none=False):
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "cuda_graph_max_batch"):
-            positive(name)
-        positive("num_kv_blocks", allow_none=True)
-        positive("max_model_len", allow_none=True)
+                     "cuda_graph_max_batch", "max_kv_loads"):
+            check_int(name, getattr(self, name))
+        check_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        check_int("max_model_len", self.max_model_len, allow_none=True)
         if self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks > MAX_NUM_KV_BLOCKS:
@@ -80,7 +68,7 @@ class EngineConfig:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be a path or a preset name, got {self.model!r}")
         # torch.Generator.manual_seed takes [-2**63, 2**64)
-        if not _is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
+        if not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for name in ("skip_tokenizer_init", "enforce_eager", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
@@ -90,10 +78,10 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_memory_gb is not None and not (
-                _is_number(self.kv_cache_memory_gb) and 0 < self.kv_cache_memory_gb < math.inf):
+                is_number(self.kv_cache_memory_gb) and 0 < self.kv_cache_memory_gb < math.inf):
             raise ValueError("kv_cache_memory_gb must be a positive finite number, got "
                              f"{self.kv_cache_memory_gb!r}")
-        if not (_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
+        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -111,10 +99,7 @@ class EngineConfig:
         if self.kv_transfer_mode not in ("sync", "async"):
             raise ValueError(f"kv_transfer_mode must be sync or async, got {self.kv_transfer_mode!r}")
         for name in ("kv_transfer_timeout_s", "kv_hold_timeout_s"):
-            v = getattr(self, name)
-            if not _is_number(v) or not v > 0:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-        positive("max_kv_loads")
+            check_number(name, getattr(self, name))
         self._check_device()
 
     def _check_device(self) -> None:

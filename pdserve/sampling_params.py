@@ -17,17 +17,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .checks import is_int, is_number
+
 # Temperatures below this are treated as greedy (argmax) sampling.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -57,32 +51,32 @@ class SamplingParams:
             raise ValueError(f"{field} {why}, got {value!r}")
 
         # ---- integers -------------------------------------------------------------------------
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             bad("n", self.n, "must be an integer >= 1")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         top_k = -1 if self.top_k is None else self.top_k
-        if not _is_int(top_k) or top_k == 0 or top_k < -1:
+        if not is_int(top_k) or top_k == 0 or top_k < -1:
             bad("top_k", self.top_k, "must be -1/None (disabled) or an integer >= 1")
         set_(self, "top_k", top_k)
         if self.logprobs is not None and (
-                not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+                not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and (
-                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+                not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad("prompt_logprobs", self.prompt_logprobs,
                 f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             bad("seed", self.seed, "must be None or an integer")
 
         # ---- floats (comparisons written so that NaN fails them) ------------------------------
         def number(field: str) -> float:
             v = getattr(self, field)
-            if not _is_number(v):
+            if not is_number(v):
                 bad(field, v, "must be a number")
             v = float(v)
             set_(self, field, v)
@@ -130,7 +124,7 @@ class SamplingParams:
         else:
             bad("stop_token_ids", self.stop_token_ids, "must be None or a list of integers")
         for i in ids:
-            if not _is_int(i) or i < 0:
+            if not is_int(i) or i < 0:
                 bad("stop_token_ids", self.stop_token_ids, "entries must be integers >= 0")
         set_(self, "stop_token_ids", ids)
 

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import msgspec
 import zmq
 
+from ..checks import check_int, check_number
 from ..config import EngineConfig
 from ..engine.llm_engine import AddRequest
 from ..outputs import CompletionOutput, RequestOutput
@@ -70,13 +71,9 @@ class RestartPolicy:
     stable_s: float = 300.0
 
     def __post_init__(self):
-        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) \
-                or self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        check_int("max_restarts", self.max_restarts, minimum=0)
         for name in ("backoff_s", "max_backoff_s", "stable_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"{name} must be a non-negative number, got {v!r}")
+            check_number(name, getattr(self, name), allow_zero=True)
 
     def delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
@@ -669,16 +666,15 @@ class Router:
         # A dead prefill worker's KV died with it (and a pull from a dead GPU's memory could
         # fault the decode GPU): the decode worker recomputes the prompt, then continues.
         # (a restarted prefill worker is a new incarnation: the KV died with the old one)
-        gone = {n for n, w in self.workers.items()
-                if w.spec.role == "prefill" and (not w.alive or w.client.exited())}
-        if gone or any(sent.kv_source.worker != self.workers[prefill].client.name
-                       for items in pending.values() for _, sent, prefill in items):
-            for items in pending.values():
-                for k, (route, sent, prefill) in enumerate(items):
-                    if prefill in gone or sent.kv_source.worker != \
-                            self.workers[prefill].client.name:
-                        items[k] = (route, dataclasses.replace(
-                            sent, kv_source=sent.kv_source.without_kv()), prefill)
+        def kv_gone(sent: AddRequest, prefill: str) -> bool:
+            p = self.workers[prefill]
+            return not p.alive or p.client.exited() or sent.kv_source.worker != p.client.name
+
+        for items in pending.values():
+            for k, (route, sent, prefill) in enumerate(items):
+                if kv_gone(sent, prefill):
+                    items[k] = (route, dataclasses.replace(
+                        sent, kv_source=sent.kv_source.without_kv()), prefill)
         while pending:
             name = next(iter(pending))
             items = pending.pop(name)

@@ -30,7 +30,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..checks import check_int, check_number
 from ..engine.llm_engine import AddRequest
 from ..outputs import RequestOutput
 from ..worker.client import EngineDeadError
@@ -80,16 +81,10 @@ class ServeOptions:
 
     def __post_init__(self):
         for name in ("max_request_bytes", "tokenizer_threads"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        q = self.max_queued_requests
-        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 0):
-            raise ValueError(f"max_queued_requests must be a non-negative integer, got {q!r}")
+            check_int(name, getattr(self, name))
+        check_int("max_queued_requests", self.max_queued_requests, minimum=0, allow_none=True)
         for name in ("shutdown_timeout_s", "keepalive_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
+            check_number(name, getattr(self, name))
 
 
 class _Busy(Exception):
@@ -98,6 +93,11 @@ class _Busy(Exception):
 
 class _BodyTooLarge(Exception):
     pass
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return _error(413, f"the request body is larger than the server's limit of {limit} bytes "
+                       "(--max-request-bytes)")
 
 
 # A text with more characters than this many per token of the context is judged from its head
@@ -616,9 +616,7 @@ class _BodyLimit:
         await self.app(scope, counted, send)
 
     async def _reject(self, scope, receive, send):
-        resp = _error(413, f"the request body is larger than the server's limit of "
-                           f"{self.limit} bytes (--max-request-bytes)")
-        await resp(scope, receive, send)
+        await _too_large(self.limit)(scope, receive, send)
 
 
 def build_app(engine: AsyncEngine, model_name: str,
@@ -655,9 +653,8 @@ def build_app(engine: AsyncEngine, model_name: str,
         return _error(503, str(exc), headers={"Retry-After": "1"})
 
     @app.exception_handler(_BodyTooLarge)
-    async def _too_large(request, exc: _BodyTooLarge):
-        return _error(413, f"the request body is larger than the server's limit of "
-                           f"{options.max_request_bytes} bytes (--max-request-bytes)")
+    async def _chunked_too_large(request, exc: _BodyTooLarge):
+        return _too_large(options.max_request_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):

@@ -17,8 +17,6 @@ import os
 import queue
 import select
 import threading
-from typing import AsyncIterator
-
 from ..disagg.router import Unavailable
 from ..engine.llm_engine import AddRequest
 from ..outputs import RequestOutput
@@ -121,16 +119,6 @@ class AsyncEngine:
                 raise EngineDeadError(error)
             raise ValueError(error)
         return RequestStream(self, req.request_id, stream)
-
-    async def generate(self, req: AddRequest) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request one at a time (add() + iteration); leaving early aborts."""
-        stream = await self.add(req)
-        try:
-            async for batch in stream:
-                for out in batch:
-                    yield out
-        finally:
-            await stream.aclose()
 
     def end_all(self, why: str) -> int:
         """Ends every stream now with EngineDeadError(why) and aborts its request (the drain

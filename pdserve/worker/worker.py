@@ -35,6 +35,7 @@ from typing import Callable
 import msgspec
 import zmq
 
+from ..checks import check_number
 from ..config import EngineConfig
 from .output_delta import DeltaEncoder
 from .step_broadcast import StepDecoder, StepEncoder
@@ -202,9 +203,7 @@ class WorkerConfig:
 
     def __post_init__(self):
         for name in ("send_timeout_s", "client_timeout_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
+            check_number(name, getattr(self, name))
 
 
 def worker_main(wc: WorkerConfig, rank: int) -> None:
