@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .disagg.kv_transfer import KVSource
+from .protocol import KVSource
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
 from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.llm_engine import AddRequest, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.protocol import AddRequest
 
 from .test_tp import LLAMA_8Q_2KV, QWEN2_1KV, _assert_same_model, _folder
 from .utils import assert_processes_gone
@@ -439,7 +440,7 @@ def test_two_sided_abort_before_the_load_still_receives():
     """With a two-sided connector the producer sends regardless: a request dropped while it
     waits for blocks must still get a receive-and-discard load, or every later receive from that
     producer would take the wrong message."""
-    from pdserve.disagg.kv_transfer import KVSource
+    from pdserve.protocol import KVSource
     from pdserve.engine.request import Request, RequestStatus
     from pdserve.engine.scheduler import Scheduler
     kv = KVCacheManager(4, 4)
@@ -465,7 +466,7 @@ def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch, con
     recomputes them) and sends to that consumer are skipped."""
     import torch
     from pdserve.disagg.connector import get_connector_class
-    from pdserve.disagg.kv_transfer import KVLoad, KVPair, KVSend
+    from pdserve.protocol import KVLoad, KVPair, KVSend
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pair = dict(producer="p", consumer="d", producer_tp=1, consumer_tp=1, num_kv_heads=2,

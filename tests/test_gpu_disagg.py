@@ -21,7 +21,7 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from .test_disagg import GREEDY, PROMPTS, _handoff, _run  # noqa: E402
 from .test_gpu_model import _prompts, hf_dir  # noqa: E402,F401
 from .test_tp import LLAMA_8Q_2KV, _folder  # noqa: E402
-from pdserve.engine.llm_engine import AddRequest  # noqa: E402
+from pdserve.protocol import AddRequest  # noqa: E402
 
 MAX_TOKENS = 32
 

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.llm_engine import AddRequest
+from pdserve.protocol import AddRequest
 from pdserve.worker.client import EngineClient, EngineDeadError
 from pdserve.config import EngineConfig
 

@@ -27,8 +27,8 @@ import zmq
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.disagg.connector import get_connector_class
-from pdserve.disagg.kv_transfer import KVPair, KVSend
-from pdserve.engine.llm_engine import AddRequest, LLMEngine
+from pdserve.protocol import AddRequest, KVPair, KVSend
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.worker import client as client_module
 from pdserve.worker import messages
 from pdserve.worker.client import EngineClient, EngineDeadError
@@ -254,7 +254,7 @@ def test_producer_outlives_a_consumer_that_stops_then_dies(model, connector):
 _CONSUMER = """
 import sys, time, torch
 from pdserve.disagg.connector import get_connector_class
-from pdserve.disagg.kv_transfer import KVPair
+from pdserve.protocol import KVPair
 port, name = sys.argv[1], sys.argv[2]
 conns = []
 for consumer in ("d1", "d2"):

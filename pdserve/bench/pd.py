@@ -65,7 +65,7 @@ def host_copy_bandwidth(dev: int, nbytes: int = 256 << 20, reps: int = 10) -> di
 
 
 def _one(router, rid: str, prompt: list[int], sp) -> dict[str, float]:
-    from ..engine.llm_engine import AddRequest
+    from ..protocol import AddRequest
     before = (router.route_stats.transfers, router.route_stats.transfer_bytes,
               router.route_stats.transfer_seconds)
     t0 = time.perf_counter()

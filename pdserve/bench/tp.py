@@ -34,7 +34,7 @@ from .common import copy_bandwidth, git_info, hardware_info, random_prompts, wri
 def measure_stream(llm, batch: int, context: int, steps: int, warmup: int, seed: int
                    ) -> dict[str, Any]:
     from pdserve import SamplingParams
-    from pdserve.engine.llm_engine import AddRequest
+    from pdserve.protocol import AddRequest
     client = llm.llm_engine
     prompts = random_prompts(batch, context, context + 1, client.info.vocab_size, seed)
     sp = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True)

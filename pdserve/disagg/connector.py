@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..devices import on_device
-from .kv_transfer import (HeadCopy, KVLoad, KVLoadDone, KVPair, KVPeer, KVSend,
-                          plan_head_copies)
+from .kv_transfer import HeadCopy, plan_head_copies
+from ..protocol import KVLoad, KVLoadDone, KVPair, KVPeer, KVSend
 
 if TYPE_CHECKING:
     from ..kernels.kv_pull import PullGraphs

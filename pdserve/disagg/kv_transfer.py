@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import msgspec
-
 
 def kv_head_range(rank: int, tp: int, num_kv_heads: int) -> range:
     """The model KV heads TP rank `rank` of `tp` holds (QKVParallelLinear's split)."""
@@ -61,85 +59,3 @@ def plan_head_copies(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int)
         else:
             plan.append(HeadCopy(r, slice(i, i + 1), slice(j, j + 1)))
     return plan
-
-
-class KVPeer(msgspec.Struct, tag=True):
-    """A producer worker's KV pools as a consumer needs them to pull from: one opaque handle per
-    rank (connector-specific), its TP size and the model's KV head count."""
-    worker: str
-    connector: str
-    tp: int
-    num_kv_heads: int
-    handles: list[bytes]
-
-
-class KVSource(msgspec.Struct):
-    """Where a request's prompt KV waits: on producer `worker`, held under `request_id`, in
-    `block_ids` (table order), covering the first `num_tokens` positions. `output_token_ids`
-    are the tokens the producer already sampled (their KV is not computed yet).
-    worker "" (and no blocks): the KV is lost (its producer died); the consumer recomputes the
-    prompt and continues after output_token_ids all the same."""
-    worker: str
-    request_id: str
-    block_ids: list[int]
-    num_tokens: int
-    output_token_ids: list[int]
-
-    @property
-    def lost(self) -> bool:
-        return not self.worker
-
-    def without_kv(self) -> "KVSource":
-        """The same continuation with its KV lost (recomputed where it lands)."""
-        return msgspec.structs.replace(self, worker="", block_ids=[])
-
-
-class KVLoad(NamedTuple):
-    """Consumer side: copy `src_block_ids` of `worker` into `dst_block_ids` here (every layer)."""
-    request_id: str
-    worker: str
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
-
-
-class KVLoadDone(msgspec.Struct, array_like=True):
-    """A consumer's report on one load: ok, bytes moved on rank 0, seconds from start to done."""
-    request_id: str
-    ok: bool
-    nbytes: int
-    seconds: float
-    error: str | None = None
-
-
-class KVPair(msgspec.Struct, tag=True):
-    """A producer/consumer pair for a two-sided connector: both sides' ranks form one process
-    group (producer ranks first), meeting at `store` ("host:port", a TCPStore the router hosts)
-    under the prefix "producer->consumer". `side` says which end the receiving worker is."""
-    producer: str
-    consumer: str
-    producer_tp: int
-    consumer_tp: int
-    num_kv_heads: int
-    store: str
-    side: str                      # "producer" | "consumer"
-    # The producer abandons a send that has not completed this long after it could start (the
-    # pair's previous send done): the consumer is dead or stuck. The pair is then broken (later
-    # sends to it are skipped; the consumer's loads from it fail and are recomputed). Set by
-    # whoever pairs the workers, above the consumer's kv_transfer_timeout_s (by then the
-    # consumer has given up on that load anyway).
-    send_timeout_s: float = 60.0
-
-
-class KVDrop(msgspec.Struct, tag=True):
-    """A peer worker is gone (the router saw it die): abort the pair with it now, instead of
-    waiting for a transfer to time out. Travels to every rank with the step, like a KVPeer."""
-    worker: str
-
-
-class KVSend(msgspec.Struct, array_like=True):
-    """Producer side of a two-sided transfer: send these held blocks of `request_id` to
-    `consumer` (its ranks receive them in the order the sends were asked for)."""
-    request_id: str
-    consumer: str
-    block_ids: list[int]
-    ok: bool = True                # False: the blocks were no longer held (data is filler)

@@ -45,12 +45,10 @@ import zmq
 
 from ..checks import check_int, check_number
 from ..config import EngineConfig
-from ..engine.llm_engine import AddRequest
+from ..protocol import AddRequest, KVPair, KVSend, WorkerStats, parse_prompt
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..worker.client import EngineClient, EngineDeadError
-from ..worker.messages import WorkerStats
-from .kv_transfer import KVPair, KVSend
 
 ROLES = ("prefill", "decode", "collocated")
 
@@ -418,25 +416,6 @@ class Router:
                 time.sleep(0.01)
 
     # ---- requests ---------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True); "
-                                 "pass {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt" in prompt and "prompt_token_ids" not in prompt:
-                return self._prompt_ids(prompt["prompt"])
-            ids = prompt.get("prompt_token_ids")
-            text = prompt.get("prompt")  # tokenized by the caller (the server does)
-        else:
-            ids, text = prompt, None
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        if text is not None and not isinstance(text, str):
-            raise ValueError("prompt must be a string")
-        return text, list(ids)
-
     def _live(self) -> list[WorkerView]:
         return [w.view(self._bound.get(name, 0)) for name, w in self.workers.items() if w.alive]
 
@@ -465,7 +444,7 @@ class Router:
                     raise ValueError(f"request id {r.request_id!r} is already in use")
                 if not isinstance(r.params, SamplingParams):
                     raise ValueError("sampling params must be a SamplingParams")
-                text, ids = self._prompt_ids(r.prompt)
+                text, ids = parse_prompt(r.prompt, self.tokenizer, self.info.vocab_size)
                 todo.append((i, dataclasses.replace(r, prompt={"prompt_token_ids": ids},
                                                     arrival_time=r.arrival_time or now), text))
             except ValueError as e:

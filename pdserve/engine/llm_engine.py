@@ -15,11 +15,12 @@ import time
 
 import torch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from ..config import EngineConfig
 from ..devices import on_device
-from ..disagg.kv_transfer import KVDrop, KVLoadDone, KVPeer, KVSend, KVSource
+from ..protocol import (AddRequest, KVDrop, KVLoadDone, KVPeer, KVSend, KVSource, Prompt,
+                        check_token_ids, parse_prompt)
 from ..layers.parallel_state import get_tp_group
 from ..loader.model_loader import ModelSource, load_model, load_tokenizer, resolve_source
 from ..models.config import ModelConfig
@@ -30,21 +31,6 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
-
-Prompt = str | dict | list[int]
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    """One request for add_requests() (and, over messages, for a worker process)."""
-    request_id: str
-    prompt: Any                      # str, {"prompt_token_ids": [...]} / {"prompt": str}, list[int]
-    params: SamplingParams
-    final_only: bool = False
-    arrival_time: float | None = None
-    kv_hold: bool = False            # P/D producer: keep the KV when finished (output.kv_transfer)
-    kv_source: KVSource | None = None  # P/D consumer: pull the prompt's KV from a producer
-
 
 @dataclass(eq=False)
 class _Seq:
@@ -199,33 +185,7 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True); "
-                                 "pass {'prompt_token_ids': [...]}")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
-            else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        else:
-            ids = prompt
-        if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        self._check_in_vocab("prompt", ids)
-        return None, list(ids)
-
-    def _check_in_vocab(self, what: str, ids: Iterable[int]) -> None:
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab})")
+        return parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, final_only: bool = False,
@@ -243,10 +203,8 @@ class LLMEngine:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} "
                              "sequences can run at once")
         # (SamplingParams checked that they are integers >= 0; the vocabulary is known here)
-        self._check_in_vocab("stop_token_ids", params.stop_token_ids)
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(room for at least one generated token is needed)")

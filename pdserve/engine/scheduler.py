@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..disagg.kv_transfer import KVLoad, KVLoadDone, KVPeer, KVSend, KVSource
+from ..protocol import KVLoad, KVLoadDone, KVPeer, KVSend, KVSource
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .request import Request, RequestStatus
 

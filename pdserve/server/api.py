@@ -40,7 +40,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checks import check_int, check_number
-from ..engine.llm_engine import AddRequest
+from ..protocol import AddRequest
 from ..outputs import RequestOutput
 from ..worker.client import EngineDeadError
 from .async_engine import AsyncEngine, RequestStream

@@ -18,7 +18,7 @@ import queue
 import select
 import threading
 from ..disagg.router import Unavailable
-from ..engine.llm_engine import AddRequest
+from ..protocol import AddRequest
 from ..outputs import RequestOutput
 from ..worker.client import EngineDeadError
 

@@ -24,13 +24,16 @@ import msgspec
 import zmq
 
 from ..config import EngineConfig
-from ..engine.llm_engine import AddRequest
+from ..protocol import AddRequest
 from ..loader.model_loader import load_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..outputs import RequestOutput
 from . import messages as m
 from .output_delta import DeltaDecoder
 from .worker import WorkerAddresses, WorkerConfig
+
+
+STEP_RECORDS_KEPT = 1024
 
 
 class EngineDeadError(RuntimeError):
@@ -141,6 +144,8 @@ class EngineClient:
         self.name = name
         self.stats: m.WorkerStats | None = None  # as of the last Outputs received
         self.kv_events: list = []  # P/D consumer: KVLoadDone reports, for the router to take
+        # the worker's latest engine steps (StepRecord), newest last: its measured speed
+        self.step_records: deque = deque(maxlen=STEP_RECORDS_KEPT)
         self._deltas = DeltaDecoder()
         self._closed = False
         try:
@@ -367,6 +372,8 @@ class EngineClient:
                     self.stats = msg.stats
                 if msg.kv_loads:
                     self.kv_events.extend(msg.kv_loads)
+                if msg.steps:
+                    self.step_records.extend(msg.steps)
             if not isinstance(msg, m.Failed):
                 return msg
             if starting and msg.error_type == "ValueError":

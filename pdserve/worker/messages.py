@@ -16,8 +16,7 @@ from typing import Union
 
 import msgspec
 
-from ..disagg.kv_transfer import KVLoadDone, KVPair, KVPeer, KVSend
-from ..engine.llm_engine import AddRequest
+from ..protocol import AddRequest, KVLoadDone, KVPair, KVPeer, KVSend, StepRecord, WorkerStats
 from ..outputs import RequestOutput
 
 
@@ -55,17 +54,6 @@ class ReleaseKV(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
-class WorkerStats(msgspec.Struct):
-    """The worker's state after a step (for metrics and, later, load-aware routing)."""
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_used: int
-    num_kv_blocks: int
-    num_preemptions: int
-    kv_peers: int = 0   # P/D: peers this worker's connector has joined (or given up on)
-    kv_broken: int = 0  # P/D, two-sided: pairs among kv_peers that broke (or were dropped)
-
-
 class CheckIntegrity(msgspec.Struct, tag=True):
     """Run the engine's invariant checks (block pool, scheduler) between steps; answered by
     IntegrityReport."""
@@ -99,6 +87,7 @@ class Outputs(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
     stats: Union[WorkerStats, None] = None
     kv_loads: list[KVLoadDone] = []   # P/D consumer: pulls that ended this step
+    steps: list[StepRecord] = []      # the engine steps since the last Outputs
 
 
 class Drained(msgspec.Struct, tag=True):

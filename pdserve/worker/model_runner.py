@@ -18,7 +18,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
 from ..devices import on_device
-from ..disagg.kv_transfer import KVDrop
+from ..protocol import KVDrop
 from ..engine.scheduler import SchedulerOutput
 from ..layers.sampler import Sampler, SamplingBatch
 from .cuda_graph import CUDAGraphRunner
