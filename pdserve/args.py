@@ -18,12 +18,14 @@ from . import config as _config
 _RENAMED = {"kv_transfer_timeout": "kv_transfer_timeout_s"}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """EngineConfig's flags (exclude: flag names the caller defines itself, e.g. a benchmark's
+    --seed that seeds its workload and the engine alike)."""
+    g = _Group(p.add_argument_group("engine"), exclude)
     g.add_argument("--model", default=None,
                    help="HF folder, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--load-format", default="auto", choices=list(_config.LOAD_FORMATS))
-    g.add_argument("--dtype", default="auto")
+    g.add_argument("--dtype", default="auto", choices=["auto", *_config.DTYPES])
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
@@ -44,6 +46,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default="auto",
                    choices=list(_config.EXECUTOR_BACKENDS),
                    help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > 1)")
+
+
+class _Group:
+    """An argument group that leaves out the excluded flags."""
+
+    def __init__(self, group, exclude: tuple[str, ...]):
+        self.group, self.exclude = group, exclude
+
+    def add_argument(self, *flags, **kwargs) -> None:
+        if flags[0] not in self.exclude:
+            self.group.add_argument(*flags, **kwargs)
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:

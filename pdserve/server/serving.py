@@ -179,7 +179,8 @@ class OpenAIServing:
         completion = 0 if score_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
     def token_text(self, tid: int) -> str:
         tok = self.engine.tokenizer
