@@ -11,6 +11,9 @@ from .checks import check_int, check_number, is_int, is_number
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+EXECUTOR_BACKENDS = ("auto", "uni", "mp")
+KV_TRANSFER_MODES = ("sync", "async")
 # No kernel assumes a block size: paged attention gathers a block id per key (no power of two, no
 # multiple of its key tile; it compiles once per size) and the KV pull masks its boxes (its tests
 # use 3). The cap is a sanity bound: a block is the least KV a sequence holds, so a larger block
@@ -84,10 +87,10 @@ class EngineConfig:
         if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError("attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")
-        if self.distributed_executor_backend not in ("auto", "uni", "mp"):
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError("distributed_executor_backend must be auto, uni or mp, got "
                              f"{self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
@@ -96,7 +99,7 @@ class EngineConfig:
         if self.kv_connector is not None:
             from .disagg.connector import get_connector_class
             get_connector_class(self.kv_connector)
-        if self.kv_transfer_mode not in ("sync", "async"):
+        if self.kv_transfer_mode not in KV_TRANSFER_MODES:
             raise ValueError(f"kv_transfer_mode must be sync or async, got {self.kv_transfer_mode!r}")
         for name in ("kv_transfer_timeout_s", "kv_hold_timeout_s"):
             check_number(name, getattr(self, name))

@@ -47,6 +47,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # P/D producer (a kv_hold request): where its prompt KV waits for a consumer.
     kv_transfer: KVSource | None = None
+    # Prompt tokens whose KV was found cached instead of computed (the OpenAI usage's
+    # prompt_tokens_details.cached_tokens); 0 until a prefix cache finds some.
+    num_cached_tokens: int = 0
     # Set when the deployment, not the request, ended it (its worker died with it, the server
     # shut down): why. The outputs then finish with finish_reason "abort".
     error: str | None = None

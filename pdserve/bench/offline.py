@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..args import add_engine_args, engine_config
 from .common import CpuUsage, git_info, hardware_info, random_prompts, write_result
 
 MATCH_PREFIX = 16
@@ -50,21 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prompts-file", default=None,
                    help="text prompts, one per line (tokenized by pdserve's tokenizer, cycled "
                         "to --num-prompts); default: random token ids")
-    e = p.add_argument_group("engine")
-    e.add_argument("--model", default=None,
-                   help="HF folder, .gguf file or preset name (default: the embedded "
-                        "SmolLM2-135M-Instruct GGUF)")
-    e.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--enforce-eager", action="store_true")
-    e.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="no tokenizer (and no detokenization) in pdserve; implied for presets")
+    add_engine_args(p, exclude=("--seed",))  # --seed seeds the workload and the engine
+    e = p.add_argument_group("bench")
     e.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (both sides)")
     q = p.add_argument_group("peer")
     q.add_argument("--peer", default="hf", choices=["hf", "hf-cb", "none"],
@@ -292,19 +281,10 @@ def run(args) -> dict[str, Any]:
     device = torch.device(args.device)
     source = resolve_source(args.model)
     skip_tok = args.skip_tokenizer_init or source.kind == "preset"
-    engine_args: dict[str, Any] = dict(
-        load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        skip_tokenizer_init=skip_tok, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager)
-    if args.kv_cache_memory_gb is not None:
-        engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
-    if args.num_kv_blocks is not None:
-        engine_args["num_kv_blocks"] = args.num_kv_blocks
-
+    config = dataclasses.replace(engine_config(args), skip_tokenizer_init=skip_tok)
     _log(f"loading pdserve ({source.kind}: {source.path or args.model})")
     t0 = time.perf_counter()
-    llm = LLM(args.model, **engine_args)
+    llm = LLM(**dataclasses.asdict(config))
     pd_load_s = time.perf_counter() - t0
     dtype = llm.llm_engine.config.torch_dtype
     vocab = llm.llm_engine.model_config.vocab_size

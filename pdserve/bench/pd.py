@@ -84,13 +84,15 @@ def _one(router, rid: str, prompt: list[int], sp) -> dict[str, float]:
 def measure(model: str, prompt_lens: list[int], reps: int, mode: str, gpu_util: float,
             seed: int, connector: str = "shared") -> dict[str, Any]:
     from .. import SamplingParams
+    from ..args import DeploymentArgs
     from ..config import EngineConfig
-    from ..disagg.router import CollocatedPolicy, DisaggPolicy, Router, plan_workers
+    from ..deploy import build
+    from ..disagg.router import CollocatedPolicy, DisaggPolicy
     base = EngineConfig(model=model, load_format="dummy", skip_tokenizer_init=True,
                         device="cuda", gpu_memory_utilization=gpu_util, kv_transfer_mode=mode,
                         max_num_batched_tokens=max(8192, max(prompt_lens)))
-    router = Router(plan_workers(base, prefill=1, decode=1, kv_connector=connector),
-                    DisaggPolicy())
+    router = build(base, DeploymentArgs(prefill=1, decode=1, routing_policy="disagg",
+                                        kv_connector=connector))
     rows = []
     try:
         vocab = router.info.vocab_size

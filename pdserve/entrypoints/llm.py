@@ -1,6 +1,7 @@
 """LLM: the offline batch API (vLLM-compatible shapes) over LLMEngine."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any, Sequence
@@ -8,16 +9,15 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
-from ..engine.llm_engine import LLMEngine
+from ..args import DeploymentArgs
+from ..deploy import build
 from ..protocol import AddRequest, Prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
 
-# Several workers behind a router (P/D disaggregation): how many of each role, their TP sizes
-# (default tensor_parallel_size) and the routing policy (pdserve/disagg/router.py).
-_DEPLOYMENT_ARGS = ("prefill", "decode", "collocated", "prefill_tp", "decode_tp", "collocated_tp",
-                    "routing_policy", "worker_restarts", "restart_backoff_s")
+# LLM(...) keyword arguments that describe a deployment (several workers behind a router)
+_DEPLOYMENT_ARGS = {f.name for f in dataclasses.fields(DeploymentArgs)} - {"kv_connector"}
 
 
 class LLM:
@@ -40,21 +40,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
         config = EngineConfig(model=model, **engine_args)
-        if deploy:
-            from ..disagg.router import RestartPolicy, Router, plan_workers
-            policy = deploy.pop("routing_policy", None)
-            restart = RestartPolicy(**{k: v for k, v in (
-                ("max_restarts", deploy.pop("worker_restarts", None)),
-                ("backoff_s", deploy.pop("restart_backoff_s", None))) if v is not None})
-            specs = plan_workers(config, kv_connector=config.kv_connector or "shared", **deploy)
-            disagg = any(s.role == "prefill" for s in specs)
-            self.llm_engine = Router(specs, policy or ("disagg" if disagg else "collocated"),
-                                     restart=restart)
-        elif config.executor_backend == "mp":
-            from ..worker.client import EngineClient
-            self.llm_engine = EngineClient(config)
-        else:
-            self.llm_engine = LLMEngine(config)
+        self.llm_engine = build(config, DeploymentArgs(**deploy) if deploy else None)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -1,0 +1,129 @@
+"""Command-line arguments shared by `pdserve generate / chat / serve` and the benchmarks: the
+engine's (EngineConfig fields) and the deployment's (how many workers of each role behind a
+router). The choices offered come from where each value is validated (EngineConfig's tuples,
+the routing-policy registry), so a new backend or policy appears here without an edit.
+
+    parser ──add_engine_args / add_deployment_args──> argparse.Namespace
+           ──engine_config(ns)──> EngineConfig        ──deployment_args(ns)──> DeploymentArgs
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from . import config as _config
+
+# flag destinations whose EngineConfig field has another name
+_RENAMED = {"kv_transfer_timeout": "kv_transfer_timeout_s"}
+
+
+def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """EngineConfig's flags (exclude: flag names the caller defines itself, e.g. a benchmark's
+    --seed that seeds its workload and the engine alike)."""
+    g = _Group(p.add_argument_group("engine"), exclude)
+    g.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--load-format", default="auto", choices=list(_config.LOAD_FORMATS))
+    g.add_argument("--dtype", default="auto", choices=["auto", *_config.DTYPES])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS))
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer (token-id prompts only; for dummy presets)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="CUDA TP: NCCL for every all-reduce (no one-shot P2P all-reduce)")
+    g.add_argument("--distributed-executor-backend", default="auto",
+                   choices=list(_config.EXECUTOR_BACKENDS),
+                   help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > 1)")
+
+
+class _Group:
+    """An argument group that leaves out the excluded flags."""
+
+    def __init__(self, group, exclude: tuple[str, ...]):
+        self.group, self.exclude = group, exclude
+
+    def add_argument(self, *flags, **kwargs) -> None:
+        if flags[0] not in self.exclude:
+            self.group.add_argument(*flags, **kwargs)
+
+
+def add_deployment_args(p: argparse.ArgumentParser) -> None:
+    from .disagg.router import POLICIES
+    g = p.add_argument_group("P/D disaggregation (several workers behind a router)")
+    g.add_argument("--prefill", type=int, default=0, help="prefill workers")
+    g.add_argument("--decode", type=int, default=0, help="decode workers")
+    g.add_argument("--collocated", type=int, default=0, help="collocated workers")
+    g.add_argument("--prefill-tp", type=int, default=None, help="TP of each prefill worker (default -tp)")
+    g.add_argument("--decode-tp", type=int, default=None, help="TP of each decode worker (default -tp)")
+    g.add_argument("--collocated-tp", type=int, default=None,
+                   help="TP of each collocated worker (default -tp)")
+    g.add_argument("--routing-policy", default=None, choices=list(POLICIES),
+                   help="default: disagg with prefill workers, else collocated")
+    g.add_argument("--kv-connector", default="shared",
+                   help="how KV moves: shared (CUDA IPC peer reads, or a pinned host relay "
+                        "without peer access; a shared file on CPU), relay, nccl, torch-dist (CPU)")
+    g.add_argument("--kv-transfer-mode", default="async", choices=list(_config.KV_TRANSFER_MODES),
+                   help="sync: a decode worker pulls inside its step; async: beside its steps")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds before a pull is given up and the prompt recomputed")
+    g.add_argument("--worker-restarts", type=int, default=3,
+                   help="restarts in a row of a worker that dies (0: none); serve restarts a "
+                        "single worker too")
+    g.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart of a dead worker (doubling per attempt)")
+
+
+def engine_config(ns: argparse.Namespace) -> "_config.EngineConfig":
+    """The EngineConfig of the engine flags in ns (the others are ignored). kv_connector is a
+    deployment choice (the router sets it on its prefill and decode workers), not taken here."""
+    names = {f.name for f in dataclasses.fields(_config.EngineConfig)} - {"kv_connector"}
+    values = {_RENAMED.get(k, k): v for k, v in vars(ns).items()}
+    return _config.EngineConfig(**{k: v for k, v in values.items() if k in names})
+
+
+@dataclass(frozen=True)
+class DeploymentArgs:
+    """Workers behind a router: how many of each role, their TP sizes (None: the engine's
+    tensor_parallel_size), the routing policy (None: "disagg" with prefill workers, else
+    "collocated"), the KV connector of prefill and decode workers (None: the engine config's,
+    else "shared") and how dead workers are restarted. With no worker counted, one collocated
+    worker. Validated where it is used (plan_workers, RestartPolicy, EngineConfig)."""
+    prefill: int = 0
+    decode: int = 0
+    collocated: int = 0
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
+    collocated_tp: int | None = None
+    routing_policy: str | None = None
+    kv_connector: str | None = None
+    worker_restarts: int = 3
+    restart_backoff_s: float = 1.0
+
+    @property
+    def policy(self) -> str:
+        return self.routing_policy or ("disagg" if self.prefill else "collocated")
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """(prefill, decode, collocated) workers to start."""
+        if self.prefill + self.decode + self.collocated == 0:
+            return 0, 0, 1
+        return self.prefill, self.decode, self.collocated
+
+
+def deployment_args(ns: argparse.Namespace) -> DeploymentArgs:
+    return DeploymentArgs(ns.prefill, ns.decode, ns.collocated, ns.prefill_tp, ns.decode_tp,
+                          ns.collocated_tp, ns.routing_policy, ns.kv_connector,
+                          ns.worker_restarts, ns.restart_backoff)

@@ -1,0 +1,101 @@
+"""HTTP plumbing of the server: OpenAI error bodies, server-sent events, the body-size limit
+and the options that protect the server and its clients (ServeOptions)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ..checks import check_int, check_number
+
+_json = msgspec.json.Encoder()
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying obj as JSON."""
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def error_response(status: int, message: str, param: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "not_found_error",
+            413: "invalid_request_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def error_event(message: str, code: int = 503) -> bytes:
+    return sse({"error": {"message": message, "type": "server_error", "param": None,
+                           "code": code}}) + b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the HTTP front protects itself and its clients (the `pdserve serve` flags)."""
+    max_request_bytes: int = 32 * 2 ** 20  # a larger body is a 413 before it is parsed
+    max_queued_requests: int | None = None  # waiting for a first token; beyond: 503
+    shutdown_timeout_s: float = 120.0    # SIGTERM: streams get this long to finish
+    keepalive_s: float = 10.0            # an SSE comment after this long without an event
+    tokenizer_threads: int = 4           # tokenization and chat templates run there
+
+    def __post_init__(self):
+        for name in ("max_request_bytes", "tokenizer_threads"):
+            check_int(name, getattr(self, name))
+        check_int("max_queued_requests", self.max_queued_requests, minimum=0, allow_none=True)
+        for name in ("shutdown_timeout_s", "keepalive_s"):
+            check_number(name, getattr(self, name))
+
+
+class Busy(Exception):
+    """Too many requests are waiting for their first token (503 with Retry-After)."""
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def too_large(limit: int) -> JSONResponse:
+    return error_response(413, f"the request body is larger than the server's limit of {limit} bytes "
+                       "(--max-request-bytes)")
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for e in exc.errors()[:5]:
+        if e.get("type") == "json_invalid":
+            return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})"
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413, told by its Content-Length
+    before a byte of it is read, or (chunked) once the bytes read pass the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._reject(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge()
+            return msg
+
+        await self.app(scope, counted, send)
+
+    async def _reject(self, scope, receive, send):
+        await too_large(self.limit)(scope, receive, send)

@@ -1,0 +1,505 @@
+"""The OpenAI endpoints' work behind the routes: admission (all-or-none, the queue limit),
+tokenization off the event loop, completions and chat responses, streaming with keep-alives."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from ..outputs import RequestOutput
+from ..protocol import AddRequest
+from ..worker.client import EngineDeadError
+from .async_engine import AsyncEngine, RequestStream
+from .http import Busy, ServeOptions, error_event, sse
+from .metrics import Metrics, RequestTimer
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+_ids = itertools.count()
+
+# A text with more characters than this many per token of the context is judged from its head
+# first (tokenizing a whole 10 MB prompt takes seconds, only to reject it); and the head's count
+# may exceed the whole text's by a few tokens cut at its end.
+_HEAD_CHARS_PER_TOKEN = 16
+_HEAD_MARGIN = 16
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, options: ServeOptions):
+        self.engine = engine
+        self.model_name = model_name
+        self.options = options
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.pool = ThreadPoolExecutor(options.tokenizer_threads,
+                                       thread_name_prefix="pdserve-tokenize")
+        self.waiting: set[RequestStream] = set()  # admitted, no output yet
+        self.draining = False   # a shutdown has begun
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ValueError(f"model {name!r} is not served here (this server has "
+                             f"{self.model_name!r})")
+
+    def tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise ValueError("this server has no tokenizer (started with skip_tokenizer_init)")
+        return self.engine.tokenizer
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer threads. Whatever it raises is the request's fault (a
+        ValueError: a 400), named, never the server's."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template's or a tokenizer's error on input
+            raise ValueError(f"the request cannot be tokenized: {type(e).__name__}: {e}") from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (runs on the tokenizer threads); ValueError when it cannot fit
+        the context, judged from its head when it is far longer than the context holds."""
+        tok = self.tokenizer()
+        limit = self.engine.max_model_len
+        head = _HEAD_CHARS_PER_TOKEN * limit
+        if len(text) > head:
+            n = len(tok.encode(text[:head], add_special_tokens))
+            if n > limit + _HEAD_MARGIN:
+                raise ValueError(f"the prompt has more than {n - _HEAD_MARGIN} tokens (counted in "
+                                 f"its first {head} of {len(text)} characters); max_model_len "
+                                 f"is {limit}")
+        return tok.encode(text, add_special_tokens)
+
+    def check_length(self, num_prompt: int, max_tokens: int) -> None:
+        limit = self.engine.max_model_len
+        if num_prompt >= limit:
+            raise ValueError(f"the prompt has {num_prompt} tokens; max_model_len is {limit} "
+                             "(room for at least one generated token is needed)")
+        if num_prompt + max_tokens > limit:
+            raise ValueError(f"max_tokens {max_tokens} is more than the context leaves: the "
+                             f"prompt has {num_prompt} tokens and max_model_len is {limit}, so "
+                             f"at most {limit - num_prompt} can be generated")
+
+    async def admit(self, reqs: list[AddRequest]) -> list[RequestStream]:
+        """Admits every engine request of one HTTP request, or none: the first rejection is
+        raised (ValueError: 400; EngineDeadError: 503) and the admitted ones are aborted.
+        Each admitted stream counts as waiting until its first output or its close()."""
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
+        limit = self.options.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise Busy(f"{len(self.waiting)} requests are waiting for their first token "
+                        f"(--max-queued-requests {limit}); retry later")
+        got = await asyncio.gather(*(self.engine.add(r) for r in reqs), return_exceptions=True)
+        streams = [g for g in got if isinstance(g, RequestStream)]
+        self.waiting.update(streams)
+        error = next((g for g in got if isinstance(g, BaseException)), None)
+        if error is not None:
+            await self.close(streams)
+            raise error
+        return streams
+
+    async def close(self, streams: list[RequestStream]) -> None:
+        """Idempotent: aborts the streams' requests unless they finished."""
+        for st in streams:
+            self.waiting.discard(st)
+            await st.aclose()
+
+    async def outputs(self, stream: RequestStream) -> AsyncIterator[list[RequestOutput]]:
+        """An admitted request's output batches, timed for the metrics; leaving early aborts
+        the request."""
+        timer = RequestTimer(self.metrics)
+        try:
+            async for batch in stream:
+                self.waiting.discard(stream)
+                for out in batch:
+                    timer.on_output(out)
+                self.metrics.update_stats(self.engine.stats)
+                yield batch
+        except (ValueError, GeneratorExit, asyncio.CancelledError):
+            raise
+        except BaseException:
+            self.metrics.failed.inc()
+            raise
+        finally:
+            await self.close([stream])
+
+    async def merged(self, gens: list[AsyncIterator[list[RequestOutput]]]
+                     ) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+        """(index of the generator, batch of outputs) from several requests as they come."""
+        if len(gens) == 1:
+            try:
+                async for out in gens[0]:
+                    yield 0, out
+            finally:
+                await gens[0].aclose()
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i, gen):
+            try:
+                async for out in gen:
+                    await q.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - hand it to the consumer
+                await q.put((i, e))
+            finally:
+                await q.put((i, done))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            left = len(gens)
+            while left:
+                i, item = await q.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                with contextlib.suppress(BaseException):
+                    await g.aclose()
+
+    def usage(self, finals: list[RequestOutput], score_only: bool = False) -> dict:
+        """score_only: the one token generated to score a prompt (max_tokens 0) is not counted."""
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = 0 if score_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(o.num_cached_tokens for o in finals)}}
+
+    def token_text(self, tid: int) -> str:
+        tok = self.engine.tokenizer
+        return str(tid) if tok is None else tok.decode([tid], False)
+
+    # ---- completions ---------------------------------------------------------------------------
+    async def completion_prompts(self, req: CompletionRequest) -> list[dict]:
+        """Each prompt as {"prompt_token_ids", and "prompt" for a text}: texts are tokenized
+        off the event loop."""
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [{"prompt_token_ids": list(p)}]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = list(p)
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [{"prompt_token_ids": x} for x in p]
+        else:
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of token-id lists, and not empty")
+        if any(isinstance(x, str) and not x for x in prompts):
+            raise ValueError("prompt is empty")
+        texts = [x for x in prompts if isinstance(x, str)]
+        if texts:
+            self.tokenizer()  # (a clear error first when there is none)
+            ids = iter(await asyncio.gather(*(self.off_loop(self.encode, t) for t in texts)))
+            prompts = [{"prompt": x, "prompt_token_ids": next(ids)} if isinstance(x, str) else x
+                       for x in prompts]
+        return prompts
+
+    def completion_logprobs(self, token_ids: list[int], entries: list, start_offset: int,
+                            k: int, first_is_none: bool = False) -> dict:
+        """The legacy completions logprobs object; with first_is_none (echoed prompt) the first
+        token has no logprob."""
+        tokens, lps, tops, offsets = [], [], [], []
+        off = start_offset
+        for j, tid in enumerate(token_ids):
+            text = self.token_text(tid)
+            entry = entries[j] if j < len(entries) else None
+            tokens.append(text)
+            if entry is None:
+                lps.append(None)
+                tops.append(None)
+            else:
+                lps.append(entry[tid].logprob if tid in entry else None)
+                ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
+                tops.append({self.token_text(t): lp.logprob for t, lp in ranked})
+            offsets.append(off)
+            off += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ValueError("best_of other than n is not supported")
+        prompt_lp = req.echo and req.logprobs is not None
+        # max_tokens 0 scores the prompt only (echo): one token is generated and dropped
+        score_only = req.echo and req.max_tokens == 0
+        if req.max_tokens is None or (req.max_tokens < 1 and not score_only):
+            raise ValueError(f"max_tokens must be at least 1 (0 only with echo), got {req.max_tokens}")
+        params = req.sampling_params(1 if score_only else req.max_tokens, req.logprobs)
+        if prompt_lp:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        prompts = await self.completion_prompts(req)
+        for prompt in prompts:
+            self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
+        cid = f"cmpl-{next(_ids)}"
+        streams = await self.admit([AddRequest(f"{cid}-{i}", p, params)
+                                    for i, p in enumerate(prompts)])
+        n = params.n
+        if req.stream:
+            offsets: dict = {}
+            return self.stream(
+                streams, lambda i, out: self.completion_chunks(cid, req, n, i, out, offsets, score_only),
+                cid, "text_completion", req, score_only=score_only)
+        finals = await self.collect(streams, raw)
+        choices = []
+        tok = self.engine.tokenizer
+        for i, out in enumerate(finals):
+            prefix = ""
+            if req.echo:
+                prefix = out.prompt if out.prompt is not None else (
+                    tok.decode(out.prompt_token_ids) if tok is not None else "")
+            for c in out.outputs:
+                gen_ids, gen_lp, text = c.token_ids, c.logprobs or [], c.text
+                if score_only:
+                    gen_ids, gen_lp, text = [], [], ""
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self.completion_logprobs(gen_ids, gen_lp, len(prefix), req.logprobs)
+                    if prompt_lp:
+                        head = self.completion_logprobs(out.prompt_token_ids,
+                                                        out.prompt_logprobs or [], 0, req.logprobs)
+                        logprobs = {key: head[key] + logprobs[key] for key in logprobs}
+                choices.append({"index": i * n + c.index, "text": prefix + text,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        return {"id": cid, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": self.usage(finals, score_only)}
+
+    def completion_chunks(self, cid: str, req: CompletionRequest, n: int, i: int,
+                          out: RequestOutput, offsets: dict, score_only: bool) -> list[dict]:
+        """Stream chunks of one engine step. The first chunk of an echoed choice carries the
+        prompt (and, with logprobs, the prompt's logprobs, the first null); text_offset counts
+        from the start of the choice's whole text (offsets: characters sent so far per choice)."""
+        chunks = []
+        k = req.logprobs
+        for c in out.outputs:
+            if not c.new_token_ids and not c.finished:
+                continue
+            key = (i, c.index)
+            first = key not in offsets
+            text, lp = "", None
+            if req.echo and first:
+                tok = self.engine.tokenizer
+                text = out.prompt if out.prompt is not None else (
+                    tok.decode(out.prompt_token_ids) if tok is not None else "")
+                if k is not None:
+                    lp = self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [],
+                                                  0, k)
+            if not score_only:
+                if k is not None:
+                    new = len(c.new_token_ids)
+                    entries = (c.logprobs or [])[len(c.logprobs or []) - new:] if new else []
+                    part = self.completion_logprobs(c.new_token_ids, entries,
+                                                    offsets.get(key, 0) + len(text), k)
+                    lp = part if lp is None else {f: lp[f] + part[f] for f in lp}
+                text += c.new_text
+            offsets[key] = offsets.get(key, 0) + len(text)
+            if score_only and not first and not c.finished:
+                continue  # the scoring run's one generated token is not shown
+            # otherwise a chunk per step with new tokens, even with no text (no tokenizer, or
+            # an incomplete UTF-8 sequence): clients count chunks as token arrivals
+            chunks.append({"id": cid, "object": "text_completion", "created": int(time.time()),
+                           "model": self.model_name,
+                           "choices": [{"index": i * n + c.index, "text": text, "logprobs": lp,
+                                        "finish_reason": c.finish_reason,
+                                        "stop_reason": c.stop_reason}]})
+        return chunks
+
+    # ---- chat ----------------------------------------------------------------------------------
+    @staticmethod
+    def chat_messages(messages) -> list[dict]:
+        out = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: the text ones
+                content = "".join(p.get("text", "") for p in content
+                                  if isinstance(p, dict) and p.get("type") == "text")
+            out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        return out
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The rendered chat's token ids (on the tokenizer threads): the template writes BOS
+        where the model wants it."""
+        text = self.tokenizer().apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    def chat_logprobs(self, c, token_ids: list[int], entries: list, k: int) -> dict:
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            text = self.token_text(tid)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
+            content.append({
+                "token": text, "logprob": entry[tid].logprob if tid in entry else None,
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.token_text(t), "logprob": lp.logprob,
+                                  "bytes": list(self.token_text(t).encode())} for t, lp in ranked]})
+        return {"content": content}
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
+        self.tokenizer()
+        ids = await self.off_loop(self.chat_ids, self.chat_messages(req.messages),
+                                  req.add_generation_prompt)
+        if max_tokens is None:
+            max_tokens = max(1, self.engine.max_model_len - len(ids))
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.check_length(len(ids), max_tokens)
+        k = req.top_logprobs or 0
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        params = req.sampling_params(max_tokens, k if req.logprobs else None)
+        cid = f"chatcmpl-{next(_ids)}"
+        streams = await self.admit([AddRequest(cid, {"prompt_token_ids": ids}, params)])
+        if req.stream:
+            return self.stream(streams, lambda i, out: self.chat_chunks(cid, req, out),
+                               cid, "chat.completion.chunk", req,
+                               first=self.chat_role_chunks(cid, params.n))
+        (out,) = await self.collect(streams, raw)
+        choices = [{"index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": (self.chat_logprobs(c, c.token_ids, c.logprobs or [], k)
+                                 if req.logprobs else None),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in out.outputs]
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": self.usage([out])}
+
+    def chat_role_chunks(self, cid: str, n: int) -> list[dict]:
+        return [{"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+                 "model": self.model_name,
+                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]} for i in range(n)]
+
+    def chat_chunks(self, cid: str, req: ChatCompletionRequest, out: RequestOutput) -> list[dict]:
+        chunks = []
+        for c in out.outputs:
+            if not c.new_token_ids and not c.finished:
+                continue
+            lp = None
+            if req.logprobs:
+                k = len(c.new_token_ids)
+                lp = self.chat_logprobs(c, c.new_token_ids, (c.logprobs or [])[-k:] if k else [],
+                                        req.top_logprobs or 0)
+            chunks.append({"id": cid, "object": "chat.completion.chunk",
+                           "created": int(time.time()), "model": self.model_name,
+                           "choices": [{"index": c.index, "delta": {"content": c.new_text},
+                                        "logprobs": lp, "finish_reason": c.finish_reason}]})
+        return chunks
+
+    # ---- running requests ----------------------------------------------------------------------
+    async def collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+        """Final outputs of every request; aborts them all if the client hangs up first."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def consume():
+            async for i, batch in self.merged([self.outputs(st) for st in streams]):
+                if batch[-1].finished:
+                    finals[i] = batch[-1]
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise asyncio.CancelledError("client disconnected")
+            task.result()  # re-raise ValueError / EngineDeadError
+        finally:
+            if not task.done():
+                task.cancel()
+            await self.close(streams)
+        return finals  # type: ignore[return-value]
+
+    def stream(self, streams: list[RequestStream], to_chunks, cid: str, obj: str, req,
+               first: list | None = None, score_only: bool = False) -> StreamingResponse:
+        """The SSE response of admitted requests: headers and a comment at once, a comment
+        after every keepalive_s without an event, and a terminal event whatever happens (the
+        outputs' end, an error event + [DONE] when the deployment ends the requests)."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        keepalive = self.options.keepalive_s
+
+        async def body():
+            # One write per batch of outputs (every event of every step that arrived since the
+            # last write), each event encoded by msgspec: per-event cost is what caps a stream
+            # server's tokens/s.
+            finals = {}
+            it = self.merged([self.outputs(st) for st in streams]).__aiter__()
+            nxt: asyncio.Future | None = None
+            try:
+                yield b": admitted\n\n" + b"".join(sse(ch) for ch in first or ())
+                while True:
+                    nxt = asyncio.ensure_future(it.__anext__())
+                    while not (await asyncio.wait({nxt}, timeout=keepalive))[0]:
+                        yield b": keep-alive\n\n"
+                    try:
+                        i, batch = nxt.result()
+                    except StopAsyncIteration:
+                        break
+                    if batch[-1].finished:
+                        finals[i] = batch[-1]
+                    data = b"".join(sse(ch) for out in batch for ch in to_chunks(i, out))
+                    if data:
+                        yield data
+                tail = b""
+                if include_usage:
+                    tail = sse({"id": cid, "object": obj, "created": int(time.time()),
+                                 "model": self.model_name, "choices": [],
+                                 "usage": self.usage(list(finals.values()), score_only)})
+                yield tail + b"data: [DONE]\n\n"
+            except ValueError as e:
+                yield error_event(str(e), 400)
+            except EngineDeadError as e:
+                yield error_event(str(e), 503)
+            except Exception as e:  # noqa: BLE001 - a stream always ends with a terminal event
+                yield error_event(f"internal error: {type(e).__name__}: {e}", 500)
+            finally:
+                if nxt is not None and not nxt.done():
+                    nxt.cancel()
+                await it.aclose()
+                await self.close(streams)
+
+        # (the background task also runs when the client left before the body started)
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 background=BackgroundTask(self.close, streams))
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """The first SIGTERM/SIGINT (on the event loop): no new requests; the ones in flight
+        have shutdown_timeout_s to finish, then end with an error (see end_in_flight)."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(self.options.shutdown_timeout_s, self.end_in_flight)
+
+    def end_in_flight(self) -> None:
+        n = self.engine.end_all(f"the server is shutting down: the drain timeout "
+                                f"({self.options.shutdown_timeout_s:g} s) has passed")
+        if n:
+            print(f"pdserve: ended {n} request(s) still running at the drain deadline",
+                  file=sys.stderr, flush=True)
