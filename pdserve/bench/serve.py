@@ -1,12 +1,12 @@
 """`pdserve bench serve`: latency and throughput of an OpenAI-compatible HTTP endpoint (pdserve
 serve, vLLM, ...) under a stream of requests, measured from the client.
 
-Requests (from a dataset: random token ids, ShareGPT, prefix repetition; see pdserve.perf.workload) are
-sent as streaming `/v1/completions` (or `/v1/chat/completions`) calls with max_tokens = the
-dataset's output length, ignore_eos, temperature 0, and usage in the last chunk. Their send times
-follow a Poisson process at --request-rate (gamma inter-arrival times with shape --burstiness and
-mean 1/rate; `inf` sends them all at once), at most --max-concurrency in flight. Several rates
-make a sweep, run one after the other on the same requests.
+Requests (from a dataset: random token ids, ShareGPT, prefix repetition; see
+pdserve.perf.workload) are sent as streaming `/v1/completions` (or `/v1/chat/completions`) calls
+with max_tokens = the dataset's output length, ignore_eos, temperature 0, and usage in the last
+chunk. Their send times follow a Poisson process at --request-rate (gamma inter-arrival times with
+shape --burstiness and mean 1/rate; `inf` sends them all at once), at most --max-concurrency in
+flight. Several rates make a sweep, run one after the other on the same requests.
 
 Per request, from the client's clock: TTFT = first content chunk - send; ITL = the gaps between
 content chunks (a chunk with non-empty choices; for chat, one with delta content, not the role

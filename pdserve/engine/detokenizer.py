@@ -32,7 +32,8 @@ class IncrementalDetokenizer:
             start = max(0, len(self.text) - self._held)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            found = [(j, i) for i, s in enumerate(self.stop) if (j := self.text.find(s, start)) >= 0]
+            found = [(j, i) for i, s in enumerate(self.stop)
+                     if (j := self.text.find(s, start)) >= 0]
             if found:
                 j, i = min(found)
                 self.text = self.text[:j]
