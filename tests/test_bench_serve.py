@@ -2,8 +2,8 @@
 Starlette app under uvicorn in a subprocess): the measured TTFT, ITL, TPOT and e2e
 latency match the delays, throughput matches the concurrency limit and the Poisson schedule,
 goodput counts only requests within the SLOs, HTTP 500s and error chunks are failures with
-their text, the arrival generator has the gamma moments, each dataset has the lengths asked for,
-and main() writes vLLM's field names."""
+their text, and main() writes vLLM's field names. The arithmetic alone (metrics, arrivals,
+datasets): test_perf.py."""
 import asyncio
 import importlib.util
 import json
@@ -22,7 +22,9 @@ pytest.importorskip("starlette")
 
 from pdserve.bench import datasets as ds  # noqa: E402
 from pdserve.bench import serve as bs  # noqa: E402
-from pdserve.bench.datasets import SampleRequest  # noqa: E402
+from pdserve.perf import slo, workload as wl  # noqa: E402
+from pdserve.perf.metrics import compute_metrics  # noqa: E402
+from pdserve.perf.workload import SampleRequest  # noqa: E402
 
 TTFT_MS = 100.0    # the synthetic server's default first-chunk delay
 ITL_MS = 20.0      # and gap between chunks
@@ -182,7 +184,7 @@ def _reqs(words: list[str], out_len: int) -> list[SampleRequest]:
 def test_latencies_match_the_server_delays(server):
     n_out, n = 6, 4  # two at a time: little queueing in the client or the server
     results, duration = _run(bs.Target(server), _reqs(["normal"] * n, n_out), max_concurrency=2)
-    m = bs.compute_metrics(results, duration)
+    m = compute_metrics(results, duration)
     assert m["completed"] == n and m["failed"] == 0 and m["errors"] == [""] * n
     assert m["output_lens"] == [n_out] * n and m["total_output_tokens"] == n * n_out
     assert m["input_lens"] == [3] * n  # the server's usage.prompt_tokens
@@ -219,7 +221,7 @@ def test_output_tokens_from_usage_else_chunks(server):
 def test_max_concurrency_one_serializes_requests(server):
     t = bs.Target(server, extra_body={"ttft_ms": 50, "itl_ms": 10})
     results, duration = _run(t, _reqs(["normal"] * 5, 4), max_concurrency=1)
-    m = bs.compute_metrics(results, duration)
+    m = compute_metrics(results, duration)
     assert m["completed"] == 5
     for a, b in zip(results, results[1:]):  # each starts after the one before has finished
         assert b.start >= a.start + a.latency
@@ -234,7 +236,7 @@ def test_send_times_follow_the_poisson_schedule(server):
     rate, n, seed = 20.0, 30, 3
     t = bs.Target(server, extra_body={"ttft_ms": 10, "itl_ms": 5})
     results, duration = _run(t, _reqs(["normal"] * n, 2), rate, seed=seed)
-    want = bs.arrival_times(n, rate, 1.0, seed)
+    want = wl.arrival_times(n, rate, 1.0, seed)
     got = np.array([r.start for r in results])
     assert np.all(got >= want - 1e-3) and np.all(got <= want + TOL_MS / 1e3), got - want
     assert all(r.success for r in results)
@@ -242,7 +244,7 @@ def test_send_times_follow_the_poisson_schedule(server):
     assert duration == pytest.approx(max(r.start + r.latency for r in results), abs=TOL_MS / 1e3)
     assert duration >= want[-1] + last.latency
     # throughput is the schedule's: n requests over the span of the arrivals (plus the last one)
-    assert bs.compute_metrics(results, duration)["request_throughput"] == pytest.approx(
+    assert compute_metrics(results, duration)["request_throughput"] == pytest.approx(
         n / (want[-1] + 0.015), rel=0.05)
 
 
@@ -255,22 +257,22 @@ def test_goodput_counts_only_requests_within_every_slo(server):
              ({"e2el": 250}, 4), ({"e2el": 320}, 7), ({"ttft": 1000, "tpot": 1000}, 10),
              ({"ttft": 50}, 0)]
     for slos, good in cases:
-        m = bs.compute_metrics(results, duration, goodput=slos)
+        m = compute_metrics(results, duration, goodput=slos)
         assert m["num_good_requests"] == good, slos
         assert m["request_goodput"] == pytest.approx(good / duration)
-        assert [bs.meets_slos(r, slos) for r in results][:4] == [good > 0] * 4
-    assert "request_goodput" not in bs.compute_metrics(results, duration)
-    assert bs.parse_goodput(["ttft:200", "TPOT:50.5", "e2el:1000"]) == {
+        assert [slo.meets_slos(r, slos) for r in results][:4] == [good > 0] * 4
+    assert "request_goodput" not in compute_metrics(results, duration)
+    assert slo.parse_goodput(["ttft:200", "TPOT:50.5", "e2el:1000"]) == {
         "ttft": 200.0, "tpot": 50.5, "e2el": 1000.0}
     for bad in (["ttft"], ["itl:5"], ["ttft:abc"], ["ttft:-1"]):
         with pytest.raises(ValueError):
-            bs.parse_goodput(bad)
+            slo.parse_goodput(bad)
 
 
 def test_failed_requests_are_counted_with_their_errors(server):
     words = ["ok", "fail", "ok", "midfail", "fail", "ok"]
     results, duration = _run(bs.Target(server), _reqs(words, 5))
-    m = bs.compute_metrics(results, duration)
+    m = compute_metrics(results, duration)
     assert m["completed"] == 3 and m["failed"] == 3
     errs = m["errors"]
     assert errs[0] == errs[2] == errs[5] == ""
@@ -278,142 +280,6 @@ def test_failed_requests_are_counted_with_their_errors(server):
     assert errs[3] == "error in stream: engine died"
     assert m["ttfts"][1] is None and m["itls"][1] == [] and m["output_lens"][3] == 0
     assert m["total_output_tokens"] == 15 and m["request_throughput"] == pytest.approx(3 / duration)
-
-
-# ---- metrics arithmetic ------------------------------------------------------------------------
-def test_compute_metrics_exact_numbers():
-    rs = []
-    for i, (ttft, lat, n) in enumerate([(0.1, 1.0, 10), (0.2, 0.5, 4), (0.3, 0.3, 1), (0.4, 2.0, 5)]):
-        r = bs.RequestResult(7, n, success=True, output_len=n, ttft=ttft, latency=lat,
-                             itl=[(lat - ttft) / max(1, n - 1)] * (n - 1), start=i)
-        rs.append(r)
-    rs.append(bs.RequestResult(9, 3, error="HTTP 503: busy"))
-    m = bs.compute_metrics(rs, 4.0, percentiles=[50, 99.9], goodput={"tpot": 150})
-    assert (m["completed"], m["failed"], m["total_input_tokens"], m["total_output_tokens"]) == \
-        (4, 1, 28, 20)
-    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 5.0
-    assert m["total_token_throughput"] == 12.0
-    assert m["mean_ttft_ms"] == pytest.approx(250) and m["median_ttft_ms"] == pytest.approx(250)
-    assert m["std_ttft_ms"] == pytest.approx(np.std([100, 200, 300, 400]))
-    assert m["p50_ttft_ms"] == pytest.approx(250)
-    assert m["p99.9_ttft_ms"] == pytest.approx(np.percentile([100, 200, 300, 400], 99.9))
-    assert "p99_ttft_ms" not in m and "p90_ttft_ms" not in m
-    # TPOT: (1.0-0.1)/9 = 0.1, (0.5-0.2)/3 = 0.1, none for one token, (2.0-0.4)/4 = 0.4
-    assert m["tpots"][2] is None and m["tpots"][4] is None
-    assert [m["tpots"][i] for i in (0, 1, 3)] == pytest.approx([0.1, 0.1, 0.4])
-    assert m["mean_tpot_ms"] == pytest.approx(200)
-    assert m["num_good_requests"] == 3  # the one-token request has no TPOT: within the SLO
-    assert m["mean_e2el_ms"] == pytest.approx(950)
-    assert len([g for r in rs for g in r.itl]) == 9 + 3 + 4
-    assert m["errors"] == ["", "", "", "", "HTTP 503: busy"]
-    empty = bs.compute_metrics([bs.RequestResult(3, 3, error="x")], 1.0)
-    assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None and empty["p99_itl_ms"] is None
-
-
-# ---- arrivals ----------------------------------------------------------------------------------
-def test_arrival_times_are_poisson_with_the_right_mean():
-    n, rate = 20001, 4.0
-    t = bs.arrival_times(n, rate, 1.0, seed=0)
-    assert t[0] == 0 and np.all(np.diff(t) > 0) and len(t) == n
-    gaps = np.diff(t)
-    assert gaps.mean() == pytest.approx(1 / rate, rel=0.02)
-    assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1.0, abs=0.08)  # exponential: CV^2 1
-    assert (gaps < gaps.mean()).mean() == pytest.approx(1 - math.exp(-1), abs=0.012)
-    assert np.array_equal(t, bs.arrival_times(n, rate, 1.0, seed=0))
-    assert not np.array_equal(t, bs.arrival_times(n, rate, 1.0, seed=1))
-    assert np.allclose(bs.arrival_times(n, 2 * rate, 1.0, seed=0), t / 2)
-    assert np.array_equal(bs.arrival_times(5, math.inf), np.zeros(5))
-    assert len(bs.arrival_times(0, rate)) == 0
-    with pytest.raises(ValueError):
-        bs.arrival_times(3, 0.0)
-
-
-@pytest.mark.parametrize("burstiness", [0.25, 0.5, 2.0, 4.0])
-def test_burstiness_sets_the_gamma_variance(burstiness):
-    rate = 10.0
-    gaps = np.diff(bs.arrival_times(40001, rate, burstiness, seed=7))
-    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
-    # gamma(shape k, mean 1/rate): variance 1 / (k rate^2), i.e. CV^2 = 1 / k
-    assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1 / burstiness, rel=0.1)
-
-
-# ---- datasets ----------------------------------------------------------------------------------
-def test_random_dataset_lengths_and_prefix():
-    reqs = ds.random_requests(500, 100, 20, range_ratio=0.5, vocab_size=1000, seed=0)
-    ins = [r.prompt_len for r in reqs]
-    outs = [r.expected_output_len for r in reqs]
-    assert min(ins) == 50 and max(ins) == 150 and min(outs) == 10 and max(outs) == 30
-    assert all(len(r.prompt) == r.prompt_len for r in reqs)
-    assert all(0 <= i < 1000 for r in reqs for i in r.prompt)
-    assert abs(np.mean(ins) - 100) < 4
-    fixed = ds.random_requests(20, 64, 16, vocab_size=49152, seed=1)
-    assert {r.prompt_len for r in fixed} == {64} and {r.expected_output_len for r in fixed} == {16}
-    assert fixed == ds.random_requests(20, 64, 16, vocab_size=49152, seed=1)
-    pre = ds.random_requests(50, 40, 8, range_ratio=0.25, prefix_len=16, vocab_size=5000, seed=2)
-    head = pre[0].prompt[:16]
-    assert all(r.prompt[:16] == head for r in pre)
-    assert all(16 + 30 <= r.prompt_len == len(r.prompt) <= 16 + 50 for r in pre)
-    assert len({tuple(r.prompt[16:]) for r in pre}) == 50
-    text = ds.random_requests(10, 30, 5, token_ids=False, seed=3)
-    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 30 for r in text)
-    assert ds.length_range(10, 0.0) == (10, 10) and ds.length_range(1, 0.9) == (1, 1)
-    with pytest.raises(ValueError):
-        ds.length_range(10, 1.0)
-
-
-def test_prefix_repetition_groups():
-    reqs = ds.prefix_repetition_requests(50, 3, 32, 8, 7, vocab_size=1000, seed=0)
-    assert len(reqs) == 50
-    assert all(r.prompt_len == len(r.prompt) == 40 and r.expected_output_len == 7 for r in reqs)
-    prefixes = {}
-    for r in reqs:
-        prefixes.setdefault(tuple(r.prompt[:32]), set()).add(r.group)
-    assert len(prefixes) == 3 and all(len(g) == 1 for g in prefixes.values())
-    sizes = sorted(sum(r.group == g for r in reqs) for g in range(3))
-    assert sizes == [16, 17, 17]
-    assert len({tuple(r.prompt[32:]) for r in reqs}) == 50
-    assert [r.group for r in reqs] != [i % 3 for i in range(50)]  # shuffled
-
-
-def _expected_valid(data, fixed_out=None):
-    """The ShareGPT filters, written out again: (prompt, output tokens) of entries that pass."""
-    out = []
-    for e in data:
-        c = e["conversations"]
-        if len(c) < 2:
-            continue
-        p, o = c[0]["value"], c[1]["value"]
-        pl = max(len(p.split()), len(p) // 4)
-        ol = max(len(o.split()), len(o) // 4) if fixed_out is None else fixed_out
-        if pl < 4 or (fixed_out is None and ol < 4) or pl > 1024 or pl + ol > 2048:
-            continue
-        out.append((p, ol))
-    return out
-
-
-def test_sharegpt_generator_and_loader_round_trip(tmp_path):
-    path = tmp_path / "sg.json"
-    assert ds.main(["make-sharegpt", str(path), "--num", "400", "--seed", "5"]) == 0
-    data = json.loads(path.read_text())
-    assert len(data) == 400 and all(e["conversations"][0]["from"] == "human" for e in data)
-    assert data == ds.make_sharegpt(400, 5)
-    valid = _expected_valid(data)
-    assert 250 < len(valid) < 390  # the generator makes some of each kind the filters drop
-    assert any(len(e["conversations"]) == 1 for e in data)
-    loaded = ds.load_sharegpt(path, 50, seed=0)
-    assert len(loaded) == 50 and len({r.prompt for r in loaded}) == 50
-    vmap = dict(valid)
-    assert all(r.prompt in vmap and r.expected_output_len == vmap[r.prompt] for r in loaded)
-    assert all(r.prompt_len == ds.approx_tokens(r.prompt) for r in loaded)
-    everything = ds.load_sharegpt(path, 10_000, seed=0, oversample=False)
-    assert sorted(r.prompt for r in everything) == sorted(p for p, _ in valid)
-    assert ds.load_sharegpt(path, 50, seed=0) == loaded
-    assert ds.load_sharegpt(path, 50, seed=1) != loaded
-    fixed = ds.load_sharegpt(path, 10_000, seed=0, output_len=100, oversample=False)
-    assert len(fixed) == len(_expected_valid(data, 100)) > len(valid)  # short replies now pass
-    assert {r.expected_output_len for r in fixed} == {100}
-    over = ds.load_sharegpt(path, len(valid) + 20, seed=0)
-    assert len(over) == len(valid) + 20
 
 
 # ---- the command line --------------------------------------------------------------------------
@@ -436,7 +302,7 @@ def test_main_rate_sweep_end_to_end(server, tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert [r["request_rate"] for r in res["runs"]] == ["40", "inf"]
-    want = ds.random_requests(6, 16, 5, 0.2, 0, 49152, 4)
+    want = wl.random_requests(6, 16, 5, 0.2, 0, 49152, 4)
     for run in res["runs"]:
         missing = [f for f in VLLM_FIELDS if f not in run]
         assert not missing

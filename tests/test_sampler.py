@@ -479,3 +479,76 @@ def test_property_valid_ids_and_finite_logprobs(data, B, V, scale, seed, with_ne
         assert out.topk_ids.shape == (B, min(batch.max_num_logprobs, V))
         assert not torch.isnan(out.topk_logprobs).any()
         assert ((out.topk_ids >= 0) & (out.topk_ids < V)).all()
+
+
+# =================================================================================================
+# Top-p boundary: a token whose cumulative probability is exactly top_p
+# =================================================================================================
+TIE_PROBS = (0.5, 0.25, 0.125, 0.125)   # exact binary fractions: every partial sum is exact
+
+
+def _exact_logits(probs, order, V=8):
+    """Logits [V] whose float32 softmax is exactly ``probs`` placed at token ids ``order`` (the
+    other ids get -inf, probability exactly 0). log of a power of two and exp back round-trip
+    exactly in float32; asserted, so a platform where they do not fails here, not silently."""
+    row = torch.full((V,), float("-inf"))
+    row[list(order)] = torch.tensor(probs, dtype=torch.float32).log()
+    want = torch.zeros(V)
+    want[list(order)] = torch.tensor(probs, dtype=torch.float32)
+    assert torch.equal(row.softmax(-1), want), "precondition: an exact softmax"
+    return row
+
+
+# (top_p, kept ranks) worked out by hand from TIE_PROBS, rule: keep the smallest set of the most
+# likely tokens whose cumulative probability reaches top_p, i.e. rank i is kept iff the mass of
+# ranks before it is < top_p (the mass up to and including it may equal top_p and it stays).
+#   p = 0.5  : rank 0 alone reaches 0.5 -> {0}; rank 1 has 0.5 before it (= p) -> dropped
+#   p = 0.625: 0.5 < p, 0.75 >= p      -> {0, 1}
+#   p = 0.75 : 0.5 + 0.25 = 0.75 = p   -> {0, 1}; rank 2 has exactly 0.75 before it -> dropped
+TOP_P_TIES = [(0.5, {0}), (0.625, {0, 1}), (0.75, {0, 1})]
+
+
+@pytest.mark.parametrize("top_p,kept_ranks", TOP_P_TIES)
+@pytest.mark.parametrize("with_top_k", [False, True], ids=["top_p", "top_k+top_p"])
+def test_top_p_boundary_at_exactly_p(top_p, kept_ranks, with_top_k):
+    """vLLM's top_p is "the cumulative probability of the top tokens to consider": vLLM
+    (apply_top_k_top_p) and HF (TopPLogitsWarper) sort ascending and drop a token when the
+    cumulative probability up to and including it is <= 1 - top_p, always keeping the most likely
+    one. In descending order that is: keep a token iff the probability strictly before it is
+    < top_p -- the smallest prefix whose cumulative probability is >= top_p. A token whose own
+    cumulative probability equals p is kept; the next one (whose mass *before* it equals p) is not.
+
+    Both the kept set (the filter on the sort path, exact -inf pattern) and the sampled support
+    (through Sampler, many draws) are checked. The sampler has one top-p implementation (the
+    torch sort path; no Triton kernel): once alone, once behind a top-k of 4, which keeps all four
+    tokens and takes the sort path's top-k branch."""
+    from pdserve.layers.sampler import _apply_top_k_top_p
+    order = (5, 1, 6, 2)            # token ids by descending probability (not id order)
+    row = _exact_logits(TIE_PROBS, order)
+    want_ids = {order[r] for r in kept_ranks}
+    top_k = torch.tensor([4 if with_top_k else 8])
+    kept = _apply_top_k_top_p(row.clone()[None], top_k if with_top_k else None,
+                              torch.tensor([top_p]))[0]
+    assert set(torch.isfinite(kept).nonzero().flatten().tolist()) == want_ids
+    assert torch.equal(kept[list(want_ids)], row[list(want_ids)])   # kept logits untouched
+
+    n = 400
+    params = [SP(top_p=top_p, top_k=4 if with_top_k else -1)] * n
+    out = Sampler(torch.Generator().manual_seed(0))(row.expand(n, -1), build(params, V=8))
+    # renormalised over the kept set the rarest kept token has probability >= 1/3: 400 draws see
+    # it (miss chance < 1e-70); a wrongly kept rank 2 (0.125 / 0.875) would show up as surely
+    assert set(out.token_ids.tolist()) == want_ids
+
+
+def test_top_p_boundary_per_row_in_a_mixed_batch():
+    """The boundary holds per row when rows with other top_p values (and a top_p = 1 row, which
+    the filter leaves alone) share the batch and the sort."""
+    from pdserve.layers.sampler import _apply_top_k_top_p
+    rows = torch.stack([_exact_logits(TIE_PROBS, (0, 1, 2, 3)),
+                        _exact_logits(TIE_PROBS, (3, 2, 1, 0)),
+                        _exact_logits(TIE_PROBS, (7, 4, 5, 6)),
+                        _exact_logits(TIE_PROBS, (1, 3, 5, 7))])
+    top_p = torch.tensor([0.75, 0.5, 1.0, 0.625])
+    kept = _apply_top_k_top_p(rows.clone(), None, top_p)
+    got = [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in kept]
+    assert got == [{0, 1}, {3}, {7, 4, 5, 6}, {1, 3}]

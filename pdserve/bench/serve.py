@@ -1,12 +1,12 @@
 """`pdserve bench serve`: latency and throughput of an OpenAI-compatible HTTP endpoint (pdserve
 serve, vLLM, ...) under a stream of requests, measured from the client.
 
-Requests (from a dataset: random token ids, ShareGPT, prefix repetition; see datasets.py) are
-sent as streaming `/v1/completions` (or `/v1/chat/completions`) calls with max_tokens = the
-dataset's output length, ignore_eos, temperature 0, and usage in the last chunk. Their send times
-follow a Poisson process at --request-rate (gamma inter-arrival times with shape --burstiness and
-mean 1/rate; `inf` sends them all at once), at most --max-concurrency in flight. Several rates
-make a sweep, run one after the other on the same requests.
+Requests (from a dataset: random token ids, ShareGPT, prefix repetition; see
+pdserve.perf.workload) are sent as streaming `/v1/completions` (or `/v1/chat/completions`) calls
+with max_tokens = the dataset's output length, ignore_eos, temperature 0, and usage in the last
+chunk. Their send times follow a Poisson process at --request-rate (gamma inter-arrival times with
+shape --burstiness and mean 1/rate; `inf` sends them all at once), at most --max-concurrency in
+flight. Several rates make a sweep, run one after the other on the same requests.
 
 Per request, from the client's clock: TTFT = first content chunk - send; ITL = the gaps between
 content chunks (a chunk with non-empty choices; for chat, one with delta content, not the role
@@ -15,10 +15,11 @@ TPOT = (e2e - TTFT) / (output tokens - 1); output tokens from the usage chunk (e
 content chunks). A request fails on an HTTP error, an error chunk, an exception or a stream
 without content; its error text is kept and the run goes on.
 
-Per rate, with vLLM's JSON field names: duration (first send to last completion), completed,
-failed, token totals, request/output/total-token throughput, request_goodput (requests meeting
-every --goodput SLO per second), mean/median/std/percentiles of TTFT, TPOT, ITL and e2e latency
-in ms, and per-request lists (ttfts, itls in seconds; null for a failed request).
+Per rate, with vLLM's JSON field names (computed in pdserve.perf.metrics): duration (first send
+to last completion), completed, failed, token totals, request/output/total-token throughput,
+request_goodput (requests meeting every --goodput SLO per second), mean/median/std/percentiles
+of TTFT, TPOT, ITL and e2e latency in ms, and per-request lists (ttfts, itls in seconds; null for
+a failed request). The table, the JSON form and the plots are in serve_report.py.
 """
 from __future__ import annotations
 
@@ -38,31 +39,12 @@ from urllib.parse import urlparse
 import aiohttp
 import numpy as np
 
+from ..perf.metrics import RequestResult, compute_metrics
+from ..perf.slo import parse_goodput
+from ..perf.workload import (SampleRequest, arrival_times, load_sharegpt,
+                             prefix_repetition_requests, random_requests)
 from .common import git_info, hardware_info, write_result
-from .datasets import (SampleRequest, load_sharegpt, prefix_repetition_requests,
-                       random_requests)
-
-METRICS = ("ttft", "tpot", "itl", "e2el")
-SLO_KEYS = ("ttft", "tpot", "e2el")
-
-
-# ---- arrivals ----------------------------------------------------------------------------------
-def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    """Send offsets in seconds from the start of a run: the first request at 0, then gaps drawn
-    from a gamma distribution with shape = burstiness and mean 1/rate (burstiness 1: exponential,
-    i.e. a Poisson process; < 1 burstier, > 1 more regular; variance 1/(rate^2 * burstiness)).
-    rate = inf: everything at 0. Deterministic in the seed."""
-    if num <= 0:
-        return np.zeros(0)
-    if not rate > 0:
-        raise ValueError(f"request rate must be > 0, got {rate}")
-    if not burstiness > 0:
-        raise ValueError(f"burstiness must be > 0, got {burstiness}")
-    if math.isinf(rate):
-        return np.zeros(num)
-    rng = np.random.default_rng([seed, 0xA441])  # a stream of its own, apart from the dataset's
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num - 1)
-    return np.concatenate([[0.0], np.cumsum(gaps)])
+from .serve_report import format_table, import_pyplot, jsonable, plot_runs, rate_label
 
 
 # ---- one request -------------------------------------------------------------------------------
@@ -105,26 +87,6 @@ class Target:
             body["ignore_eos"] = True
         body.update(self.extra_body)
         return body
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    expected_output_len: int
-    success: bool = False
-    output_len: int = 0
-    ttft: float = 0.0                  # s
-    itl: list[float] = field(default_factory=list)  # s
-    latency: float = 0.0               # s, send to last content chunk
-    start: float = 0.0                 # s since the run started
-    error: str = ""
-    connect_error: bool = False        # the server could not be reached at all
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.success or self.output_len < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_len - 1)
 
 
 def _error_text(body: str) -> str:
@@ -297,205 +259,6 @@ async def preflight(target: Target, req: SampleRequest, wait_s: float = 0.0) -> 
             await asyncio.sleep(1.0)
 
 
-# ---- metrics -----------------------------------------------------------------------------------
-def _pword(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
-
-
-def _stats(values_s: list[float], name: str, percentiles: list[float]) -> dict[str, float | None]:
-    a = np.asarray(values_s, dtype=float) * 1e3
-    ok = a.size > 0
-    out: dict[str, float | None] = {
-        f"mean_{name}_ms": float(a.mean()) if ok else None,
-        f"median_{name}_ms": float(np.median(a)) if ok else None,
-        f"std_{name}_ms": float(a.std()) if ok else None}
-    for p in percentiles:
-        out[f"p{_pword(p)}_{name}_ms"] = float(np.percentile(a, p)) if ok else None
-    return out
-
-
-def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    """["ttft:200", "tpot:50"] -> {"ttft": 200.0, "tpot": 50.0} (milliseconds)."""
-    slos: dict[str, float] = {}
-    for item in items or []:
-        key, sep, value = item.partition(":")
-        key = key.strip().lower()
-        if not sep or key not in SLO_KEYS:
-            raise ValueError(f"--goodput takes KEY:MS with KEY in {', '.join(SLO_KEYS)}; got {item!r}")
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of ms") from None
-        if not ms >= 0:
-            raise ValueError(f"--goodput {item!r}: the SLO must be >= 0 ms")
-        slos[key] = ms
-    return slos
-
-
-def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
-    """A completed request meets every given SLO (ms); a one-token request has no TPOT and
-    meets any TPOT SLO."""
-    if not r.success:
-        return False
-    if "ttft" in slos and r.ttft * 1e3 > slos["ttft"]:
-        return False
-    if "tpot" in slos and r.tpot is not None and r.tpot * 1e3 > slos["tpot"]:
-        return False
-    return not ("e2el" in slos and r.latency * 1e3 > slos["e2el"])
-
-
-def compute_metrics(results: list[RequestResult], duration: float,
-                    percentiles: list[float] = (50, 90, 99),
-                    goodput: dict[str, float] | None = None) -> dict[str, Any]:
-    ok = [r for r in results if r.success]
-    n_in = sum(r.prompt_len for r in ok)
-    n_out = sum(r.output_len for r in ok)
-    m: dict[str, Any] = {
-        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": n_in, "total_output_tokens": n_out,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "output_throughput": n_out / duration if duration > 0 else 0.0,
-        "total_token_throughput": (n_in + n_out) / duration if duration > 0 else 0.0}
-    if goodput:
-        good = sum(meets_slos(r, goodput) for r in results)
-        m["request_goodput"] = good / duration if duration > 0 else 0.0
-        m["num_good_requests"] = good
-        m["goodput_slos_ms"] = dict(goodput)
-    values = {"ttft": [r.ttft for r in ok],
-              "tpot": [r.tpot for r in ok if r.tpot is not None],
-              "itl": [g for r in ok for g in r.itl],
-              "e2el": [r.latency for r in ok]}
-    for name in METRICS:
-        m.update(_stats(values[name], name, list(percentiles)))
-    m.update(
-        input_lens=[r.prompt_len for r in results],
-        output_lens=[r.output_len if r.success else 0 for r in results],
-        ttfts=[r.ttft if r.success else None for r in results],
-        tpots=[r.tpot for r in results],
-        e2els=[r.latency if r.success else None for r in results],
-        itls=[r.itl if r.success else [] for r in results],
-        start_times=[r.start for r in results],
-        errors=[r.error for r in results])
-    return m
-
-
-# ---- output ------------------------------------------------------------------------------------
-def _rate_label(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-def _jsonable(x: Any) -> Any:
-    """Non-finite floats as strings ("inf"), so the file is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf" if x > 0 else ("-inf" if x < 0 else None)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def format_table(runs: list[dict[str, Any]], percentiles: list[float]) -> str:
-    top = _pword(max(percentiles)) if percentiles else None
-
-    def f(v, w=7, d=1):
-        return f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
-    groups = " | ".join(f"{n + ' ms':<8}{'mean':>7} {'median':>7} {('p' + top) if top else '':>7}"
-                        for n in ("TTFT", "TPOT", "ITL"))
-    head = f"{'rate':>6} {'done':>5} {'fail':>5} {'req/s':>7} {'out tok/s':>9} {'goodput':>7} | {groups}"
-    lines = [head, "-" * len(head)]
-    for r in runs:
-        cells = []
-        for n in ("ttft", "tpot", "itl"):
-            tail = r.get(f"p{top}_{n}_ms") if top else None
-            cells.append(f"{'':<8}{f(r[f'mean_{n}_ms'])} {f(r[f'median_{n}_ms'])} {f(tail)}")
-        rate = r["request_rate"]
-        lines.append(f"{rate if isinstance(rate, str) else _rate_label(rate):>6} "
-                     f"{r['completed']:>5} {r['failed']:>5} {f(r['request_throughput'], 7, 2)} "
-                     f"{f(r['output_throughput'], 9, 1)} {f(r.get('request_goodput'), 7, 2)} | "
-                     + " | ".join(cells))
-    return "\n".join(lines)
-
-
-def _import_pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib, which is not installed "
-                           "(pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def plot_runs(runs: list[dict[str, Any]], path: str, percentiles: list[float]) -> str:
-    """Latency CDFs per rate (TTFT, TPOT, ITL, e2e) and, for a sweep, throughput/goodput and
-    p50/p-top TTFT/TPOT versus request rate; written to `path` (PNG)."""
-    plt = _import_pyplot()
-    sweep = len(runs) > 1
-    rows = 3 if sweep else 2
-    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows))
-    panels = [("ttfts", "TTFT"), ("tpots", "TPOT"), ("itls", "ITL"), ("e2els", "e2e latency")]
-    for ax, (key, title) in zip(axes.flat, panels):
-        for run in runs:
-            vals = run[key]
-            if key == "itls":
-                vals = [g for gaps in vals for g in gaps]
-            v = np.sort(np.asarray([x for x in vals if x is not None], dtype=float) * 1e3)
-            if v.size:
-                ax.step(np.concatenate([[v[0]], v]), np.arange(v.size + 1) / v.size, where="post",
-                        label=f"{_rate_label(_rate_value(run['request_rate']))} req/s")
-        ax.set_title(f"{title} CDF")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if sweep:
-        rates = [_rate_value(r["request_rate"]) for r in runs]
-        finite = [x for x in rates if math.isfinite(x)]
-        inf_at = 2 * max(finite) if finite else 1.0
-        xs = [x if math.isfinite(x) else inf_at for x in rates]
-        ticks = [_rate_label(x) for x in rates]
-        ax = axes[2, 0]
-        ax.plot(xs, [r["request_throughput"] for r in runs], "o-", label="throughput")
-        if "request_goodput" in runs[0]:
-            ax.plot(xs, [r["request_goodput"] for r in runs], "s--", label="goodput")
-        ax.set_ylabel("req/s")
-        ax2 = ax.twinx()
-        ax2.plot(xs, [r["output_throughput"] for r in runs], "^:", color="gray",
-                 label="output tok/s")
-        ax2.set_ylabel("output tok/s")
-        ax.set_title("throughput vs request rate")
-        ax.legend(loc="upper left", fontsize=8)
-        ax2.legend(loc="lower right", fontsize=8)
-        ax = axes[2, 1]
-        top = _pword(max(percentiles)) if percentiles else None
-        for n in ("ttft", "tpot"):
-            ax.plot(xs, [r[f"median_{n}_ms"] for r in runs], "o-", label=f"p50 {n.upper()}")
-            if top:
-                ax.plot(xs, [r[f"p{top}_{n}_ms"] for r in runs], "s--", label=f"p{top} {n.upper()}")
-        ax.set_yscale("log")
-        ax.set_ylabel("ms")
-        ax.set_title("latency vs request rate")
-        ax.legend(fontsize=8)
-        for a in axes[2]:
-            a.set_xticks(xs)
-            a.set_xticklabels(ticks)
-            a.set_xlabel("request rate (req/s)")
-            a.grid(alpha=0.3)
-    fig.tight_layout()
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _rate_value(rate: Any) -> float:
-    return float(rate)  # float("inf") for the string "inf"
-
-
 # ---- command line ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -611,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--extra-body: {e}")
     if a.plot:
         try:
-            _import_pyplot()
+            import_pyplot()
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -641,20 +404,20 @@ def main(argv: list[str] | None = None) -> int:
     n_out = sum(r.expected_output_len for r in requests)
     print(f"pdserve bench serve: {len(requests)} {a.dataset_name} requests ({n_in} prompt / "
           f"{n_out} output tokens) to {target.url}; rates "
-          f"{', '.join(_rate_label(x) for x in a.request_rate)} req/s, burstiness {a.burstiness:g}"
+          f"{', '.join(rate_label(x) for x in a.request_rate)} req/s, burstiness {a.burstiness:g}"
           f", max concurrency {a.max_concurrency or 'unlimited'}", flush=True)
     runs = []
     for rate in a.request_rate:
         results, duration = asyncio.run(run_benchmark(
             target, requests, rate, a.burstiness, a.max_concurrency, a.seed, a.disable_tqdm,
-            desc=f"rate {_rate_label(rate)}"))
+            desc=f"rate {rate_label(rate)}"))
         m = compute_metrics(results, duration, percentiles, slos)
-        run = {"request_rate": _rate_label(rate), "burstiness": a.burstiness,
+        run = {"request_rate": rate_label(rate), "burstiness": a.burstiness,
                "max_concurrency": a.max_concurrency, "num_prompts": len(requests), **m}
         runs.append(run)
         if m["failed"]:
             first = next(e for e in m["errors"] if e)
-            print(f"rate {_rate_label(rate)}: {m['failed']} of {len(requests)} requests failed; "
+            print(f"rate {rate_label(rate)}: {m['failed']} of {len(requests)} requests failed; "
                   f"first error: {first}", file=sys.stderr, flush=True)
 
     payload: dict[str, Any] = {
@@ -669,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     out = a.result_file or \
         f"bench/results/serve-{host}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     print(format_table(runs, percentiles))
-    print("wrote", write_result(out, _jsonable(payload)))
+    print("wrote", write_result(out, jsonable(payload)))
     if a.plot:
         print("plot", plot_runs(runs, a.plot, percentiles))
     if not any(r["completed"] for r in runs):

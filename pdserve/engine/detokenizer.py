@@ -20,19 +20,24 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if the text now contains one (the text is
-        then cut before it)."""
+        then cut before it). When several stop strings appear, the one that starts first in the
+        text is the one reported and cut at (so the text contains none of them), whatever their
+        order in ``stop``; of two starting at the same place, the earlier listed."""
         self.ids.append(token_id)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            # a stop string not found before ends in the new text, so it starts at most
+            # len(stop) - 1 characters before it
             start = max(0, len(self.text) - self._held)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            for s in self.stop:
-                j = self.text.find(s, start)
-                if j >= 0:
-                    self.text = self.text[:j]
-                    return s
+            found = [(j, i) for i, s in enumerate(self.stop)
+                     if (j := self.text.find(s, start)) >= 0]
+            if found:
+                j, i = min(found)
+                self.text = self.text[:j]
+                return self.stop[i]
         return None
 
     def take_new_text(self, finished: bool) -> str:
