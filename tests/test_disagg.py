@@ -12,12 +12,14 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.disagg.connectors.head_plan import HeadCopy, plan_head_copies
 from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
-from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.layers.linear import kv_head_range
 from pdserve.protocol import AddRequest
 
+from .kv_faults import faulty
 from .test_tp import LLAMA_8Q_2KV, QWEN2_1KV, _assert_same_model, _folder
 from .utils import assert_processes_gone
 
@@ -181,14 +183,12 @@ def test_bad_kv_source_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("fault,mode", [("fail", "sync"), ("fail", "async"), ("hang", "async")])
-def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, monkeypatch, fault,
-                                                                 mode):
+def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, fault, mode):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode=mode,
                        kv_transfer_timeout_s=0.5, **ENGINE)
     P = LLMEngine(cfg)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", fault)
-    D = LLMEngine(cfg)
+    D = LLMEngine(dataclasses.replace(cfg, kv_connector=faulty("shared", fault)))
     D.connect_kv([P.kv_export("p")])
     prompt = PROMPTS[3]
     ref = _run(P, [AddRequest("ref", prompt, GREEDY)])["ref"]
@@ -202,13 +202,13 @@ def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, monkey
         assert e.kv.pool.num_used_blocks == 0
 
 
-def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path, monkeypatch):
+def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode="async",
                        kv_transfer_timeout_s=60, **ENGINE)
     P = LLMEngine(cfg)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", "hang")  # the pull stays in flight
-    D = LLMEngine(cfg)
+    # the pull stays in flight
+    D = LLMEngine(dataclasses.replace(cfg, kv_connector=faulty("shared", "hang")))
     D.connect_kv([P.kv_export("p")])
     first = _run(P, [AddRequest("a", PROMPTS[3], _one(GREEDY), kv_hold=True)])["a"]
     src = msgspec.structs.replace(first.kv_transfer, worker="p")
@@ -324,10 +324,9 @@ def test_heterogeneous_tp_equals_collocated(tmp_path, reference, cfg, ptp, dtp, 
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
-def test_router_round_robin_streaming_abort(tmp_path, reference, monkeypatch, connector):
+def test_router_round_robin_streaming_abort(tmp_path, reference, connector):
     """One deployment (1 prefill, 1 decode, 1 collocated) through several situations."""
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", "")
     with LLM(path, prefill=1, decode=1, collocated=1, routing_policy="round-robin",
              kv_connector=connector, **ENGINE) as llm:
         router = llm.llm_engine
@@ -422,13 +421,12 @@ def test_prefill_worker_dead_at_the_hand_off_is_recomputed(tmp_path, reference, 
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
-def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, monkeypatch,
-                                                        connector):
-    """Every transfer fails (worker processes inherit the fault): each request is recomputed
-    on the decode worker, outputs are still exact, and no block is left on either side."""
+def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, connector):
+    """Every transfer fails (the worker processes build the faulty connector their config
+    names): each request is recomputed on the decode worker, outputs are still exact, and no
+    block is left on either side."""
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", "fail")
-    with LLM(path, prefill=1, decode=1, kv_connector=connector, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=1, kv_connector=faulty(connector, "fail"), **ENGINE) as llm:
         router = llm.llm_engine
         _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.transfer_failures == len(PROMPTS)
@@ -465,7 +463,7 @@ def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch, con
     after the join timeout; the worker goes on: loads from that producer fail (the scheduler
     recomputes them) and sends to that consumer are skipped."""
     import torch
-    from pdserve.disagg.connector import get_connector_class
+    from pdserve.disagg.connectors import get_connector_class
     from pdserve.protocol import KVLoad, KVPair, KVSend
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
