@@ -48,7 +48,7 @@ class EngineConfig:
     distributed_executor_backend: str = "auto"
     disable_custom_all_reduce: bool = False  # CUDA TP: NCCL for every all-reduce (no one-shot P2P)
     # P/D disaggregation (set by the router for its workers): how KV moves between workers
-    # (a registered connector name, pdserve/disagg/connector.py), whether a consumer's pull runs
+    # (a registered connector name, pdserve/disagg/connectors/), whether a consumer's pull runs
     # inside its step ("sync") or beside its steps ("async"), how long a pull may take before
     # the request is recomputed locally, and how long a producer keeps unclaimed KV.
     kv_connector: str | None = None
@@ -97,8 +97,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size > 1 needs worker processes "
                              "(distributed_executor_backend 'mp' or 'auto')")
         if self.kv_connector is not None:
-            from .disagg.connector import get_connector_class
-            get_connector_class(self.kv_connector)
+            from .disagg.connectors import check_connector_name
+            check_connector_name(self.kv_connector)
         if self.kv_transfer_mode not in KV_TRANSFER_MODES:
             raise ValueError(f"kv_transfer_mode must be sync or async, got {self.kv_transfer_mode!r}")
         for name in ("kv_transfer_timeout_s", "kv_hold_timeout_s"):

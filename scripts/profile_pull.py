@@ -59,7 +59,7 @@ def _median_ms(fn, reps):
 
 
 def main(argv=None) -> int:
-    from pdserve.disagg.connector import _open_ipc_here
+    from pdserve.disagg.connectors.shared_pull import open_ipc_here
     from pdserve.kernels import kv_pull
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     spec = pickle.loads(q_out.get(timeout=300))
     dev = torch.device("cuda:1")
     torch.cuda.set_device(dev)
-    ipc = _open_ipc_here(*spec, dev)              # as the connector's "peer" path does
+    ipc = open_ipc_here(*spec, dev)               # as the connector's "peer" path does
     with torch.cuda.device(0):
         local = torch.randn(shape, device="cuda:0").to(dtype)
     dst = torch.zeros(shape, dtype=dtype, device=dev)

@@ -9,15 +9,18 @@ import time
 
 import msgspec
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.disagg.connectors.head_plan import HeadCopy, plan_head_copies
 from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
-from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.layers.linear import kv_head_range
 from pdserve.protocol import AddRequest
 
+from .kv_faults import faulty
 from .test_tp import LLAMA_8Q_2KV, QWEN2_1KV, _assert_same_model, _folder
 from .utils import assert_processes_gone
 
@@ -28,28 +31,66 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 
 # ---- head re-sharding plan (pure) ----------------------------------------------------------
-def test_kv_head_ranges_match_the_qkv_split():
-    assert [list(kv_head_range(r, 2, 4)) for r in range(2)] == [[0, 1], [2, 3]]
-    assert [list(kv_head_range(r, 4, 2)) for r in range(4)] == [[0], [0], [1], [1]]
-    assert [list(kv_head_range(r, 2, 1)) for r in range(2)] == [[0], [0]]
+HEAD_DIM, HIDDEN = 2, 3
 
 
-@pytest.mark.parametrize("heads,src_tp,dst_tp", [
-    (4, 1, 1), (4, 2, 1), (4, 1, 2), (4, 2, 4), (4, 4, 2), (2, 4, 1), (2, 1, 4), (8, 4, 2),
-    (1, 2, 1), (2, 2, 4)])
-def test_head_plan_covers_every_head_once_from_a_holder(heads, src_tp, dst_tp):
+def _kv_shard(monkeypatch, num_kv_heads: int, tp: int, rank: int):
+    """The k and v rows TP rank `rank` of `tp` holds, as QKVParallelLinear itself shards them,
+    [2 (k, v), local KV heads, head_dim, hidden]. Every value of the full projections is
+    distinct, so a shard says exactly which heads (and which of k, v) it holds."""
+    from pdserve.layers import parallel_state
+    from pdserve.layers.linear import QKVParallelLinear
+    monkeypatch.setattr(parallel_state, "_TP", parallel_state.TPGroup(rank, tp))
+    layer = QKVParallelLinear(HIDDEN, HEAD_DIM, 4 * num_kv_heads, num_kv_heads)
+    rows = num_kv_heads * HEAD_DIM
+    full = torch.arange(2 * rows * HIDDEN, dtype=torch.float32).view(2, rows, HIDDEN)
+    layer.weight.weight_loader(layer.weight, full[0], "k")
+    layer.weight.weight_loader(layer.weight, full[1], "v")
+    parts = [layer.weight.data.narrow(0, layer.offsets[s], layer.sizes[s]) for s in ("k", "v")]
+    return torch.stack(parts).view(2, -1, HEAD_DIM, HIDDEN)
+
+
+def _heads_in(shard) -> list[int]:
+    """The model KV heads a shard from _kv_shard holds (decoded from its k values)."""
+    return [int(shard[0, j, 0, 0]) // (HEAD_DIM * HIDDEN) for j in range(shard.shape[1])]
+
+
+def test_kv_head_ranges_match_the_qkv_split(monkeypatch):
+    for heads, tp, want in [(4, 2, [[0, 1], [2, 3]]), (2, 4, [[0], [0], [1], [1]]),
+                            (1, 2, [[0], [0]]), (8, 4, [[0, 1], [2, 3], [4, 5], [6, 7]])]:
+        assert [_heads_in(_kv_shard(monkeypatch, heads, tp, r)) for r in range(tp)] == want
+        assert [list(kv_head_range(r, tp, heads)) for r in range(tp)] == want
+
+
+HEAD_GRID = [(h, s, d) for h in (1, 2, 4, 8) for s in (1, 2, 4) for d in (1, 2, 4)]
+assert {(2, 4, 4), (2, 4, 1), (2, 1, 4), (2, 4, 2), (2, 2, 4)} <= set(HEAD_GRID)
+
+
+@pytest.mark.parametrize("heads,src_tp,dst_tp", HEAD_GRID)
+def test_head_plan_reassembles_each_consumer_ranks_shard(monkeypatch, heads, src_tp, dst_tp):
+    """Copying per plan_head_copies from the producer ranks' shards (as the sharding layer
+    builds them) gives exactly the shard the layer builds for each consumer rank, every local
+    head written once."""
+    producers = [_kv_shard(monkeypatch, heads, src_tp, r) for r in range(src_tp)]
     for dst in range(dst_tp):
-        mine = list(kv_head_range(dst, dst_tp, heads))
-        plan = plan_head_copies(heads, src_tp, dst_tp, dst)
-        filled = []
-        for hc in plan:
-            src_heads = list(kv_head_range(hc.src_rank, src_tp, heads))
-            got = src_heads[hc.src_heads]
-            assert got == mine[hc.dst_heads]      # the right global heads land in the right place
-            filled += range(hc.dst_heads.start, hc.dst_heads.stop)
-        assert filled == list(range(len(mine)))
+        want = _kv_shard(monkeypatch, heads, dst_tp, dst)
+        got = torch.full_like(want, float("nan"))
+        writes = [0] * want.shape[1]
+        for hc in plan_head_copies(heads, src_tp, dst_tp, dst):
+            got[:, hc.dst_heads] = producers[hc.src_rank][:, hc.src_heads]
+            for j in range(*hc.dst_heads.indices(want.shape[1])):
+                writes[j] += 1
+        assert torch.equal(got, want), (dst, _heads_in(got), _heads_in(want))
+        assert writes == [1] * want.shape[1]
+
+
+def test_head_plan_takes_runs_from_the_first_holder():
+    # 4 heads, producer tp 2 -> consumer tp 1: [h0 h1] from rank 0, [h2 h3] from rank 1
     assert plan_head_copies(4, 2, 1, 0) == [HeadCopy(0, slice(0, 2), slice(0, 2)),
                                              HeadCopy(1, slice(0, 2), slice(2, 4))]
+    # 2 heads replicated over producer tp 4 (h0 h0 h1 h1) -> tp 1: h0 from rank 0, h1 from 2
+    assert plan_head_copies(2, 4, 1, 0) == [HeadCopy(0, slice(0, 1), slice(0, 1)),
+                                             HeadCopy(2, slice(0, 1), slice(1, 2))]
 
 
 # ---- block holding (pure) ------------------------------------------------------------------
@@ -181,14 +222,12 @@ def test_bad_kv_source_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("fault,mode", [("fail", "sync"), ("fail", "async"), ("hang", "async")])
-def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, monkeypatch, fault,
-                                                                 mode):
+def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, fault, mode):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode=mode,
                        kv_transfer_timeout_s=0.5, **ENGINE)
     P = LLMEngine(cfg)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", fault)
-    D = LLMEngine(cfg)
+    D = LLMEngine(dataclasses.replace(cfg, kv_connector=faulty("shared", fault)))
     D.connect_kv([P.kv_export("p")])
     prompt = PROMPTS[3]
     ref = _run(P, [AddRequest("ref", prompt, GREEDY)])["ref"]
@@ -202,13 +241,13 @@ def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, monkey
         assert e.kv.pool.num_used_blocks == 0
 
 
-def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path, monkeypatch):
+def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path):
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     cfg = EngineConfig(model=path, kv_connector="shared", kv_transfer_mode="async",
                        kv_transfer_timeout_s=60, **ENGINE)
     P = LLMEngine(cfg)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", "hang")  # the pull stays in flight
-    D = LLMEngine(cfg)
+    # the pull stays in flight
+    D = LLMEngine(dataclasses.replace(cfg, kv_connector=faulty("shared", "hang")))
     D.connect_kv([P.kv_export("p")])
     first = _run(P, [AddRequest("a", PROMPTS[3], _one(GREEDY), kv_hold=True)])["a"]
     src = msgspec.structs.replace(first.kv_transfer, worker="p")
@@ -324,10 +363,9 @@ def test_heterogeneous_tp_equals_collocated(tmp_path, reference, cfg, ptp, dtp, 
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
-def test_router_round_robin_streaming_abort(tmp_path, reference, monkeypatch, connector):
+def test_router_round_robin_streaming_abort(tmp_path, reference, connector):
     """One deployment (1 prefill, 1 decode, 1 collocated) through several situations."""
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", "")
     with LLM(path, prefill=1, decode=1, collocated=1, routing_policy="round-robin",
              kv_connector=connector, **ENGINE) as llm:
         router = llm.llm_engine
@@ -422,13 +460,12 @@ def test_prefill_worker_dead_at_the_hand_off_is_recomputed(tmp_path, reference, 
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
-def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, monkeypatch,
-                                                        connector):
-    """Every transfer fails (worker processes inherit the fault): each request is recomputed
-    on the decode worker, outputs are still exact, and no block is left on either side."""
+def test_failing_transfers_fall_back_through_the_router(tmp_path, reference, connector):
+    """Every transfer fails (the worker processes build the faulty connector their config
+    names): each request is recomputed on the decode worker, outputs are still exact, and no
+    block is left on either side."""
     path = _folder(tmp_path, LLAMA_8Q_2KV)
-    monkeypatch.setenv("PDSERVE_KV_FAULT", "fail")
-    with LLM(path, prefill=1, decode=1, kv_connector=connector, **ENGINE) as llm:
+    with LLM(path, prefill=1, decode=1, kv_connector=faulty(connector, "fail"), **ENGINE) as llm:
         router = llm.llm_engine
         _assert_same_model(reference["LlamaForCausalLM"], _outputs(llm))
         assert router.route_stats.transfer_failures == len(PROMPTS)
@@ -464,8 +501,7 @@ def test_a_pair_that_cannot_form_fails_its_loads_not_the_worker(monkeypatch, con
     """Two-sided: when the other worker never joins (it died first), the pair is marked broken
     after the join timeout; the worker goes on: loads from that producer fail (the scheduler
     recomputes them) and sends to that consumer are skipped."""
-    import torch
-    from pdserve.disagg.connector import get_connector_class
+    from pdserve.disagg.connectors import get_connector_class
     from pdserve.protocol import KVLoad, KVPair, KVSend
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -15,9 +15,10 @@ transformers = pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
-from pdserve.disagg import connector  # noqa: E402
+from pdserve.disagg.connectors import shared_pull  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 
+from .kv_faults import faulty  # noqa: E402
 from .test_disagg import GREEDY, PROMPTS, _handoff, _run  # noqa: E402
 from .test_gpu_model import _prompts, hf_dir  # noqa: E402,F401
 from .test_tp import LLAMA_8Q_2KV, _folder  # noqa: E402
@@ -44,13 +45,12 @@ def hf_reference(hf_dir):  # noqa: F811
     ("shared", "sync", None), ("shared", "async", None), ("relay", "sync", None),
     ("relay", "async", None), ("nccl", "sync", None), ("nccl", "async", None),
     ("shared", "async", "fail"), ("relay", "async", "fail"), ("nccl", "async", "fail")])
-def test_1p1d_fp32_greedy_matches_hf(hf_reference, monkeypatch, connector, mode, fault):
+def test_1p1d_fp32_greedy_matches_hf(hf_reference, connector, mode, fault):
     d, prompts, refs = hf_reference
-    if fault:
-        monkeypatch.setenv("PDSERVE_KV_FAULT", fault)
     with LLM(str(d), device="cuda", dtype="float32", skip_tokenizer_init=True,
              num_kv_blocks=1024, max_num_batched_tokens=96, prefill=1, decode=1,
-             kv_transfer_mode=mode, kv_connector=connector) as llm:
+             kv_transfer_mode=mode,
+             kv_connector=faulty(connector, fault) if fault else connector) as llm:
         sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         router = llm.llm_engine
@@ -100,7 +100,7 @@ def test_shared_connector_detects_peer_access(tmp_path, monkeypatch, access):
     D = LLMEngine(EngineConfig(device="cuda:1", **base))
     # CUDA IPC cannot open a handle in the process that exported it: hand over the pool itself
     # (on GPU 0; the worker-process tests above cover the IPC mapping)
-    monkeypatch.setattr(connector, "_open_ipc_here", lambda *a: P.runner.kv_cache)
+    monkeypatch.setattr(shared_pull, "open_ipc_here", lambda *a: P.runner.kv_cache)
     D.connect_kv([P.kv_export("p")])
     D.step()  # the peer is added on the next step
     assert D.runner.connector.paths == {"p": access}

@@ -26,7 +26,7 @@ import zmq
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.disagg.connector import get_connector_class
+from pdserve.disagg.connectors import get_connector_class
 from pdserve.protocol import AddRequest, KVPair, KVSend
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.worker import client as client_module
@@ -34,6 +34,7 @@ from pdserve.worker import messages
 from pdserve.worker.client import EngineClient, EngineDeadError
 from pdserve.worker.worker import ClientGone, WorkerConfig, _Outbox
 
+from .kv_faults import faulty
 from .utils import _running, assert_processes_gone
 
 MODEL = {  # small, and long enough (4096 positions) for thousands of steps
@@ -115,7 +116,7 @@ def test_worker_exits_when_its_client_stops_reading(model):
 
 # ---- rank 0 -> its other ranks -----------------------------------------------------------------
 @pytest.mark.parametrize("how", ["stop", "kill"])
-def test_rank0_gives_up_on_a_rank_that_takes_no_steps(model, monkeypatch, how):
+def test_rank0_gives_up_on_a_rank_that_takes_no_steps(model, how):
     """A TP=2 P/D consumer whose only request waits for a pull that never ends runs empty steps
     (no collective in them) as fast as it can, and sends each to rank 1. Rank 1 stopped
     (SIGSTOP: its socket open, its queue full) or killed: rank 0 must not block on the full
@@ -128,8 +129,8 @@ def test_rank0_gives_up_on_a_rank_that_takes_no_steps(model, monkeypatch, how):
     while producer.has_unfinished_requests():
         out = producer.step()
     source = msgspec.structs.replace(out[0].kv_transfer, worker="p")
-    monkeypatch.setenv("PDSERVE_KV_FAULT", "hang")             # the consumer's pull never ends
-    client = EngineClient(dataclasses.replace(cfg, tensor_parallel_size=2))
+    client = EngineClient(dataclasses.replace(cfg, tensor_parallel_size=2,  # its pull never ends
+                                              kv_connector=faulty("shared", "hang")))
     follower = client.pids[1]
     try:
         assert client.connect_kv([producer.kv_export("p")]) == [None]
@@ -253,7 +254,7 @@ def test_producer_outlives_a_consumer_that_stops_then_dies(model, connector):
 # ---- the pair connectors, in this process and a consumer process ------------------------------
 _CONSUMER = """
 import sys, time, torch
-from pdserve.disagg.connector import get_connector_class
+from pdserve.disagg.connectors import get_connector_class
 from pdserve.protocol import KVPair
 port, name = sys.argv[1], sys.argv[2]
 conns = []

@@ -27,6 +27,23 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def kv_head_range(rank: int, tp: int, num_kv_heads: int) -> range:
+    """The model KV heads TP rank `rank` of `tp` holds: an even split, or (fewer KV heads than
+    ranks) one replicated head, the one this rank's query heads use:
+
+        4 KV heads, tp 2:  rank 0 [h0 h1]  rank 1 [h2 h3]
+        2 KV heads, tp 4:  rank 0 [h0]  rank 1 [h0]  rank 2 [h1]  rank 3 [h1]
+
+    QKVParallelLinear shards by it, and P/D's head plan (disagg/connectors/head_plan.py) moves
+    KV between ranks by it."""
+    if num_kv_heads >= tp:
+        n = _divide(num_kv_heads, tp, "number of KV heads")
+        return range(rank * n, rank * n + n)
+    _divide(tp, num_kv_heads, "tp size vs KV heads")
+    start = rank * num_kv_heads // tp
+    return range(start, start + 1)
+
+
 def materialize(loaded) -> torch.Tensor:
     """The whole checkpoint tensor (reads it when it is lazy)."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
@@ -90,13 +107,8 @@ class QKVParallelLinear(_Linear):
         self.tp = get_tp_group()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, self.tp.size, "number of attention heads")
-        if num_kv_heads >= self.tp.size:
-            self.num_kv_heads = _divide(num_kv_heads, self.tp.size, "number of KV heads")
-            self.kv_head_start = self.tp.rank * self.num_kv_heads
-        else:
-            _divide(self.tp.size, num_kv_heads, "tp size vs KV heads")
-            self.num_kv_heads = 1
-            self.kv_head_start = self.tp.rank * num_kv_heads // self.tp.size
+        heads = kv_head_range(self.tp.rank, self.tp.size, num_kv_heads)
+        self.num_kv_heads, self.kv_head_start = len(heads), heads.start
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.sizes = {"q": q, "k": kv, "v": kv}
         self.offsets = {"q": 0, "k": q, "v": q + kv}

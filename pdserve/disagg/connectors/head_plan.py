@@ -9,9 +9,10 @@ a block-to-block copy in every layer, in table order:
     consumer table  [ 2, 11,  5]     same positions, the consumer's own blocks
 
 KV cache layout on every rank (see ModelRunner): [layers, 2 (k, v), blocks, block_size,
-local KV heads, head_dim]. Under tensor parallelism each rank holds a range of the model's KV
-heads, or one replicated head when tp > KV heads. With different TP on the two sides a consumer
-rank gathers its heads from every producer rank that holds some of them:
+local KV heads, head_dim]. Under tensor parallelism each rank holds the KV heads
+layers.linear.kv_head_range gives it (the split QKVParallelLinear shards by): a range, or one
+replicated head when tp > KV heads. With different TP on the two sides a consumer rank gathers
+its heads from every producer rank that holds some of them:
 
     4 KV heads   producer tp=2: rank 0 [h0 h1]   rank 1 [h2 h3]
                  consumer tp=4: rank 0 [h0] <- p0   rank 1 [h1] <- p0   rank 2 [h2] <- p1 ...
@@ -23,14 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
-def kv_head_range(rank: int, tp: int, num_kv_heads: int) -> range:
-    """The model KV heads TP rank `rank` of `tp` holds (QKVParallelLinear's split)."""
-    if num_kv_heads >= tp:
-        n = num_kv_heads // tp
-        return range(rank * n, rank * n + n)
-    start = rank * num_kv_heads // tp
-    return range(start, start + 1)
+from ...layers.linear import kv_head_range
 
 
 class HeadCopy(NamedTuple):
