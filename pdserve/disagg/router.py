@@ -364,7 +364,7 @@ class Router:
         maps every prefill worker's pools. Two-sided: every (prefill, decode) pair forms a
         process group at a TCPStore hosted here; both ends are told, and they join on their
         next step. Workers are named by their incarnation (client.name)."""
-        from .connector import get_connector_class
+        from .connectors import get_connector_class
         live = [w for w in self.workers.values() if w.alive]
         prefill = [w for w in live if w.spec.role == "prefill"]
         decode = [w for w in live if w.spec.role == "decode"]

@@ -77,7 +77,7 @@ class ModelRunner:
         if kv_connector is None:
             self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         else:  # P/D: a pool other workers can pull from, and the means to pull from theirs
-            from ..disagg.connector import get_connector_class
+            from ..disagg.connectors import get_connector_class
             from ..layers.parallel_state import get_tp_group
             cls = get_connector_class(kv_connector)
             self.kv_cache = cls.allocate(shape, kv_dtype, device, kv_path)
