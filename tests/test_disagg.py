@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
+from pdserve.routing import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
 from pdserve.disagg.kv_transfer import HeadCopy, kv_head_range, plan_head_copies
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import LLMEngine

@@ -85,7 +85,7 @@ def measure(model: str, prompt_lens: list[int], reps: int, mode: str, gpu_util: 
             seed: int, connector: str = "shared") -> dict[str, Any]:
     from .. import SamplingParams
     from ..config import EngineConfig
-    from ..disagg.router import CollocatedPolicy, DisaggPolicy, Router, plan_workers
+    from ..routing import CollocatedPolicy, DisaggPolicy, Router, plan_workers
     base = EngineConfig(model=model, load_format="dummy", skip_tokenizer_init=True,
                         device="cuda", gpu_memory_utilization=gpu_util, kv_transfer_mode=mode,
                         max_num_batched_tokens=max(8192, max(prompt_lens)))

@@ -11,11 +11,12 @@ from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..protocol import AddRequest, Prompt
 from ..outputs import RequestOutput
+from ..routing.client import EngineProtocol
 from ..sampling_params import SamplingParams
 
 
 # Several workers behind a router (P/D disaggregation): how many of each role, their TP sizes
-# (default tensor_parallel_size) and the routing policy (pdserve/disagg/router.py).
+# (default tensor_parallel_size) and the routing policy (pdserve/routing/).
 _DEPLOYMENT_ARGS = ("prefill", "decode", "collocated", "prefill_tp", "decode_tp", "collocated_tp",
                     "routing_policy", "worker_restarts", "restart_backoff_s")
 
@@ -40,8 +41,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
         config = EngineConfig(model=model, **engine_args)
+        self.llm_engine: LLMEngine | EngineProtocol
         if deploy:
-            from ..disagg.router import RestartPolicy, Router, plan_workers
+            from ..routing import RestartPolicy, Router, plan_workers
             policy = deploy.pop("routing_policy", None)
             restart = RestartPolicy(**{k: v for k, v in (
                 ("max_restarts", deploy.pop("worker_restarts", None)),
@@ -62,9 +64,8 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stops worker processes (a no-op for an in-process engine)."""
-        stop = getattr(self.llm_engine, "shutdown", None)
-        if stop is not None:
-            stop()
+        if not isinstance(self.llm_engine, LLMEngine):  # an EngineProtocol: worker processes
+            self.llm_engine.shutdown()
 
     def __enter__(self):
         return self

@@ -796,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from ..disagg.router import RestartPolicy, Router, plan_workers
+    from ..routing import RestartPolicy, Router, plan_workers
     try:
         options = ServeOptions(a.max_request_bytes, a.max_queued_requests, a.shutdown_timeout,
                                a.keepalive, a.tokenizer_threads)
