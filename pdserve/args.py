@@ -60,7 +60,7 @@ class _Group:
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
-    from .disagg.router import POLICIES
+    from .routing.policies import POLICIES
     g = p.add_argument_group("P/D disaggregation (several workers behind a router)")
     g.add_argument("--prefill", type=int, default=0, help="prefill workers")
     g.add_argument("--decode", type=int, default=0, help="decode workers")

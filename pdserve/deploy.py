@@ -27,7 +27,7 @@ def build(config: EngineConfig, deployment: DeploymentArgs | None = None,
             return EngineClient(config, startup_timeout_s)
         from .engine.llm_engine import LLMEngine
         return LLMEngine(config)
-    from .disagg.router import RestartPolicy, Router, plan_workers
+    from .routing import RestartPolicy, Router, plan_workers
     restart = RestartPolicy(max_restarts=deployment.worker_restarts,
                             backoff_s=deployment.restart_backoff_s)
     specs = plan_workers(config, *deployment.counts, deployment.prefill_tp,

@@ -175,3 +175,13 @@ def check_token_ids(what: str, ids, vocab_size: int) -> None:
     for t in ids:
         if not 0 <= t < vocab_size:
             raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def kv_transfer_unsupported(params: SamplingParams) -> str | None:
+    """Why a request's KV cannot move between workers (None: it can). One source for the rule
+    the router's policies obey and the engine checks on a kv_source: a hand-off carries one
+    sequence's KV and the producer's sampled tokens, so no n > 1 (forked sequences) and no
+    prompt_logprobs (the consumer never computes the prompt's logits)."""
+    if params.n != 1 or params.prompt_logprobs is not None:
+        return "a P/D request needs n=1 and no prompt_logprobs"
+    return None

@@ -14,7 +14,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.disagg.connectors.head_plan import HeadCopy, plan_head_copies
-from pdserve.disagg.router import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
+from pdserve.routing import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.layers.linear import kv_head_range

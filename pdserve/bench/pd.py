@@ -87,7 +87,7 @@ def measure(model: str, prompt_lens: list[int], reps: int, mode: str, gpu_util: 
     from ..args import DeploymentArgs
     from ..config import EngineConfig
     from ..deploy import build
-    from ..disagg.router import CollocatedPolicy, DisaggPolicy
+    from ..routing import CollocatedPolicy, DisaggPolicy
     base = EngineConfig(model=model, load_format="dummy", skip_tokenizer_init=True,
                         device="cuda", gpu_memory_utilization=gpu_util, kv_transfer_mode=mode,
                         max_num_batched_tokens=max(8192, max(prompt_lens)))

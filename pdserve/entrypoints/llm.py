@@ -11,8 +11,10 @@ from tqdm.auto import tqdm
 from ..config import EngineConfig
 from ..args import DeploymentArgs
 from ..deploy import build
+from ..engine.llm_engine import LLMEngine
 from ..protocol import AddRequest, Prompt
 from ..outputs import RequestOutput
+from ..routing.client import EngineProtocol
 from ..sampling_params import SamplingParams
 
 
@@ -40,7 +42,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
         config = EngineConfig(model=model, **engine_args)
-        self.llm_engine = build(config, DeploymentArgs(**deploy) if deploy else None)
+        self.llm_engine: LLMEngine | EngineProtocol = build(
+            config, DeploymentArgs(**deploy) if deploy else None)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -48,9 +51,8 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stops worker processes (a no-op for an in-process engine)."""
-        stop = getattr(self.llm_engine, "shutdown", None)
-        if stop is not None:
-            stop()
+        if not isinstance(self.llm_engine, LLMEngine):  # an EngineProtocol: worker processes
+            self.llm_engine.shutdown()
 
     def __enter__(self):
         return self

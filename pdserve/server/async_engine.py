@@ -17,9 +17,9 @@ import os
 import queue
 import select
 import threading
-from ..disagg.router import Unavailable
 from ..protocol import AddRequest
 from ..outputs import RequestOutput
+from ..routing import EngineProtocol, Unavailable
 from ..worker.client import EngineDeadError
 
 
@@ -79,7 +79,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, client, loop: asyncio.AbstractEventLoop):
+    def __init__(self, client: EngineProtocol, loop: asyncio.AbstractEventLoop):
         self.client = client
         self.tokenizer = client.tokenizer
         self.max_model_len = client.max_model_len

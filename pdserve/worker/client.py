@@ -201,6 +201,17 @@ class EngineClient:
         if request_ids and self._dead is None and not self._closed:
             self._send(m.ReleaseKV(list(request_ids)))
 
+    def take_kv_events(self) -> list:
+        """P/D consumer: the KVLoadDone reports received since the last call."""
+        events, self.kv_events = self.kv_events, []
+        return events
+
+    def take_step_records(self) -> list:
+        """The worker's StepRecords received since the last call, oldest first."""
+        records = list(self.step_records)
+        self.step_records.clear()
+        return records
+
     # ---- the LLMEngine request API -----------------------------------------------------------
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
         try:
@@ -249,9 +260,6 @@ class EngineClient:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self._pending)
 
     def step(self, timeout_s: float | None = None, wakeup_fd: int | None = None
              ) -> list[RequestOutput]:

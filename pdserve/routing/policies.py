@@ -1,0 +1,169 @@
+"""Routing policies: which path a request takes among the live workers.
+
+    RouteRequest + [WorkerView] ──policy.choose──> Path("collocated", W)        run whole on W
+                                                └─> Path("disagg", D, prefill=P)  P prefills, D decodes
+                                                └─> None                        no live worker
+
+A policy is pure: it reads what it is given and keeps no reference to it. The constraint every
+policy obeys (and the router core enforces, falling back to a whole-request path) is the P/D
+eligibility rule, `disaggregable(params)`, stated once here.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..protocol import StepRecord, kv_transfer_unsupported
+from ..sampling_params import SamplingParams
+
+ROLES = ("prefill", "decode", "collocated")
+
+
+def disaggregable(params: SamplingParams) -> bool:
+    """Whether a request may take the disaggregated path: its KV can travel (one sequence, no
+    prompt logprobs: protocol.kv_transfer_unsupported, the rule the engine enforces on a
+    kv_source) and something is left to decode after the prefill worker's first token
+    (max_tokens > 1)."""
+    return kv_transfer_unsupported(params) is None and params.max_tokens > 1
+
+
+class PathKind(str, enum.Enum):
+    COLLOCATED = "collocated"
+    DISAGG = "disagg"
+
+
+class Path(NamedTuple):
+    kind: str                     # a PathKind ("collocated" | "disagg")
+    worker: str                   # collocated: the worker; disagg: the decode worker
+    prefill: str | None = None    # disagg: the prefill worker
+
+
+class StepSummary(NamedTuple):
+    """A worker's recent engine steps (its last StepRecords) in a few numbers: how many steps
+    are summarised, their mean host time and device time (None when no step measured it),
+    tokens per step and host milliseconds per token, and the newest record's time (the
+    worker's clock)."""
+    steps: int
+    mean_wall_ms: float
+    mean_gpu_ms: float | None
+    tokens_per_step: float
+    wall_ms_per_token: float | None   # None when the steps ran no token
+    last_t: float
+
+    @classmethod
+    def of(cls, records: list[StepRecord]) -> "StepSummary | None":
+        if not records:
+            return None
+        n = len(records)
+        wall = sum(r.wall_ms for r in records)
+        tokens = sum(r.num_prefill_tokens + r.num_decode_tokens for r in records)
+        gpu = [r.gpu_ms for r in records if r.gpu_ms is not None]
+        return cls(n, wall / n, sum(gpu) / len(gpu) if gpu else None, tokens / n,
+                   wall / tokens if tokens else None, records[-1].t)
+
+
+@dataclass
+class WorkerView:
+    name: str
+    role: str
+    outstanding: int              # requests the router has on it now (and bound for it)
+    kv_usage: float               # fraction of its KV pool in use (as of its last report)
+    steps: StepSummary | None = None  # its recent steps (None before its first report)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy sees of a request (the cost model will want more)."""
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+
+    @property
+    def disaggregable(self) -> bool:
+        return disaggregable(self.params)
+
+
+class RoutingPolicy(abc.ABC):
+    """Chooses a path for each request among the live workers (the adaptive, cost-model policy
+    plugs in here).
+
+    Contract of choose(req, workers):
+      - `workers` are the live workers' views (never empty when a path is possible); the path
+        names only workers among them, by name;
+      - a Path("disagg", D, prefill=P) has P a prefill worker and D a decode worker, and only
+        when req.disaggregable (the router core replaces a disagg path for any other request by
+        collocated(workers));
+      - None only when no worker of any role is live;
+      - it may keep state of its own (a turn counter) but never mutates what it is given.
+    The helpers below are the building blocks the registered policies share."""
+    name = ""
+
+    @abc.abstractmethod
+    def choose(self, req: RouteRequest, workers: list[WorkerView]) -> Path | None:
+        ...
+
+    @staticmethod
+    def least_loaded(workers: list[WorkerView], role: str) -> WorkerView | None:
+        cands = [w for w in workers if w.role == role]
+        return min(cands, key=lambda w: (w.outstanding, w.kv_usage), default=None)
+
+    def collocated(self, workers: list[WorkerView]) -> Path | None:
+        """A whole request on one worker: a collocated one, else a decode worker, else (no
+        decode worker left) a prefill worker, which runs it as any engine would."""
+        w = (self.least_loaded(workers, "collocated") or self.least_loaded(workers, "decode")
+             or self.least_loaded(workers, "prefill"))
+        return None if w is None else Path(PathKind.COLLOCATED, w.name)
+
+    def disagg(self, workers: list[WorkerView], req: RouteRequest | None = None) -> Path | None:
+        """The least-loaded prefill and decode workers; None without both, or when req (if
+        given) may not be disaggregated."""
+        if req is not None and not req.disaggregable:
+            return None
+        p, d = self.least_loaded(workers, "prefill"), self.least_loaded(workers, "decode")
+        return None if p is None or d is None else Path(PathKind.DISAGG, d.name, p.name)
+
+
+class CollocatedPolicy(RoutingPolicy):
+    name = "collocated"
+
+    def choose(self, req, workers):
+        return self.collocated(workers) or self.disagg(workers, req)
+
+
+class DisaggPolicy(RoutingPolicy):
+    name = "disagg"
+
+    def choose(self, req, workers):
+        return self.disagg(workers, req) or self.collocated(workers)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Alternates between the disaggregated and the collocated path (each least-loaded within
+    its roles) where both exist; a request that cannot be disaggregated takes its turn on the
+    collocated path."""
+    name = "round-robin"
+
+    def __init__(self):
+        self._turn = itertools.count()
+
+    def choose(self, req, workers):
+        turn = next(self._turn)
+        paths = [p for p in (self.disagg(workers), self.collocated(workers)) if p is not None]
+        if not paths:
+            return None
+        path = paths[turn % len(paths)]
+        return path if path.kind != PathKind.DISAGG or req.disaggregable else self.collocated(workers)
+
+
+POLICIES = {p.name: p for p in (CollocatedPolicy, DisaggPolicy, RoundRobinPolicy)}
+
+
+def make_policy(name: str | RoutingPolicy) -> RoutingPolicy:
+    if isinstance(name, RoutingPolicy):
+        return name
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
+    return POLICIES[name]()

@@ -1,0 +1,476 @@
+"""The router's core: every request's path and stage, the workers' load, the KV held for
+hand-offs, and what happens when a worker dies. Pure: events in, actions out, no I/O, no clock
+of its own. The shell (router.py) turns the actions into messages to EngineClients and feeds
+back what the workers answer; a simulator or a test can drive it the same way with fakes.
+
+    add ──> placed by the policy ─┬─> COLLOCATED on W ─────────────────output(finished)──> done
+                                  └─> PREFILL on P (max_tokens 1, kv_hold)
+                                        │ output: first token + KVSource (else done: a stop,
+                                        ▼          max_model_len, no KV)
+                                      HANDOFF (queued for D until flush_handoffs)
+                                        │ Send to D with kv_source; accepted
+                                        ▼
+                                      DECODE on D ──output(finished)──> done
+                                        (D's loads_done: Release P's held KV)
+
+Events (methods): add, accepted (a Send's answer), output, loads_done, abort, flush_handoffs,
+worker_died, worker_up, observe (stats and step records). Each returns the actions to carry out,
+in order (actions.py: Send, Abort, Release, SendKV, DropPeer, Deliver, Reject).
+
+Faults: a worker that dies leaves routing; its requests that have not produced a token are
+placed again (RouterStats.rerouted), the others fail ("worker W died: ..."). A hand-off whose
+decode worker died goes to another decode worker with the KV still held, else (none left) runs
+whole elsewhere with its KV recomputed; a hand-off whose prefill worker died (or restarted: a
+new KV name) travels without KV and is recomputed (RouterStats.recomputed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import msgspec
+
+from ..outputs import CompletionOutput, RequestOutput
+from ..protocol import AddRequest, KVLoadDone, KVSend, StepRecord, WorkerStats
+from .actions import Abort, Action, Deliver, DropPeer, Reject, Release, Send, SendKV
+from .policies import (Path, PathKind, RouteRequest, RoutingPolicy, StepSummary, WorkerView,
+                       disaggregable, make_policy)
+
+STEP_RECORDS_KEPT = 1024   # per worker: the router's ring of its recent steps
+STEP_SUMMARY_WINDOW = 64   # the newest records a WorkerView summarises
+
+
+class Unavailable(str):
+    """A rejection that is the deployment's state, not the request's fault (no live worker):
+    an error string like any other, which the server answers with 503 instead of 400."""
+
+
+class Stage(enum.Enum):
+    COLLOCATED = "collocated"  # on path.worker, the whole request
+    PREFILL = "prefill"        # on path.prefill: its first token, KV held for the hand-off
+    HANDOFF = "handoff"        # prefilled: waits for flush_handoffs to reach path.worker
+    DECODE = "decode"          # on path.worker, continuing after the first token
+
+
+@dataclass
+class RouterStats:
+    requests: dict[str, int] = field(default_factory=lambda: {"collocated": 0, "disagg": 0})
+    transfers: int = 0            # pulls that completed
+    transfer_bytes: int = 0       # on each decode worker's rank 0
+    transfer_seconds: float = 0.0
+    transfer_failures: int = 0    # pulls that failed or timed out (recomputed on the decode side)
+    rerouted: int = 0             # requests sent again after their worker died
+    recomputed: int = 0           # handed off without KV (their prefill worker died)
+    failed: int = 0               # requests lost with a dead worker
+
+
+@dataclass(eq=False)
+class Route:
+    req: AddRequest               # as the user sent it (prompt as token ids, arrival set)
+    prompt: str | None
+    num_prompt_tokens: int
+    path: Path | None = None
+    stage: Stage | None = None
+    first: RequestOutput | None = None   # the prefill worker's output (disagg)
+    produced: bool = False        # a token reached the user
+    bound: bool = False           # disagg, before the hand-off: counted in RouterCore.bound
+    admitted: bool = False        # accepted by a worker once (add_requests answered None)
+    rerouted_from: str | None = None  # placed again after this worker died
+
+    @property
+    def arrival(self) -> float:
+        return self.req.arrival_time
+
+
+@dataclass
+class WorkerSlot:
+    """The core's view of one worker: its role, liveness, load and KV name (the incarnation's:
+    a restarted worker gets a new one, so that its KV is never mistaken for the dead one's)."""
+    name: str
+    role: str
+    kv_name: str
+    alive: bool = True
+    outstanding: int = 0
+    kv_usage: float = 0.0
+    steps: deque = field(default_factory=lambda: deque(maxlen=STEP_RECORDS_KEPT))
+    summary: StepSummary | None = None
+
+
+@dataclass
+class _Batch:
+    worker: str
+    handoff: bool
+    items: list                   # first leg: [(route, sent)]; hand-off: [(route, sent, prefill)]
+
+
+class RouterCore:
+    def __init__(self, workers: Iterable[tuple[str, str, str]], policy: str | RoutingPolicy,
+                 max_model_len: int, describe: Callable[[], str] | None = None):
+        """workers: (name, role, kv_name) of each; describe(): the deployment's state in a few
+        words, for Unavailable errors (default: each worker up or down)."""
+        self.workers = {n: WorkerSlot(n, role, kv) for n, role, kv in workers}
+        self.policy = make_policy(policy)
+        self.max_model_len = max_model_len
+        self.describe = describe or (lambda: ", ".join(
+            f"{w.name} {'up' if w.alive else 'down'}" for w in self.workers.values()))
+        self.two_sided = False
+        self.closed = False
+        self.stats = RouterStats()
+        self.routes: dict[str, Route] = {}
+        # KV a prefill worker holds for a request sent on to a decode worker: request id ->
+        # prefill worker, until the decode worker reports the pull (which may come after the
+        # request has finished) or the request fails.
+        self.held: dict[str, str] = {}
+        # prefilled requests waiting for flush_handoffs: decode worker -> [(route, sent, prefill)]
+        self.handoffs: dict[str, list[tuple[Route, AddRequest, str]]] = {}
+        # disaggregated requests routed to a decode worker but not handed to it yet (still
+        # prefilling): they count towards its load when the next request is placed
+        self.bound: dict[str, int] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._ids = itertools.count()
+
+    # ---- queries ----------------------------------------------------------------------------
+    def live(self) -> list[WorkerView]:
+        return [WorkerView(w.name, w.role, w.outstanding + self.bound.get(w.name, 0),
+                           w.kv_usage, w.summary) for w in self.workers.values() if w.alive]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.routes or any(
+            it[0].req.request_id == request_id for b in self._batches.values() for it in b.items)
+
+    # ---- events -----------------------------------------------------------------------------
+    def add(self, requests: list[tuple[AddRequest, str | None]]) -> list[Action]:
+        """New requests, checked already (prompt as {"prompt_token_ids": ids}, arrival_time
+        set), each with its prompt text or None. Each ends in a Send (then accepted) or a
+        Reject."""
+        routes = [Route(r, text, len(r.prompt["prompt_token_ids"])) for r, text in requests]
+        return self._place(routes)
+
+    def accepted(self, batch: int, errors: list[str | None]) -> list[Action]:
+        """The worker's answer to Send(batch): None (queued) or an error per request."""
+        b = self._batches.pop(batch)
+        if b.handoff:
+            return self._handed_off(b, errors)
+        actions: list[Action] = []
+        w = self.workers[b.worker]
+        for (route, _), err in zip(b.items, errors):
+            if err is None:
+                route.admitted = True
+                self.routes[route.req.request_id] = route
+                self.stats.requests[PathKind(route.path.kind).value] += 1
+                continue
+            w.outstanding -= 1
+            self._unbind(route)
+            if route.admitted:  # placed again after its worker died
+                self._fail(route, f"worker {route.rerouted_from} died and rerouting failed: {err}",
+                           actions)
+            else:
+                actions.append(Reject(route.req.request_id, err))
+        return actions
+
+    def output(self, worker: str, out: RequestOutput) -> list[Action]:
+        """An output of worker's step (cumulative, as EngineClient.step returns it)."""
+        route = self.routes.get(out.request_id)
+        if route is None:
+            return []
+        w = self.workers[worker]
+        if route.stage is Stage.PREFILL:
+            return self._prefilled(w, route, out)
+        if out.prompt is None:
+            out.prompt = route.prompt
+        if route.first is not None:  # disagg: the first token and its logprobs came from P
+            first = route.first.outputs[0]
+            for o in out.outputs:
+                if o.logprobs is not None and first.logprobs:
+                    o.logprobs = first.logprobs[:1] + o.logprobs
+            out.metrics = {**out.metrics, "arrival": route.arrival,
+                           "first_token": route.first.metrics.get("first_token", 0.0)}
+        if out.finished:
+            del self.routes[out.request_id]
+            w.outstanding -= 1
+        route.produced = True
+        return [Deliver(out)]
+
+    def loads_done(self, events: list[KVLoadDone]) -> list[Action]:
+        """A decode worker's reports on its pulls: each releases the producer's held KV."""
+        actions: list[Action] = []
+        for ev in events:
+            if ev.ok:
+                self.stats.transfers += 1
+                self.stats.transfer_bytes += ev.nbytes
+                self.stats.transfer_seconds += ev.seconds
+            else:
+                self.stats.transfer_failures += 1
+            self._release_held(ev.request_id, None, actions)
+        return actions
+
+    def abort(self, request_ids: list[str]) -> list[Action]:
+        """The user gave up on these (admitted) requests; unknown ids are ignored."""
+        actions: list[Action] = []
+        for rid in request_ids:
+            route = self.routes.pop(rid, None)
+            if route is None:
+                continue
+            self._unbind(route)
+            w = self.workers[route.path.prefill if route.stage is Stage.PREFILL
+                             else route.path.worker]
+            if route.stage is not Stage.HANDOFF:
+                w.outstanding -= 1
+            if w.alive:
+                actions.append(Abort(w.name, [rid]))
+            if route.path.kind == PathKind.DISAGG:
+                # Also at the prefill stage: the prefill may have finished (KV held) with its
+                # output still on the way. The worker reads the abort first, then this.
+                self._release_held(rid, route.path.prefill, actions)
+        return actions
+
+    def flush_handoffs(self, exited: Iterable[str] = ()) -> list[Action]:
+        """Send the prefilled requests on to their decode workers: one Send per decode worker.
+        `exited`: workers whose processes have ended though no call has noticed yet (their KV
+        is gone). A dead (or exited, or restarted) prefill worker's KV died with it, and a pull
+        from a dead GPU's memory could fault the decode GPU: those requests travel without KV
+        and the decode worker recomputes the prompt, then continues."""
+        exited = set(exited)
+        pending, self.handoffs = self.handoffs, {}
+        for items in pending.values():
+            for k, (route, sent, prefill) in enumerate(items):
+                p = self.workers[prefill]
+                if not p.alive or prefill in exited or sent.kv_source.worker != p.kv_name:
+                    items[k] = (route, dataclasses.replace(
+                        sent, kv_source=sent.kv_source.without_kv()), prefill)
+        actions: list[Action] = []
+        while pending:
+            name = next(iter(pending))
+            items = pending.pop(name)
+            if self.workers[name].alive:
+                actions.append(self._send(name, True, items))
+            else:
+                self._redirect(name, items, pending, actions)
+        return actions
+
+    def worker_died(self, worker: str, error: str) -> list[Action]:
+        """worker is gone (its processes died, or a message found it dead). Its requests that
+        produced nothing are placed again; the others fail (their tokens cannot be continued
+        elsewhere without their KV); its hand-offs and sends in flight go elsewhere."""
+        w = self.workers[worker]
+        if not w.alive:
+            return []
+        w.alive = False
+        w.outstanding = 0
+        actions: list[Action] = []
+        if self.two_sided:  # its pairs are aborted now, not after a send times out
+            actions += [DropPeer(o.name, w.kv_name) for o in self.workers.values()
+                        if o.alive and o.role != w.role]
+        again: list[Route] = []
+        lost_handoffs: list[tuple[Route, AddRequest, str]] = []
+        for bid in [b for b, batch in self._batches.items() if batch.worker == worker]:
+            batch = self._batches.pop(bid)
+            if batch.handoff:
+                lost_handoffs += batch.items
+            else:  # not on the worker yet: placed again as they are
+                for route, _ in batch.items:
+                    self._unbind(route)
+                    again.append(route)
+        retry = []
+        for route in list(self.routes.values()):
+            # (a request in HANDOFF is not on w yet: its hand-off finds another)
+            on_w = (route.path.worker == worker and route.stage in (Stage.COLLOCATED, Stage.DECODE)) \
+                or (route.path.prefill == worker and route.stage is Stage.PREFILL)
+            if not on_w:
+                continue
+            if not route.produced and not self.closed:
+                del self.routes[route.req.request_id]
+                self._unbind(route)
+                route.rerouted_from = worker
+                retry.append(route)
+            else:
+                self._fail(route, f"worker {worker} died: {error}", actions)
+        self.stats.rerouted += len(retry)
+        if lost_handoffs:
+            pending: dict[str, list] = {}
+            self._redirect(worker, lost_handoffs, pending, actions)
+            actions += [self._send(n, True, items) for n, items in pending.items()]
+        actions += self._place(again + retry)
+        return actions
+
+    def worker_up(self, worker: str, kv_name: str) -> list[Action]:
+        """worker is back (restarted, its KV peers connected) under a new KV name."""
+        w = self.workers[worker]
+        w.alive, w.outstanding, w.kv_name = True, 0, kv_name
+        return []
+
+    def observe(self, worker: str, stats: WorkerStats | None = None,
+                steps: Iterable[StepRecord] = ()) -> None:
+        """The worker's latest stats (its KV usage, for placement) and engine steps."""
+        w = self.workers[worker]
+        if stats is not None:
+            w.kv_usage = stats.num_kv_blocks_used / max(1, stats.num_kv_blocks)
+        steps = list(steps)
+        if steps:
+            w.steps.extend(steps)
+            window = itertools.islice(w.steps, max(0, len(w.steps) - STEP_SUMMARY_WINDOW), None)
+            w.summary = StepSummary.of(list(window))
+
+    def close(self) -> None:
+        """No more work: every request is forgotten, a dying worker's are not placed again."""
+        self.closed = True
+        self.routes.clear()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _place(self, routes: list[Route]) -> list[Action]:
+        """Choose a path for each route (the next one sees this one's load) and send each
+        worker its share in one batch."""
+        actions: list[Action] = []
+        batches: dict[str, list[tuple[Route, AddRequest]]] = {}
+        for route in routes:
+            live = self.live()
+            req = route.req
+            path = self.policy.choose(RouteRequest(req.request_id, route.num_prompt_tokens,
+                                                   req.params), live)
+            if path is not None and path.kind == PathKind.DISAGG and not disaggregable(req.params):
+                path = self.policy.collocated(live) or path  # the policy's constraint, enforced
+            if path is None:
+                if route.admitted:
+                    self._fail(route, f"worker {route.rerouted_from} died and rerouting failed: "
+                               f"{Unavailable(f'no live worker ({self.describe()})')}", actions)
+                else:
+                    actions.append(Reject(req.request_id, Unavailable(
+                        f"no worker can serve requests now ({self.describe()})")))
+                continue
+            route.path = path
+            if path.kind == PathKind.DISAGG:
+                route.stage, target = Stage.PREFILL, path.prefill
+                p = req.params
+                first = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+                sent = dataclasses.replace(req, params=first, final_only=True, kv_hold=True)
+            else:
+                route.stage, target, sent = Stage.COLLOCATED, path.worker, req
+            batches.setdefault(target, []).append((route, sent))
+            # counted at once, so that the next request of this batch sees the load
+            self.workers[target].outstanding += 1
+            self._bind(route)
+        actions += [self._send(name, False, items) for name, items in batches.items()]
+        return actions
+
+    def _send(self, worker: str, handoff: bool, items: list) -> Send:
+        bid = next(self._ids)
+        self._batches[bid] = _Batch(worker, handoff, items)
+        return Send(bid, worker, [it[1] for it in items])
+
+    def _prefilled(self, p: WorkerSlot, route: Route, out: RequestOutput) -> list[Action]:
+        p.outstanding -= 1
+        route.first = out
+        route.produced = True
+        rid = route.req.request_id
+        o = out.outputs[0]
+        params = route.req.params
+        done = (o.finish_reason == "abort"
+                or (o.finish_reason == "stop" and params.min_tokens <= 1)
+                or route.num_prompt_tokens + len(o.token_ids) >= self.max_model_len
+                or out.kv_transfer is None)
+        actions: list[Action] = []
+        if done:
+            if out.kv_transfer is not None:
+                actions.append(Release(p.name, [rid]))
+            del self.routes[rid]
+            self._unbind(route)
+            out.prompt = route.prompt
+            actions.append(Deliver(out))
+            return actions
+        if not route.req.final_only:  # stream the first token now
+            actions.append(Deliver(RequestOutput(
+                rid, route.prompt, out.prompt_token_ids,
+                [CompletionOutput(o.index, o.text, list(o.token_ids), o.logprobs, None, None,
+                                  list(o.token_ids), o.text)],
+                False, dict(out.metrics))))
+        source = msgspec.structs.replace(out.kv_transfer, worker=p.kv_name)
+        route.stage = Stage.HANDOFF
+        self.handoffs.setdefault(route.path.worker, []).append(
+            (route, dataclasses.replace(route.req, kv_source=source), p.name))
+        return actions
+
+    def _redirect(self, dead: str, items: list, pending: dict, actions: list[Action]) -> None:
+        """Hand-offs meant for dead decode worker `dead`: to another decode worker (the KV is
+        still held), else whole to any worker (which recomputes the prompt; the producer drops
+        the KV it holds), else they fail."""
+        live = self.live()
+        other = self.policy.least_loaded(live, "decode")
+        name = None if other is None else other.name
+        if name is None:
+            whole = self.policy.collocated(live)
+            name = None if whole is None else whole.worker
+            if name is not None:
+                for k, (route, sent, prefill) in enumerate(items):
+                    if not sent.kv_source.lost:
+                        self._release_held(route.req.request_id, prefill, actions)
+                        items[k] = (route, dataclasses.replace(
+                            sent, kv_source=sent.kv_source.without_kv()), prefill)
+        if name is not None:
+            for route, _, _ in items:
+                self._unbind(route)
+                route.path = route.path._replace(worker=name)
+            pending.setdefault(name, []).extend(items)
+            return
+        why = f"worker {dead} is gone and no worker is left to continue on"
+        actions += self._handed_off(_Batch(dead, True, items), [why] * len(items))
+
+    def _handed_off(self, b: _Batch, errors: list[str | None]) -> list[Action]:
+        actions: list[Action] = []
+        d = self.workers[b.worker]
+        sends: dict[str, list[KVSend]] = {}
+        for (route, sent, prefill), err in zip(b.items, errors):
+            self._unbind(route)
+            rid = route.req.request_id
+            held = not sent.kv_source.lost   # else: recomputed there (producer died)
+            if err is None and held and self.two_sided:  # sent as it is handed over
+                sends.setdefault(prefill, []).append(
+                    KVSend(sent.kv_source.request_id, d.kv_name, sent.kv_source.block_ids))
+            if self.routes.get(rid) is not route:  # aborted meanwhile
+                if held:
+                    self._release_held(rid, prefill, actions)
+                if err is None:
+                    actions.append(Abort(d.name, [rid]))
+            elif err is not None:
+                self._fail(route, f"decode worker rejected the request: {err}", actions)
+            else:
+                if held:
+                    self.held[rid] = prefill
+                else:
+                    self.stats.recomputed += 1
+                route.stage = Stage.DECODE
+                d.outstanding += 1
+        actions += [SendKV(p, batch) for p, batch in sends.items() if self.workers[p].alive]
+        return actions
+
+    def _release_held(self, rid: str, prefill: str | None, actions: list[Action]) -> None:
+        """Tell the prefill worker holding rid's KV to drop it (harmless if nothing is held)."""
+        name = self.held.pop(rid, None) or prefill
+        if name is not None and self.workers[name].alive:
+            actions.append(Release(name, [rid]))
+
+    def _fail(self, route: Route, why: str, actions: list[Action]) -> None:
+        self.routes.pop(route.req.request_id, None)
+        self._unbind(route)
+        self.stats.failed += 1
+        if route.path is not None and route.path.kind == PathKind.DISAGG:
+            self._release_held(route.req.request_id, route.path.prefill, actions)
+        tokens = list(route.first.outputs[0].token_ids) if route.first is not None else []
+        actions.append(Deliver(RequestOutput(
+            route.req.request_id, route.prompt, route.req.prompt["prompt_token_ids"],
+            [CompletionOutput(0, "", tokens, None, "abort", why)], True,
+            {"arrival": route.arrival}, error=why)))
+
+    def _bind(self, route: Route) -> None:
+        if route.path.kind == PathKind.DISAGG and not route.bound:
+            route.bound = True
+            self.bound[route.path.worker] = self.bound.get(route.path.worker, 0) + 1
+
+    def _unbind(self, route: Route) -> None:
+        """route no longer waits to reach its decode worker (handed off, done or gone)."""
+        if route.bound:
+            route.bound = False
+            self.bound[route.path.worker] -= 1
