@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
-from ..engine.llm_engine import LLMEngine
+from ..worker.llm_engine import LLMEngine
 from ..protocol import AddRequest, Prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
