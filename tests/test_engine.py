@@ -1,5 +1,7 @@
 """Engine-level behaviour on a tiny random Qwen2: seeds, n > 1, stops, logprobs, streaming,
 abort, preemption; check_integrity after every scenario."""
+import collections
+
 import pytest
 import torch
 
@@ -211,3 +213,32 @@ def test_step_records_count_what_each_step_ran(model_dir):
     assert eng.take_step_records() == []       # taken once
     eng.step()                                 # nothing to run: no record
     assert eng.take_step_records() == []
+
+
+def test_gpu_times_settle_in_order_without_waiting():
+    """ModelRunner.take_gpu_times reads only the forwards whose end event has completed, oldest
+    first, and never waits: a later forward that completed waits behind an earlier one still
+    running (events complete in stream order; a gap would mean a wait). Fake events stand in
+    for CUDA's."""
+    from pdserve.worker.model_runner import ModelRunner
+
+    class Event:
+        def __init__(self, t, done=True):
+            self.t, self.done = t, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            assert self.done and end.done     # read only once complete
+            return end.t - self.t
+
+    runner = object.__new__(ModelRunner)       # only the timing state, no model
+    runner._gpu_settled = {}
+    slow = Event(5.0, done=False)
+    runner._gpu_pending = collections.deque([(1, Event(0.0), Event(2.5)), (2, Event(3.0), slow),
+                                             (3, Event(6.0), Event(7.0))])
+    assert runner.take_gpu_times() == {1: 2.5}
+    assert runner.take_gpu_times() == {}
+    slow.done = True
+    assert runner.take_gpu_times() == {2: 2.0, 3: 1.0}

@@ -22,6 +22,7 @@ from collections import deque
 from typing import Callable, Iterable
 
 from ..config import EngineConfig
+from ..outputs import RequestOutput
 from ..protocol import (AddRequest, KVDrop, KVLoadDone, KVPeer, KVSend, KVSource, Prompt,
                         StepRecord, check_token_ids, parse_prompt)
 from ..sampling_params import SamplingParams
@@ -220,7 +221,7 @@ class EngineCore:
             self._kv_events.extend(events)
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> list:
+    def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if self._on_schedule is not None:
