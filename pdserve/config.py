@@ -1,15 +1,23 @@
-"""EngineConfig: everything `LLM(...)` / the CLI accept, frozen and validated on construction."""
+"""EngineConfig: everything `LLM(...)` / the CLI accept, frozen and validated on construction.
+
+Importing it needs no torch (the engine core, plain Python, reads it)."""
 from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .checks import check_int, check_number, is_int, is_number
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# Importing this module must not import torch: the engine core (pure Python) reads the config.
+# torch is imported where a torch object is made (torch_device, torch_dtype) or a GPU is counted.
+DTYPES = ("float32", "float16", "bfloat16")
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTOR_BACKENDS = ("auto", "uni", "mp")
@@ -106,24 +114,28 @@ class EngineConfig:
         self._check_device()
 
     def _check_device(self) -> None:
-        try:
-            d = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"bad device {self.device!r}: {e}") from None
-        if d.type not in ("cpu", "cuda"):
+        m = _DEVICE.fullmatch(self.device) if isinstance(self.device, str) else None
+        if m is None:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        if d.type == "cuda":
+        if m.group(1) == "cuda":
+            import torch
             # (device_count asks NVML where it can: it leaves CUDA uninitialised in this process)
             n = torch.cuda.device_count()
+            index = None if m.group(2) is None else int(m.group(2))
             if n == 0:
                 raise ValueError(f"device {self.device!r}: no CUDA GPU is visible "
                                  "(torch.cuda.device_count() is 0)")
-            if d.index is not None and d.index >= n:
+            if index is not None and index >= n:
                 raise ValueError(f"device {self.device!r}: only {n} CUDA GPU(s) are visible "
                                  f"(cuda:0 to cuda:{n - 1})")
 
     @property
-    def torch_device(self) -> torch.device:
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def torch_device(self) -> "torch.device":
+        import torch
         return torch.device(self.device)
 
     @property
@@ -132,8 +144,9 @@ class EngineConfig:
             return "uni" if self.tensor_parallel_size == 1 else "mp"
         return self.distributed_executor_backend
 
-    def rank_device(self, rank: int) -> torch.device:
+    def rank_device(self, rank: int) -> "torch.device":
         """The device of TP rank `rank`: on CUDA, consecutive GPUs from the configured one."""
+        import torch
         d = self.torch_device
         if d.type != "cuda":
             return d
@@ -142,16 +155,16 @@ class EngineConfig:
     @property
     def resolved_attention_backend(self) -> str:
         if self.attention_backend == "auto":
-            return "triton" if self.torch_device.type == "cuda" else "torch"
+            return "triton" if self.is_cuda else "torch"
         return self.attention_backend
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return (self.torch_device.type == "cuda" and not self.enforce_eager
+        return (self.is_cuda and not self.enforce_eager
                 and self.resolved_attention_backend == "triton")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+        name = self.dtype if self.dtype != "auto" else ("bfloat16" if self.is_cuda else "float32")
+        return getattr(torch, name)

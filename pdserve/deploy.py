@@ -25,7 +25,7 @@ def build(config: EngineConfig, deployment: DeploymentArgs | None = None,
         if config.executor_backend == "mp":
             from .worker.client import EngineClient
             return EngineClient(config, startup_timeout_s)
-        from .engine.llm_engine import LLMEngine
+        from .worker.llm_engine import LLMEngine
         return LLMEngine(config)
     from .routing import RestartPolicy, Router, plan_workers
     restart = RestartPolicy(max_restarts=deployment.worker_restarts,

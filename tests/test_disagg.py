@@ -16,8 +16,9 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.connectors.head_plan import HeadCopy, plan_head_copies
 from pdserve.routing import DisaggPolicy, RoundRobinPolicy, Router, Unavailable
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.kv_coordinator import KVCoordinator
 from pdserve.layers.linear import kv_head_range
+from pdserve.worker.llm_engine import LLMEngine
 from pdserve.protocol import AddRequest
 
 from .kv_faults import faulty
@@ -96,13 +97,14 @@ def test_head_plan_takes_runs_from_the_first_holder():
 # ---- block holding (pure) ------------------------------------------------------------------
 def test_held_blocks_count_until_released():
     kv = KVCacheManager(8, 4)
+    coord = KVCoordinator(kv)
     kv.allocate_slots("a", 0, 9)
-    table = kv.hold("a", now=1.0)
+    table = coord.hold("a", kv.detach("a"), now=1.0)
     assert len(table) == 3 and kv.num_free_blocks() == 5
-    kv.check_integrity()
-    assert kv.release_held("a") and not kv.release_held("a")
+    kv.check_integrity(coord.held_tables())
+    assert coord.release_held("a") and not coord.release_held("a")
     assert kv.num_free_blocks() == 8
-    kv.check_integrity()
+    kv.check_integrity(coord.held_tables())
 
 
 # ---- two engines in one process ------------------------------------------------------------
@@ -253,7 +255,7 @@ def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path):
     src = msgspec.structs.replace(first.kv_transfer, worker="p")
     D.add_request("a", PROMPTS[3], GREEDY, kv_source=src)
     D.step()
-    assert "a#0" in D.scheduler.loading and D.kv.pool.num_used_blocks > 0
+    assert "a#0" in D.kv_coordinator.loading and D.kv.pool.num_used_blocks > 0
     D.abort_request("a")
     D.step()                                   # the cancel verdict reaches the runner
     assert not D.runner.connector.loads
@@ -481,19 +483,19 @@ def test_two_sided_abort_before_the_load_still_receives():
     from pdserve.engine.request import Request, RequestStatus
     from pdserve.engine.scheduler import Scheduler
     kv = KVCacheManager(4, 4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
-    sched.discard_unloaded = True
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64,
+                      kv_coordinator=KVCoordinator(kv, two_sided=True))
     kv.allocate_slots("hog", 0, 16)                 # the pool is full: loads must wait
     a, b = (Request(r, [1, 2, 3, 4, 5], GREEDY, output_token_ids=[9]) for r in ("a#0", "b#0"))
     sched.add_remote(a, KVSource("p", "a", [3, 4], 5, [9]))
     sched.add_remote(b, KVSource("p", "b", [5, 6], 5, [9]))
-    assert sched.schedule().kv_loads == []          # no room yet
+    assert sched.schedule().kv_work is None         # no room yet: no loads (no KV work at all)
     sched.finish(a, RequestStatus.FINISHED_ABORTED)
     kv.free("hog")
-    out = sched.schedule()
-    assert [(l.request_id, l.dst_block_ids == []) for l in out.kv_loads] == [("a#0", True),
-                                                                            ("b#0", False)]
-    assert out.kv_loads[1].src_block_ids == [5, 6]
+    loads = sched.schedule().kv_work.loads
+    assert [(l.request_id, l.dst_block_ids == []) for l in loads] == [("a#0", True),
+                                                                      ("b#0", False)]
+    assert loads[1].src_block_ids == [5, 6]
 
 
 @pytest.mark.parametrize("connector", ["torch-dist", "nccl"])

@@ -1,5 +1,7 @@
 """Engine-level behaviour on a tiny random Qwen2: seeds, n > 1, stops, logprobs, streaming,
 abort, preemption; check_integrity after every scenario."""
+import collections
+
 import pytest
 import torch
 
@@ -81,6 +83,38 @@ def test_n_shares_prompt_blocks(model_dir):
     assert eng.kv.num_free_blocks() == 256
 
 
+@pytest.mark.parametrize("seed", [None, 21])
+def test_n_children_equal_independent_runs(model_dir, seed):
+    """Each of n samples is the run it would be alone: greedy, every child is the greedy run;
+    seeded, child i is the n=1 run with seed + i. The prompt ends 7 tokens into its last block,
+    which the children share after the fork: each child's first write copies it (copy-on-write),
+    so a child whose copy lost those 7 positions' KV attends to something else. A request run
+    before puts other KV in the pool blocks the copies land in."""
+    prompt = PROMPTS[6][:15]                       # 15 tokens, block size 8: 7 in the last block
+    n, temp = 3, (0.0 if seed is None else 1.0)
+
+    def params(**kw):
+        return SamplingParams(temperature=temp, max_tokens=10, ignore_eos=True, logprobs=1, **kw)
+
+    alone = make_llm(model_dir, block_size=8)
+    if seed is None:
+        ref = [alone.generate(ids(prompt), params(), use_tqdm=False)[0].outputs[0]] * n
+    else:
+        ref = [alone.generate(ids(prompt), params(seed=seed + i), use_tqdm=False)[0].outputs[0]
+               for i in range(n)]
+    llm = make_llm(model_dir, num_kv_blocks=16, block_size=8)
+    llm.generate(ids(PROMPTS[1] * 4), params(seed=3), use_tqdm=False)   # stale KV in the pool
+    (out,) = llm.generate(ids(prompt), params(n=n, seed=seed), use_tqdm=False)
+    assert [o.token_ids for o in out.outputs] == [r.token_ids for r in ref]
+    for o, r in zip(out.outputs, ref):   # the same distributions, not only the same draws
+        for got, want in zip(o.logprobs, r.logprobs):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in want)
+    if seed is not None:
+        assert len({tuple(r.token_ids) for r in ref}) > 1    # the seeds make a difference
+    llm.llm_engine.check_integrity()
+
+
 def test_stop_token_ids_max_tokens_and_finish_reasons(model_dir):
     llm = make_llm(model_dir)
     greedy = llm.generate(ids(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=10,
@@ -155,3 +189,56 @@ def test_bad_request_mid_flight_leaves_others_running(model_dir):
         done += [o for o in eng.step() if o.finished]
     assert [o.request_id for o in done] == ["a"] and len(done[0].outputs[0].token_ids) == 6
     eng.check_integrity()
+
+
+def test_step_records_count_what_each_step_ran(model_dir):
+    """One StepRecord per step with a forward. max_num_seqs=1 keeps b waiting behind a; a's
+    13-token prompt runs in chunks of 6, 6 and 1 (a prompt token: prefill, though one token),
+    then a decodes once; b's 2-token prompt, then its decode. On CPU nothing is timed on a
+    device (gpu_ms None)."""
+    llm = make_llm(model_dir, max_num_seqs=1, max_num_batched_tokens=6)
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    eng.add_request("a", {"prompt_token_ids": PROMPTS[2]}, sp)
+    eng.add_request("b", {"prompt_token_ids": PROMPTS[3]}, sp)
+    while eng.has_unfinished_requests():
+        eng.step()
+    recs = eng.take_step_records()
+    assert [(r.num_prefill_tokens, r.num_decode_tokens, r.num_prefill_seqs, r.num_decode_seqs,
+             r.num_waiting) for r in recs] == [
+        (6, 0, 1, 0, 1), (6, 0, 1, 0, 1), (1, 0, 1, 0, 1), (0, 1, 0, 1, 1),
+        (2, 0, 1, 0, 0), (0, 1, 0, 1, 0)]
+    assert all(r.gpu_ms is None and r.wall_ms > 0 for r in recs)
+    assert [r.t for r in recs] == sorted(r.t for r in recs)
+    assert eng.take_step_records() == []       # taken once
+    eng.step()                                 # nothing to run: no record
+    assert eng.take_step_records() == []
+
+
+def test_gpu_times_settle_in_order_without_waiting():
+    """ModelRunner.take_gpu_times reads only the forwards whose end event has completed, oldest
+    first, and never waits: a later forward that completed waits behind an earlier one still
+    running (events complete in stream order; a gap would mean a wait). Fake events stand in
+    for CUDA's."""
+    from pdserve.worker.model_runner import ModelRunner
+
+    class Event:
+        def __init__(self, t, done=True):
+            self.t, self.done = t, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            assert self.done and end.done     # read only once complete
+            return end.t - self.t
+
+    runner = object.__new__(ModelRunner)       # only the timing state, no model
+    runner._gpu_settled = {}
+    slow = Event(5.0, done=False)
+    runner._gpu_pending = collections.deque([(1, Event(0.0), Event(2.5)), (2, Event(3.0), slow),
+                                             (3, Event(6.0), Event(7.0))])
+    assert runner.take_gpu_times() == {1: 2.5}
+    assert runner.take_gpu_times() == {}
+    slow.done = True
+    assert runner.take_gpu_times() == {2: 2.0, 3: 1.0}

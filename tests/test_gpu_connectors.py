@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu,
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.disagg.connectors import shared_pull  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.worker.llm_engine import LLMEngine  # noqa: E402
 from pdserve.protocol import AddRequest  # noqa: E402
 
 from .kv_faults import faulty  # noqa: E402

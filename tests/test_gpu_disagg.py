@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.disagg.connectors import shared_pull  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.worker.llm_engine import LLMEngine  # noqa: E402
 
 from .kv_faults import faulty  # noqa: E402
 from .test_disagg import GREEDY, PROMPTS, _handoff, _run  # noqa: E402

@@ -80,7 +80,7 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
     a serving mix selects: short and long prompts, chunked prefill over long contexts, decode
     batches eager and graphed, mixed steps — none compiles another (each costs ~1 s of stall)."""
     from pdserve.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.worker.llm_engine import LLMEngine
     from pdserve.worker.worker import _triton_kernels, kernel_variants
 
     from .test_tp import LLAMA_8Q_2KV, _folder

@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.worker.llm_engine import LLMEngine  # noqa: E402
 
 from .utils import paged_logits, save_tiny_hf_model  # noqa: E402
 

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.worker.llm_engine import LLMEngine
 from pdserve.protocol import AddRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker import messages as m

@@ -73,6 +73,28 @@ def test_preempts_newest_and_recomputes_later():
     assert b.output_token_ids == [7, 7]
 
 
+def test_preempted_requests_go_to_the_front_of_the_queue_oldest_first():
+    """Three 4-token prompts fill a 3-block pool (block size 4) while a fourth waits for a
+    sequence slot. Their first decode needs a fifth position, a new block each: a takes the
+    newest's (c is preempted), then b, with nothing left to take, is preempted itself. A
+    preempted request was admitted before anything still waiting, so both go ahead of w, and
+    in their admission order: b, c, w. Once a finishes, b (two blocks) runs first."""
+    s = make(num_blocks=3, block_size=4, max_seqs=3, budget=64)
+    a, b, c, w = req("a", 4), req("b", 4), req("c", 4), req("w", 4)
+    for r in (a, b, c, w):
+        s.add(r)
+    out, _ = step(s)
+    assert [ch.request_id for ch in out.chunks] == ["a", "b", "c"] and list(s.waiting) == [w]
+    out, _ = step(s)
+    assert out.preempted_ids == ["c", "b"]
+    assert [ch.request_id for ch in out.chunks] == ["a"]
+    assert list(s.waiting) == [b, c, w]
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    out, _ = step(s)    # b: 5 tokens in 2 blocks; c would need 2 more of the 1 left
+    assert [ch.request_id for ch in out.chunks] == ["b"]
+    assert list(s.waiting) == [c, w]
+
+
 def test_fork_shares_prompt_blocks():
     s = make(num_blocks=16, block_size=4)
     s.add(req("p", 6, siblings=2))

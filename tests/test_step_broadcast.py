@@ -11,7 +11,7 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.worker.llm_engine import LLMEngine
 from pdserve.worker.step_broadcast import StepDecoder, StepEncoder
 
 CFG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,

@@ -171,6 +171,12 @@ def test_drain_finishes_in_flight_then_exits(tmp_path):
     finished = client.drain(timeout_s=60)
     assert sorted(o.request_id for o in finished) == [f"r{i}" for i in range(len(PROMPTS))]
     assert all(len(o.outputs[0].token_ids) == 8 for o in finished)
+    # the worker's step records came along: every prompt token once, then 7 fed-back tokens
+    # per request (the 8th is sampled, never fed)
+    recs = list(client.step_records)
+    assert sum(r.num_prefill_tokens for r in recs) == sum(map(len, PROMPTS))
+    assert sum(r.num_decode_tokens for r in recs) == 7 * len(PROMPTS)
+    assert all(r.num_prefill_tokens + r.num_decode_tokens <= 16 for r in recs)
     assert [p.exitcode for p in client._procs] == [0, 0]  # exited by themselves, cleanly
     assert not os.path.exists(client._tmp)
     with pytest.raises(EngineDeadError, match="shut down"):

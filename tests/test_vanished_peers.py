@@ -28,7 +28,7 @@ from pdserve import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.disagg.connectors import get_connector_class
 from pdserve.protocol import AddRequest, KVPair, KVSend
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.worker.llm_engine import LLMEngine
 from pdserve.worker import client as client_module
 from pdserve.worker import messages
 from pdserve.worker.client import EngineClient, EngineDeadError

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..kv_layout import kv_bytes_per_token
 from .common import copy_bandwidth, git_info, hardware_info, random_prompts, sync, write_result
 
 
@@ -54,8 +55,8 @@ def _model_bytes(eng) -> tuple[int, int]:
     params = {id(p): p for p in eng.model.parameters()}.values()
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     attn = eng.model.layers[0].self_attn
-    kv_per_token = (2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
-                    * eng.runner.kv_cache.element_size())
+    kv_per_token = kv_bytes_per_token(eng.model_config.num_layers, attn.num_kv_heads,
+                                      attn.head_dim, eng.runner.kv_cache.element_size())
     return weight_bytes, kv_per_token
 
 

@@ -124,7 +124,7 @@ def _graph_floor_rank(rank: int, world: int, init: str, model: str, dtype: str, 
     """GPU floor of a batch-1 decode step: the captured decode graph replayed back to back (no
     host work between replays), and the same with the logits and argmax a step adds."""
     from ..config import EngineConfig
-    from ..engine.llm_engine import build_model_runner
+    from ..worker.build import build_model_runner
     from ..layers.parallel_state import destroy_tp_group, init_tp_group
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)

@@ -29,9 +29,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        # P/D producer: tables of finished requests kept until a consumer pulled them
-        # (request id -> (table, time held)); released by release_held() or a timeout.
-        self.held: dict[str, tuple[list[int], float]] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -80,21 +77,19 @@ class KVCacheManager:
             # keeps the head longest).
             self.pool.release(reversed(table))
 
-    def hold(self, request_id: str, now: float) -> list[int]:
-        """Keep a finishing request's blocks for a consumer to pull; returns its table."""
-        table = self.block_tables.pop(request_id, [])
-        self.held[request_id] = (table, now)
-        return table
+    def detach(self, request_id: str) -> list[int]:
+        """Take a request's table out of the manager with its blocks still allocated: the caller
+        owns them now (P/D: kept for a consumer) and gives them back with release()."""
+        return self.block_tables.pop(request_id, [])
 
-    def release_held(self, request_id: str) -> bool:
-        entry = self.held.pop(request_id, None)
-        if entry is None:
-            return False
-        self.pool.release(reversed(entry[0]))
-        return True
+    def release(self, table: list[int]) -> None:
+        """Give back a detached table's blocks (tail first, as free() does)."""
+        self.pool.release(reversed(table))
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def check_integrity(self) -> None:
-        self.pool.check_integrity([*self.block_tables.values(), *(t for t, _ in self.held.values())])
+    def check_integrity(self, detached: list[list[int]] = ()) -> None:
+        """Every allocated block is referenced exactly as often as the live tables, plus the
+        detached ones the caller still owns, name it."""
+        self.pool.check_integrity([*self.block_tables.values(), *detached])

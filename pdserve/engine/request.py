@@ -10,6 +10,13 @@ if TYPE_CHECKING:
     from ..sampling_params import SamplingParams
 
 
+def sequence_id(request_id: str, index: int) -> str:
+    """The id of sample `index` of user request `request_id` (what the scheduler, the runner
+    and the KV transfer know it by). Made here only; never parsed back (the engine core's
+    output table maps a sequence to its request)."""
+    return f"{request_id}#{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"          # in the waiting queue (new or preempted)
     RUNNING = "running"

@@ -7,6 +7,11 @@ lasts, then admits waiting requests first-come-first-served. One forward runs th
 When the pool is short, the newest running request is preempted: its blocks are freed and it
 goes back to the front of the queue to be recomputed later (same tokens, since its outputs are kept).
 
+P/D lives in a KVCoordinator (kv_coordinator.py) given to the constructor: sequences whose
+prompt KV is on a producer (add_remote), loads in flight, blocks held for a consumer. Without
+one this is the plain collocated scheduler; with one, the coordinator's per-step KV work rides
+in SchedulerOutput.kv_work.
+
 Pure Python; the model runner only sees the SchedulerOutput.
 """
 from __future__ import annotations
@@ -15,8 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..protocol import KVLoad, KVLoadDone, KVPeer, KVSend, KVSource
+from ..protocol import KVLoadDone, KVSource
 from .kv_cache_manager import BlockCopy, KVCacheManager
+from .kv_coordinator import KVCoordinator, KVStepWork
 from .request import Request, RequestStatus
 
 
@@ -52,12 +58,10 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)   # since the last step: runner drops state
-    # P/D consumer, handled by every rank before the forward: producers to reach, the driver's
-    # verdicts on earlier loads (ok: the blocks may be read now; not ok: cancel), new loads.
-    kv_peers: list[KVPeer] = field(default_factory=list)
-    kv_verdicts: list[tuple[str, bool]] = field(default_factory=list)
-    kv_loads: list[KVLoad] = field(default_factory=list)
-    kv_sends: list[KVSend] = field(default_factory=list)   # two-sided producer: blocks to send
+    kv_work: KVStepWork | None = None   # P/D: every rank's connector does it before the forward
+    step_id: int = 0                    # counts schedule() calls (GPU times come back keyed by it)
+    num_decodes: int = 0                # chunks that feed one output token (the rest is prefill)
+    num_prefill_tokens: int = 0         # tokens of the other chunks (prompt or recomputed)
 
     @property
     def num_tokens(self) -> int:
@@ -67,26 +71,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
-    @property
-    def has_kv_work(self) -> bool:
-        return bool(self.kv_peers or self.kv_verdicts or self.kv_loads or self.kv_sends)
-
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_kv_loads: int = 64):
+                 kv_coordinator: KVCoordinator | None = None):
         self.kv = kv
-        self.max_kv_loads = max_kv_loads  # P/D consumer: loads in flight at once (back-pressure)
-        self.kv_waiting: deque[Request] = deque()      # prompt KV on a producer, no blocks yet
-        self.loading: dict[str, Request] = {}          # blocks allocated, KV being pulled
-        self.kv_sources: dict[str, KVSource] = {}
-        self._kv_verdicts: list[tuple[str, bool]] = []
-        self._kv_peers: list[KVPeer] = []
-        self._kv_sends: list[KVSend] = []
-        self._kv_discards: list[KVLoad] = []
-        # two-sided transfers: a request dropped before its load still receives (and discards)
-        # what the producer sends, so the next receive meets the next send
-        self.discard_unloaded = False
+        self.kv_coordinator = kv_coordinator   # None: collocated, no P/D path below is taken
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -96,41 +86,35 @@ class Scheduler:
         self._finished_since_step: list[str] = []
         self._last: tuple[list[tuple[Request, int]], list[Request]] = ([], [])
         self.num_preemptions = 0  # total, for metrics and tests
+        self._step_id = 0
 
     # ---- admission and removal ------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a sequence (with any FORK_PENDING siblings attached to req.siblings)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.hold_kv and self.kv_coordinator is None:
+            raise ValueError("this scheduler has no KV coordinator: it cannot hold KV")
         self.requests[req.request_id] = req
         for s in req.siblings:
             self.requests[s.request_id] = s
         self.waiting.append(req)
 
     def add_remote(self, req: Request, source: KVSource) -> None:
-        """Queue a sequence whose first source.num_tokens positions are computed on a producer:
-        its blocks are allocated when the pool has room, then the KV is pulled (kv_loads), then
-        it runs from there like any other sequence."""
+        """Queue a sequence whose first source.num_tokens positions are computed on a producer
+        (needs a KV coordinator): its blocks are allocated when the pool has room, then the KV
+        is pulled, then it runs from there like any other sequence."""
+        if self.kv_coordinator is None:
+            raise ValueError("this scheduler has no KV coordinator: it cannot pull KV")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.kv_sources[req.request_id] = source
-        req.status = RequestStatus.WAITING_FOR_KV
-        self.kv_waiting.append(req)
-
-    def add_kv_peer(self, peer: KVPeer) -> None:
-        self._kv_peers.append(peer)
-
-    def add_kv_send(self, send: KVSend) -> None:
-        self._kv_sends.append(send)
-
-    def has_kv_work(self) -> bool:
-        """KV work for the next step even without requests to run (peers, sends, verdicts)."""
-        return bool(self._kv_peers or self._kv_sends or self._kv_verdicts or self._kv_discards)
+        self.kv_coordinator.admit(req, source)
 
     def finish(self, req: Request, status: RequestStatus, now: float = 0.0) -> list[int] | None:
         """Remove a sequence (and its unforked siblings) for good, freeing its blocks (or, for a
-        producer's hold_kv sequence that did not abort, keeping them: returns its table)."""
+        producer's hold_kv sequence that did not abort, handing them to the KV coordinator to
+        hold: returns its table)."""
         held = None
         for r in [req, *req.siblings]:
             if r.status.finished:
@@ -139,18 +123,11 @@ class Scheduler:
                 self.running.remove(r)
             elif r.status is RequestStatus.WAITING:
                 self.waiting.remove(r)
-            elif r.status is RequestStatus.WAITING_FOR_KV:
-                self.kv_waiting.remove(r)
-                if self.discard_unloaded:
-                    src = self.kv_sources[r.request_id]
-                    self._kv_discards.append(KVLoad(r.request_id, src.worker, src.block_ids, []))
-            elif r.status is RequestStatus.LOADING_KV:
-                del self.loading[r.request_id]
-                self._kv_verdicts.append((r.request_id, False))  # cancel before reuse
-            self.kv_sources.pop(r.request_id, None)
+            elif r.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.LOADING_KV):
+                self.kv_coordinator.drop(r)
             r.status = status
             if r.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
-                held = self.kv.hold(r.request_id, now)
+                held = self.kv_coordinator.hold(r.request_id, self.kv.detach(r.request_id), now)
             else:
                 self.kv.free(r.request_id)
             del self.requests[r.request_id]
@@ -164,41 +141,21 @@ class Scheduler:
         return bool(self.requests)
 
     def _num_seq_slots_used(self) -> int:
-        return sum(1 + len(r.siblings) for r in self.running) + len(self.loading)
+        used = sum(1 + len(r.siblings) for r in self.running)
+        return used if self.kv_coordinator is None else used + self.kv_coordinator.num_loading
 
     def finish_loads(self, done: list[KVLoadDone]) -> None:
-        """The pulls that ended: ok -> the sequence runs from the producer's position (its next
-        forward follows the runner's ok verdict); failed -> its blocks are freed (the runner
-        cancels the pull before anything reuses them) and it is recomputed here from scratch."""
-        for d in done:
-            req = self.loading.pop(d.request_id, None)
-            if req is None:
-                continue  # aborted meanwhile: its verdict is already queued
-            self._kv_verdicts.append((d.request_id, d.ok))
-            source = self.kv_sources.pop(d.request_id)
-            if d.ok:
-                req.num_computed_tokens = source.num_tokens
+        """P/D: place the sequences whose loads ended (the coordinator resolves them): ok ->
+        it runs from the producer's position (its next forward follows the ok verdict); failed
+        -> its blocks are freed and it is recomputed here from scratch, first in the queue."""
+        for req, ok in self.kv_coordinator.finish_loads(done):
+            if ok:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
             else:
                 self.kv.free(req.request_id)
-                req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
                 self.waiting.appendleft(req)
-
-    def _start_loads(self, out: SchedulerOutput) -> None:
-        while self.kv_waiting and len(self.loading) < self.max_kv_loads:
-            req = self.kv_waiting[0]
-            if self._num_seq_slots_used() + 1 > self.max_num_seqs:
-                break
-            source = self.kv_sources[req.request_id]
-            if self.kv.allocate_slots(req.request_id, 0, source.num_tokens) is None:
-                break
-            self.kv_waiting.popleft()
-            req.status = RequestStatus.LOADING_KV
-            self.loading[req.request_id] = req
-            out.kv_loads.append(KVLoad(req.request_id, source.worker, source.block_ids,
-                                       list(self.kv.block_tables[req.request_id])))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
@@ -210,11 +167,9 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_since_step,
-                              kv_peers=self._kv_peers, kv_verdicts=self._kv_verdicts,
-                              kv_sends=self._kv_sends, kv_loads=self._kv_discards)
-        self._finished_since_step, self._kv_peers, self._kv_verdicts = [], [], []
-        self._kv_sends, self._kv_discards = [], []
+        self._step_id += 1
+        out = SchedulerOutput(finished_ids=self._finished_since_step, step_id=self._step_id)
+        self._finished_since_step = []
         budget = self.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
 
@@ -253,12 +208,18 @@ class Scheduler:
             picked.append((req, n))
             budget -= n
 
-        if self.kv_waiting and not out.preempted_ids:
-            self._start_loads(out)
+        coord = self.kv_coordinator
+        if coord is not None:
+            if coord.waiting and not out.preempted_ids:
+                coord.start_loads(self.kv, self.max_num_seqs - self._num_seq_slots_used())
+            out.kv_work = coord.take_work()
 
         forked: list[Request] = []
+        num_decodes = 0
         for req, n in picked:
             end = req.num_computed_tokens + n
+            if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+                num_decodes += 1
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
                 out.new_requests.append(self._new_data(req))
@@ -277,6 +238,8 @@ class Scheduler:
                     out.forks.append(Fork(s.request_id, req.request_id))
                     forked.append(s)
                 req.siblings = []
+        out.num_decodes = num_decodes
+        out.num_prefill_tokens = self.max_num_batched_tokens - budget - num_decodes
         self._last = (picked, forked)
         return out
 
@@ -304,8 +267,11 @@ class Scheduler:
         return got
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
+        coord = self.kv_coordinator
+        self.kv.check_integrity([] if coord is None else coord.held_tables())
         held = set(self.kv.block_tables)
-        live = {r.request_id for r in self.running} | set(self.loading)
+        live = {r.request_id for r in self.running}
+        if coord is not None:
+            live |= set(coord.loading)
         assert held <= live, f"block tables held by non-running requests: {held - live}"
         assert self._num_seq_slots_used() <= self.max_num_seqs

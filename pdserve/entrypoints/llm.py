@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from ..config import EngineConfig
 from ..args import DeploymentArgs
 from ..deploy import build
-from ..engine.llm_engine import LLMEngine
+from ..worker.llm_engine import LLMEngine
 from ..protocol import AddRequest, Prompt
 from ..outputs import RequestOutput
 from ..routing.client import EngineProtocol

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from ..devices import on_device
+from ..kv_layout import kv_bytes_per_token
 from ._checks import require
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -227,7 +228,7 @@ class KVPull:
                         dst.stride(1), dst.stride(2), dst.stride(3), hd[0] * d)
         self.meta = dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c,
                          TILES_C=tiles_c, EVEN=rows % block_r == 0 and cols % block_c == 0)
-        self.bytes_per_block = L * 2 * bs * nh * d * src.element_size()
+        self.bytes_per_block = bs * kv_bytes_per_token(L, nh, d, src.element_size())
         self._compiled: dict[tuple, object] = {}
         if dst.is_cuda and src.device != dst.device:
             _enable_peer_access(dst.device, src.device)

@@ -149,11 +149,6 @@ class ModelConfig:
             raise ValueError(f"intermediate_size {self.intermediate_size} does not split over "
                              f"tensor_parallel_size {tp}")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache elements per token over all layers (multiply by the dtype size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 _REQUIRED = object()
 

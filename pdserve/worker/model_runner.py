@@ -1,5 +1,6 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs one forward over the mixed batch,
-samples, and returns the new token of every sequence that reached its end this step.
+samples, and returns the new token of every sequence that reached its end this step (the
+engine core's Executor, engine/executor.py).
 
 It owns the KV cache tensor and each sequence's sampling state (params, generator, the tokens the
 penalties need); the scheduler owns which blocks hold what.
@@ -11,23 +12,19 @@ request's KV (P/D disaggregation) is moving its block ids' slices layer by layer
 from __future__ import annotations
 
 import functools
+from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
 from ..devices import on_device
-from ..protocol import KVDrop
-from ..engine.scheduler import SchedulerOutput
+from ..engine.executor import SampledToken
+from ..engine.kv_coordinator import KVStepWork
+from ..engine.scheduler import ScheduledChunk, SchedulerOutput
 from ..layers.sampler import Sampler, SamplingBatch
+from ..protocol import KVDrop
 from .cuda_graph import CUDAGraphRunner
-
-
-class SampledToken(NamedTuple):
-    token_id: int
-    logprob: float | None                      # of the sampled token (when logprobs were asked)
-    top: list[tuple[int, float]] | None        # top-k (id, logprob), most likely first
 
 
 @dataclass
@@ -58,6 +55,8 @@ class ModelRunner:
                  max_model_len: int = 4096, cuda_graph_max_batch: int = 0,
                  is_driver: bool = True, kv_connector: str | None = None,
                  kv_path: str | None = None, kv_sync: bool = True):
+        """is_driver: rank 0 (samples; it also times each forward on the device, see
+        take_gpu_times)."""
         cfg = model.config
         # Under TP every rank runs the forward and the logits gather; only the driver (rank 0)
         # samples, and the others learn the tokens from its next SchedulerOutput.
@@ -87,6 +86,9 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.seqs: dict[str, _SeqState] = {}
         self._prompt_logprobs: dict[str, list[SampledToken]] = {}
+        # Forward timing (driver only): a CUDA event pair per forward, read once complete.
+        self._gpu_pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._gpu_settled: dict[int, float | None] = {}
         self.graphs = None
         if device.type == "cuda":
             self.warm_up(max_model_len)
@@ -106,7 +108,6 @@ class ModelRunner:
         Two eager forwards that read and write only the scratch block cover both choices of
         each launch (the choice follows the batch's longest sequence): [short decode row + short
         prefill] and [decode row + prefill chunk, both ending at the longest context served]."""
-        from ..engine.scheduler import ScheduledChunk
         longest = min(max_model_len, 4096)   # splits begin at 512 (decode) / 2048 (prefill) keys
         bs, q = self.block_size, max(2, min(64, longest // 2))
 
@@ -129,21 +130,21 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.close()
 
-    def _kv_work(self, out: SchedulerOutput) -> None:
+    def _kv_work(self, work: KVStepWork) -> None:
         """P/D: reach new peers (or drop dead ones), apply the driver's verdicts (before this
         forward reads or reuses those blocks), send (producer), start new pulls (consumer)."""
         if self.connector is None:
             raise ValueError("KV transfer needs a kv_connector")
-        for peer in out.kv_peers:   # joins and drops, in the order they were announced
+        for peer in work.peers:   # joins and drops, in the order they were announced
             if isinstance(peer, KVDrop):
                 self.connector.drop_peer(peer.worker)
             else:
                 self.connector.add_peer(peer)
-        for rid, ok in out.kv_verdicts:
+        for rid, ok in work.verdicts:
             self.connector.finish(rid, ok)
-        for send in out.kv_sends:
+        for send in work.sends:
             self.connector.send_blocks(send)
-        for load in out.kv_loads:
+        for load in work.loads:
             self.connector.start_load(load, self.kv_sync)
 
     @_own_device
@@ -172,8 +173,8 @@ class ModelRunner:
             self.seqs.pop(rid, None)
         for data in out.new_requests:  # every rank: prompt logprobs need the params everywhere
             self._add(data)
-        if out.has_kv_work:
-            self._kv_work(out)
+        if out.kv_work is not None:
+            self._kv_work(out.kv_work)
         if out.is_empty:
             return {}
         for src, dst in out.block_copies:
@@ -181,7 +182,16 @@ class ModelRunner:
 
         # Decode rows (one token) first: attention backends batch them.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
+        timed = self.is_driver and self.device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         hidden, qsl = self._forward(chunks)
+        if timed:
+            end.record()
+            self._gpu_pending.append((out.step_id, start, end))
+        elif self.is_driver:
+            self._gpu_settled[out.step_id] = None
         for i, c in enumerate(chunks):
             st = self.seqs.get(c.request_id)
             if st is not None and st.params.prompt_logprobs is not None and len(c.token_ids) > 1:
@@ -224,6 +234,17 @@ class ModelRunner:
                 top = list(zip(top_ids[j][:k], top_lp[j][:k]))
             result[rid] = SampledToken(tokens[j], lp[j] if k is not None else None, top)
         return result
+
+    def take_gpu_times(self) -> dict[int, float | None]:
+        """Forward device times (ms) by step id, of the forwards whose end event has completed
+        (Event.query: never a wait; the sampled tokens' copy has usually completed them by the
+        time execute returns); None for each step on CPU."""
+        out, self._gpu_settled = self._gpu_settled, {}
+        pending = self._gpu_pending
+        while pending and pending[0][2].query():
+            step_id, start, end = pending.popleft()
+            out[step_id] = start.elapsed_time(end)
+        return out
 
     def take_prompt_logprobs(self) -> dict[str, list[SampledToken]]:
         """Prompt-token logprobs computed since the last call, per sequence, in prompt order

@@ -10,8 +10,8 @@ step, so each rank keeps its own copy of every live table and the driver sends o
 
 At batch 256 with 64 blocks per sequence the whole tables pickle to 60 KB and take ~2 ms to
 unpickle on a CI core; a decode step's delta is a few bytes per sequence. Everything else a
-forward needs (tokens, positions, forks, block copies, new requests' sampling params) is sent
-as is. Pure Python: tested on CPU without processes.
+forward needs (tokens, positions, forks, block copies, new requests' sampling params, the KV
+coordinator's work for the connectors) is sent as is. Pure Python: tested on CPU without processes.
 """
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ class StepEncoder:
                 self.mirror[c.request_id] = list(live)
             rows.append((c.request_id, c.token_ids, c.start_pos, c.sample, mode, blocks))
         return pickle.dumps((rows, sched.forks, sched.block_copies, sched.new_requests,
-                             sched.finished_ids, sched.kv_peers, sched.kv_verdicts,
-                             sched.kv_loads, sched.kv_sends), protocol=pickle.HIGHEST_PROTOCOL)
+                             sched.finished_ids, sched.kv_work), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class StepDecoder:
@@ -54,7 +53,7 @@ class StepDecoder:
         self.tables: dict[str, list[int]] = {}
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        rows, forks, copies, new, finished, peers, verdicts, loads, sends = pickle.loads(payload)
+        rows, forks, copies, new, finished, kv_work = pickle.loads(payload)
         for rid in finished:
             self.tables.pop(rid, None)
         chunks = []
@@ -66,5 +65,4 @@ class StepDecoder:
                 table = self.tables[rid] = blocks
             chunks.append(ScheduledChunk(rid, tokens, start, table, sample))
         return SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies,
-                               new_requests=new, finished_ids=finished, kv_peers=peers,
-                               kv_verdicts=verdicts, kv_loads=loads, kv_sends=sends)
+                               new_requests=new, finished_ids=finished, kv_work=kv_work)

@@ -1,7 +1,7 @@
 """A worker: one engine spread over a TP group, one process per rank, started by worker_main().
 
-    client ──(zmq, msgspec messages)──> rank 0: LLMEngine (scheduler, KV manager, sampling,
-                                        │        detokenizer) + its model shard
+    client ──(zmq, msgspec messages)──> rank 0: LLMEngine (engine core: scheduler, KV manager,
+                                        │        output processor) + its model shard
                                         │ each step: the SchedulerOutput, block tables as
                                         ▼ deltas (zmq; step_broadcast.py)
                                    rank 1..N-1: model shard only, same forward
@@ -37,12 +37,19 @@ import zmq
 
 from ..checks import check_number
 from ..config import EngineConfig
+from ..kv_layout import kv_bytes_per_token
 from .output_delta import DeltaEncoder
 from .step_broadcast import StepDecoder, StepEncoder
 
 _IDLE_POLL_MS = 500  # how often an idle rank checks that its client is still alive
 _SEND_POLL_MS = 100  # how often a send that finds no room looks at its reader
 _STOP = b"stop"      # driver -> followers: no more steps (a step is a pickle, never this)
+# Only KV pulls in flight (nothing to run until one ends): how long rank 0 waits between steps
+# instead of spinning on the connector's poll.
+_PULL_WAIT_S = 2e-4
+# Step records (StepRecord) travel with the outputs; with no output to carry them, they go on
+# their own once this many have piled up, or when the engine goes idle.
+_STEP_RECORDS_BATCH = 64
 
 
 class ClientGone(Exception):
@@ -269,8 +276,8 @@ class _Driver:
 
     def __init__(self, cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, out: _Outbox,
                  follower_pids: list[int]):
-        from ..engine.llm_engine import LLMEngine
         from . import messages as m
+        from .llm_engine import LLMEngine
         self.m = m
         self.wc = wc
         self.out = out
@@ -319,30 +326,37 @@ class _Driver:
             eng.max_model_len, eng.num_kv_blocks, eng.config.block_size,
             eng.model_config.vocab_size, list(eng.eos_token_ids),
             eng.config.tensor_parallel_size, weight_bytes,
-            2 * eng.model_config.num_layers * attn.num_kv_heads * attn.head_dim
-            * eng.runner.kv_cache.element_size(), export)))
+            kv_bytes_per_token(eng.model_config.num_layers, attn.num_kv_heads, attn.head_dim,
+                               eng.runner.kv_cache.element_size()), export)))
         profiler = _StepProfiler(0)
         slow = _SlowSteps(self.wc.name)
+        coord = eng.kv_coordinator
         last_expiry = time.monotonic()
+        records: list = []
         while True:
-            busy = eng.has_unfinished_requests() or eng.scheduler.has_kv_work()
+            busy = eng.has_work()
             if self.requests.poll(0 if busy else _IDLE_POLL_MS):
                 self._read_messages()
             if not _client_alive(self.wc.client_pid):
                 return
-            if eng.has_unfinished_requests() or eng.scheduler.has_kv_work():
+            if eng.has_work():
                 profiler.step()
                 slow.start()
                 outs = eng.step()
                 slow.end(len(eng.scheduler.running), len(eng.scheduler.waiting))
                 loads = eng.take_kv_events()
-                if outs or loads:
+                records += eng.take_step_records()
+                if outs or loads or len(records) >= _STEP_RECORDS_BATCH or (
+                        records and not eng.has_work()):
                     outs = [self.deltas.encode(o) for o in outs]
-                    self._send(m.Outputs(outs, self._stats(), loads))
+                    self._send(m.Outputs(outs, self._stats(), loads, records))
+                    records = []
+                if eng.only_transfers_in_flight():
+                    time.sleep(_PULL_WAIT_S)
             elif self.draining:
                 self._send(m.Drained())
                 return
-            if eng.kv.held and time.monotonic() - last_expiry > 1.0:
+            if coord is not None and coord.held and time.monotonic() - last_expiry > 1.0:
                 last_expiry = time.monotonic()
                 eng.expire_held_kv(last_expiry)
 
@@ -399,8 +413,9 @@ class _Driver:
 
 
 def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
-    """Ranks >= 1: run every step rank 0 sends until it sends None."""
-    from ..engine.llm_engine import build_model_runner, kv_export
+    """Ranks >= 1: run every step rank 0 sends until it sends _STOP, or until the client is
+    gone (checked whenever no step came for _IDLE_POLL_MS)."""
+    from .build import build_model_runner, kv_export
     runner, _, _ = build_model_runner(cfg, kv_dir=wc.workdir)
     if runner.connector is not None:
         kv_export(runner, wc.name)  # its part of the driver's gather

@@ -1,0 +1,276 @@
+"""EngineCore: one engine's request API over an Executor, in plain Python.
+
+    add_request(id, prompt, params)  -> validates, tokenizes, queues (ValueError on bad input)
+    step()                           -> schedule -> execute -> update; RequestOutputs of the
+                                        requests that advanced
+    abort_request(id)                -> frees everything the request holds
+    has_unfinished_requests()
+
+A user request with n samples is n sequences ("id#0" .. "id#{n-1}", request.sequence_id); the
+OutputProcessor's table maps each back to its group. The Scheduler owns batching and blocks,
+the KVCoordinator (with a kv_connector) the P/D state, the Executor (the ModelRunner in
+process) the tensors, the OutputProcessor detokenization, stops, logprobs and outputs.
+
+Each step with a forward leaves a StepRecord (take_step_records): its prefill/decode mix, the
+queue, its wall time and, once the executor's measurement settles (never waited for), the
+forward's device time.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Iterable
+
+from ..config import EngineConfig
+from ..outputs import RequestOutput
+from ..protocol import (AddRequest, KVDrop, KVLoadDone, KVPeer, KVSend, KVSource, Prompt,
+                        StepRecord, check_token_ids, parse_prompt)
+from ..sampling_params import SamplingParams
+from .executor import Executor
+from .kv_cache_manager import KVCacheManager
+from .kv_coordinator import KVCoordinator
+from .output_processor import OutputProcessor
+from .request import Request, RequestStatus, sequence_id
+from .scheduler import Scheduler, SchedulerOutput
+
+# Settled step records kept for a reader (a worker takes them every step; in process nobody
+# may): the newest win.
+STEP_RECORDS_KEPT = 4096
+# Steps whose device time is not settled yet, at most (an executor that never settles one).
+_PENDING_RECORDS = 64
+
+
+class EngineCore:
+    """config: the engine's configuration (the scheduler's budgets, the KV timeouts);
+    executor: runs the steps; num_kv_blocks / max_model_len: the pool it built; vocab_size and
+    eos_token_ids: the model's; tokenizer: None (token ids only) or the request tokenizer.
+    kv_transfer: P/D (a kv_connector): build a KVCoordinator (two_sided: the connector's
+    producer sends whether or not the consumer still wants the KV). on_schedule: called with
+    every SchedulerOutput before this process runs it (a TP driver sends it to the other
+    ranks there)."""
+
+    def __init__(self, config: EngineConfig, executor: Executor, *, num_kv_blocks: int,
+                 max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 tokenizer=None, kv_transfer: bool = False, two_sided: bool = False,
+                 on_schedule: Callable[[SchedulerOutput], None] | None = None):
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        self.kv_coordinator = None
+        if kv_transfer:
+            self.kv_coordinator = KVCoordinator(
+                self.kv, config.max_kv_loads, two_sided, config.kv_transfer_timeout_s,
+                config.kv_hold_timeout_s)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.kv_coordinator)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_model_len)
+        self._on_schedule = on_schedule
+        self._kv_events: list[KVLoadDone] = []
+        self._pending_records: dict[int, StepRecord] = {}
+        self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_KEPT)
+        self.last_step_ran = False   # the last step() ran a forward
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return parse_prompt(prompt, self.tokenizer, self.vocab_size)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, final_only: bool = False,
+                    kv_hold: bool = False, kv_source: KVSource | None = None) -> None:
+        """Queue a request. final_only: step() reports it once, when it finishes, instead of
+        after every token (what an offline batch wants; streaming leaves it False).
+        P/D: kv_hold keeps its KV when it finishes (the output's kv_transfer says where);
+        kv_source continues a request whose prompt KV waits on a producer."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.outputs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:  # its sequences are admitted together
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs} "
+                             "sequences can run at once")
+        # (SamplingParams checked that they are integers >= 0; the vocabulary is known here)
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        text, ids = self.tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(room for at least one generated token is needed)")
+        done_ids: list[int] = []
+        if kv_hold or kv_source is not None:
+            self._check_kv_request(ids, params, kv_hold, kv_source)
+            if kv_source is not None:
+                done_ids = list(kv_source.output_token_ids)
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seqs.append(Request(sequence_id(request_id, i), ids, params, seed, self.max_model_len,
+                                output_token_ids=list(done_ids), hold_kv=kv_hold))
+        first = seqs[0]
+        for s in seqs[1:]:
+            s.status = RequestStatus.FORK_PENDING
+            first.siblings.append(s)
+        if kv_source is not None and not kv_source.lost:
+            self.scheduler.add_remote(first, kv_source)
+        else:  # (a lost kv_source: computed here from the prompt, after its output tokens)
+            self.scheduler.add(first)
+        self.outputs.add(request_id, text, ids, params, seqs, final_only,
+                         arrival_time or time.monotonic(), done_ids)
+
+    def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
+        """Queues each request; returns, per request, None or why it was rejected (the others
+        are queued regardless)."""
+        errors: list[str | None] = []
+        for r in requests:
+            try:
+                self.add_request(r.request_id, r.prompt, r.params, r.arrival_time, r.final_only,
+                                 r.kv_hold, r.kv_source)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        return errors
+
+    def _check_kv_request(self, ids: list[int], params: SamplingParams, kv_hold: bool,
+                          kv_source: KVSource | None) -> None:
+        if self.kv_coordinator is None and (kv_hold or not kv_source.lost):
+            raise ValueError("this engine has no kv_connector: it cannot "
+                             + ("hold KV" if kv_hold else "pull KV"))
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise ValueError("a P/D request needs n=1 and no prompt_logprobs")
+        if kv_source is None:
+            return
+        if kv_source.num_tokens != len(ids):
+            raise ValueError(f"kv_source covers {kv_source.num_tokens} tokens; the prompt has "
+                             f"{len(ids)}")
+        if not kv_source.lost and len(kv_source.block_ids) != self.kv.blocks_for(kv_source.num_tokens):
+            raise ValueError(f"kv_source has {len(kv_source.block_ids)} blocks for "
+                             f"{kv_source.num_tokens} tokens (block size {self.config.block_size})")
+        if not kv_source.output_token_ids or not all(
+                0 <= t < self.vocab_size for t in kv_source.output_token_ids):
+            raise ValueError("kv_source needs the producer's sampled token(s), in the vocabulary")
+        if len(ids) + len(kv_source.output_token_ids) >= self.max_model_len:
+            raise ValueError("the request does not fit max_model_len here")
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for req in self.outputs.remove(rid):
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.outputs) > 0
+
+    def has_work(self) -> bool:
+        """step() has something to do: requests, or KV work (peers, sends, verdicts)."""
+        return len(self.outputs) > 0 or (self.kv_coordinator is not None
+                                         and self.kv_coordinator.has_work())
+
+    def only_transfers_in_flight(self) -> bool:
+        """The last step ran no forward and KV loads are in flight: nothing runs until a pull
+        ends (a caller looping on step() should wait a little instead of spinning)."""
+        return (not self.last_step_ran and self.kv_coordinator is not None
+                and bool(self.kv_coordinator.started))
+
+    # ---- P/D control plane (sequence ids: a P/D request has one sequence, index 0) -----------
+    def add_kv_peer(self, peer: KVPeer | KVDrop) -> None:
+        """Reach a producer (or drop a dead peer) on every rank with the next step."""
+        self._coordinator().add_peer(peer)
+
+    def send_kv(self, sends: list[KVSend]) -> None:
+        """Two-sided producer: send held KV to consumers (next step, every rank), then drop the
+        hold (KVCoordinator.send_held: a request no longer held is sent as filler, not ok)."""
+        coord = self._coordinator()
+        for s in sends:
+            coord.send_held(sequence_id(s.request_id, 0), s)
+
+    def release_kv(self, request_ids: Iterable[str]) -> None:
+        """A producer's held KV is no longer needed (pulled, or the request went elsewhere)."""
+        coord = self.kv_coordinator
+        if coord is not None:
+            for rid in request_ids:
+                coord.release_held(sequence_id(rid, 0))
+
+    def expire_held_kv(self, now: float | None = None) -> int:
+        """Releases KV held longer than kv_hold_timeout_s (a consumer that never pulled)."""
+        if self.kv_coordinator is None:
+            return 0
+        return self.kv_coordinator.expire_held(time.monotonic() if now is None else now)
+
+    def take_kv_events(self) -> list[KVLoadDone]:
+        """The loads that ended since the last call, by request id."""
+        out, self._kv_events = self._kv_events, []
+        return out
+
+    def _coordinator(self) -> KVCoordinator:
+        if self.kv_coordinator is None:
+            raise ValueError("this engine has no kv_connector")
+        return self.kv_coordinator
+
+    def _finish_loads(self) -> None:
+        coord = self.kv_coordinator
+        done = coord.poll(self.executor.poll_loads(), time.monotonic())
+        if done:
+            # (by request id, through the table: the sequences are still live)
+            events = [KVLoadDone(self.outputs.request_id_of(d.request_id), d.ok, d.nbytes,
+                                 d.seconds, d.error) for d in done]
+            self.scheduler.finish_loads(done)
+            self._kv_events.extend(events)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if self._on_schedule is not None:
+            self._on_schedule(sched)
+        sampled = self.executor.execute(sched)
+        coord = self.kv_coordinator
+        if coord is not None:
+            coord.loads_started(sched.kv_work, time.monotonic())
+            if coord.started:
+                self._finish_loads()
+        for rid, entries in self.executor.take_prompt_logprobs().items():
+            self.outputs.add_prompt_logprobs(rid, entries)
+        advanced = self.scheduler.update({k: v.token_id for k, v in sampled.items()})
+        now = time.monotonic()
+        for req in advanced:
+            stop = self.outputs.append(req, sampled[req.request_id], now)
+            if stop is not None:
+                held = self.scheduler.finish(req, stop.status, now)
+                self.outputs.finish(req, stop, held)
+        outs = self.outputs.take_outputs(now)
+        self.last_step_ran = not sched.is_empty
+        if self.last_step_ran:
+            self._record(sched, t0, now)
+        return outs
+
+    def _record(self, sched: SchedulerOutput, t0: float, now: float) -> None:
+        dec = sched.num_decodes
+        self._pending_records[sched.step_id] = StepRecord(
+            now, sched.num_prefill_tokens, dec, len(sched.chunks) - dec, dec,
+            len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
+        self._settle_records()
+        if len(self._pending_records) > _PENDING_RECORDS:   # never settled: give it up as unmeasured
+            oldest = next(iter(self._pending_records))
+            self._records.append(self._pending_records.pop(oldest))
+
+    def _settle_records(self) -> None:
+        for step_id, ms in self.executor.take_gpu_times().items():
+            rec = self._pending_records.pop(step_id, None)
+            if rec is not None:
+                rec.gpu_ms = ms
+                self._records.append(rec)
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The records of the steps whose device time settled since the last call, oldest
+        first (a step still on the device comes with a later call)."""
+        self._settle_records()
+        out = list(self._records)
+        self._records.clear()
+        return out
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

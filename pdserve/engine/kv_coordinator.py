@@ -1,0 +1,197 @@
+"""KVCoordinator: the scheduler's side of P/D KV transfer (the role vLLM gives the scheduler half
+of its connector). The scheduler without one is the plain collocated scheduler.
+
+It owns every piece of P/D state the engine core keeps; the transport (the connector, on every
+rank) only ever sees the per-step KVStepWork this builds.
+
+    consumer  admit ──> waiting ──(start_loads: blocks allocated)──> loading ──(finish_loads)
+              (prompt KV on a producer,  (a KVLoad in the step's work,     ok: runs from the
+               no blocks here yet)        the pull runs on every rank)     producer's position;
+                                                                           failed / timed out:
+                                                                           recomputed here
+    producer  a finished hold_kv sequence ──> held ──> released by release_held, send_held
+              (its blocks detached from the KV manager)  or expire_held (nobody claimed it)
+
+The Scheduler calls (and nothing else; all of it is P/D):
+    admit(req, source)             queue a sequence whose first source.num_tokens are remote
+    num_loading                    sequences that hold a seq slot while their KV arrives
+    start_loads(kv, free_slots)    allocate blocks for waiting sequences, queue their loads
+    drop(req)                      a WAITING_FOR_KV / LOADING_KV sequence leaves for good
+    hold(rid, table, now)          keep a finished hold_kv sequence's blocks for a consumer
+    finish_loads(done)             resolve ended loads: [(request, ok)] for the scheduler to place
+    take_work()                    this step's KV work (None: none), once per schedule()
+    waiting, loading, held_tables() what it holds (admission order, seq slots, integrity check)
+The engine core calls the control plane: add_peer, send_held, release_held, expire_held,
+has_work, loads_started and poll (which adds the transfer timeouts).
+
+Pure Python: times are passed in (a simulator drives it on its own clock); ids are sequence ids.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..protocol import KVDrop, KVLoad, KVLoadDone, KVPeer, KVSend, KVSource
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class KVStepWork:
+    """What every rank's connector does before a step's forward, in this order: reach new peers
+    (or drop dead ones, in the order announced), apply the driver's verdicts on earlier loads
+    (ok: the blocks may be read now; not ok: cancel before the blocks are reused), send held
+    blocks (two-sided producer), start loads (a load with no destination blocks receives and
+    discards: two-sided, its request left before it had blocks)."""
+    peers: list[KVPeer | KVDrop] = field(default_factory=list)
+    verdicts: list[tuple[str, bool]] = field(default_factory=list)
+    sends: list[KVSend] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
+
+
+class KVCoordinator:
+    """two_sided: the connector's producer sends whether or not the consumer still wants the
+    KV, so a sequence dropped before its load still receives (and discards) what is sent, and
+    the next receive meets the next send."""
+
+    def __init__(self, kv: KVCacheManager, max_loads: int = 64, two_sided: bool = False,
+                 transfer_timeout_s: float = 30.0, hold_timeout_s: float = 300.0):
+        self.kv = kv
+        self.max_loads = max_loads                 # loads in flight at once (back-pressure)
+        self.two_sided = two_sided
+        self.transfer_timeout_s = transfer_timeout_s
+        self.hold_timeout_s = hold_timeout_s
+        self.waiting: deque[Request] = deque()     # prompt KV on a producer, no blocks yet
+        self.sources: dict[str, KVSource] = {}     # of waiting and loading sequences
+        self.loading: dict[str, Request] = {}      # blocks allocated, KV being pulled
+        self.started: dict[str, float] = {}        # loads whose pull runs: since when
+        # producer: tables of finished sequences kept until a consumer pulled them
+        # (sequence id -> (table, time held))
+        self.held: dict[str, tuple[list[int], float]] = {}
+        self._work = KVStepWork()
+
+    # ---- called by the scheduler ------------------------------------------------------------
+    def admit(self, req: Request, source: KVSource) -> None:
+        self.sources[req.request_id] = source
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.waiting.append(req)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.loading)
+
+    def start_loads(self, kv: KVCacheManager, free_slots: int) -> None:
+        """Oldest first, while loads may start, sequence slots last and the pool has the blocks."""
+        while self.waiting and len(self.loading) < self.max_loads and free_slots > 0:
+            req = self.waiting[0]
+            source = self.sources[req.request_id]
+            if kv.allocate_slots(req.request_id, 0, source.num_tokens) is None:
+                break
+            self.waiting.popleft()
+            free_slots -= 1
+            req.status = RequestStatus.LOADING_KV
+            self.loading[req.request_id] = req
+            self._work.loads.append(KVLoad(req.request_id, source.worker, source.block_ids,
+                                           list(kv.block_tables[req.request_id])))
+
+    def drop(self, req: Request) -> None:
+        """`req` (WAITING_FOR_KV or LOADING_KV) leaves; the scheduler frees its blocks."""
+        rid = req.request_id
+        if req.status is RequestStatus.WAITING_FOR_KV:
+            self.waiting.remove(req)
+            if self.two_sided:
+                src = self.sources[rid]
+                self._work.loads.append(KVLoad(rid, src.worker, src.block_ids, []))
+        else:
+            del self.loading[rid]
+            self.started.pop(rid, None)
+            self._work.verdicts.append((rid, False))  # cancel before the blocks are reused
+        del self.sources[rid]
+
+    def hold(self, request_id: str, table: list[int], now: float) -> list[int]:
+        """Keep a finished sequence's blocks (detached from the KV manager) for a consumer."""
+        self.held[request_id] = (table, now)
+        return table
+
+    def finish_loads(self, done: list[KVLoadDone]) -> list[tuple[Request, bool]]:
+        """The loads that ended, as (sequence, ok): ok -> its first source.num_tokens positions
+        are computed (set here); failed -> nothing is (the scheduler frees its blocks and
+        recomputes it). Either way the driver's verdict goes to every rank with the next step
+        (ok: the blocks may be read; not ok: the pull is cancelled before the blocks are reused).
+        Loads no longer in flight (dropped meanwhile: their verdict is queued) are skipped."""
+        out = []
+        for d in done:
+            req = self.loading.pop(d.request_id, None)
+            if req is None:
+                continue
+            self.started.pop(d.request_id, None)
+            self._work.verdicts.append((d.request_id, d.ok))
+            source = self.sources.pop(d.request_id)
+            req.num_computed_tokens = source.num_tokens if d.ok else 0
+            out.append((req, d.ok))
+        return out
+
+    def take_work(self) -> KVStepWork | None:
+        if not self.has_work():
+            return None
+        work, self._work = self._work, KVStepWork()
+        return work
+
+    def held_tables(self) -> list[list[int]]:
+        return [t for t, _ in self.held.values()]
+
+    # ---- called by the engine core (control plane) --------------------------------------------
+    def has_work(self) -> bool:
+        """KV work for the next step even without sequences to run (peers, sends, verdicts)."""
+        w = self._work
+        return bool(w.peers or w.verdicts or w.sends or w.loads)
+
+    def add_peer(self, peer: KVPeer | KVDrop) -> None:
+        self._work.peers.append(peer)
+
+    def send_held(self, seq_id: str, send: KVSend) -> None:
+        """Two-sided producer: send the blocks held for `seq_id` (with the next step, every rank),
+        then drop the hold (the runner reads the blocks before any later forward writes them).
+        A sequence no longer held is still sent (send's block count of filler, marked not ok),
+        so the consumer's receives stay in step; it recomputes that one."""
+        entry = self.held.get(seq_id)
+        ok = entry is not None and len(entry[0]) == len(send.block_ids)
+        blocks = list(entry[0]) if ok else [0] * len(send.block_ids)
+        self._work.sends.append(KVSend(send.request_id, send.consumer, blocks, ok))
+        self.release_held(seq_id)
+
+    def release_held(self, seq_id: str) -> bool:
+        entry = self.held.pop(seq_id, None)
+        if entry is None:
+            return False
+        self.kv.release(entry[0])
+        return True
+
+    def expire_held(self, now: float) -> int:
+        """Releases what was held longer than hold_timeout_s (a consumer that never pulled)."""
+        old = [rid for rid, (_, t) in self.held.items() if now - t > self.hold_timeout_s]
+        for rid in old:
+            self.release_held(rid)
+        return len(old)
+
+    def loads_started(self, work: KVStepWork | None, now: float) -> None:
+        """The step that carried `work` ran: its pulls run from `now` (receive-and-discard
+        loads are nobody's: not tracked)."""
+        if work is not None:
+            for load in work.loads:
+                if load.dst_block_ids and load.request_id in self.loading:
+                    self.started[load.request_id] = now
+
+    def poll(self, reported: list[KVLoadDone], now: float) -> list[KVLoadDone]:
+        """The loads that ended: those the transport reported (a load given up on, or dropped,
+        may still report when its copy stops: not news, skipped) and those in flight longer
+        than transfer_timeout_s (failed here; the verdict cancels them on every rank)."""
+        done = [d for d in reported if d.request_id in self.started]
+        for d in done:
+            del self.started[d.request_id]
+        limit = self.transfer_timeout_s
+        for rid, t in list(self.started.items()):
+            if now - t > limit:
+                del self.started[rid]
+                done.append(KVLoadDone(rid, False, 0, now - t, f"timed out after {limit:g} s"))
+        return done
