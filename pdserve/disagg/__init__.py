@@ -1,2 +1,3 @@
-"""Prefill/decode disaggregation: KV connectors (moving a request's KV cache between workers),
-the router that chooses a path per request, and the types they share."""
+"""Prefill/decode disaggregation's data plane: the KV connectors that move a request's KV cache
+between workers (connectors/). The router that picks each request's path is pdserve/routing;
+the types both use are in pdserve/protocol.py."""

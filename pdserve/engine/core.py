@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 from ..config import EngineConfig
 from ..outputs import RequestOutput
 from ..protocol import (AddRequest, KVDrop, KVLoadDone, KVPeer, KVSend, KVSource, Prompt,
-                        StepRecord, check_token_ids, parse_prompt)
+                        StepRecord, check_token_ids, kv_transfer_unsupported, parse_prompt)
 from ..sampling_params import SamplingParams
 from .executor import Executor
 from .kv_cache_manager import KVCacheManager
@@ -139,8 +139,9 @@ class EngineCore:
         if self.kv_coordinator is None and (kv_hold or not kv_source.lost):
             raise ValueError("this engine has no kv_connector: it cannot "
                              + ("hold KV" if kv_hold else "pull KV"))
-        if params.n != 1 or params.prompt_logprobs is not None:
-            raise ValueError("a P/D request needs n=1 and no prompt_logprobs")
+        why = kv_transfer_unsupported(params)
+        if why is not None:
+            raise ValueError(why)
         if kv_source is None:
             return
         if kv_source.num_tokens != len(ids):

@@ -51,8 +51,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stops worker processes (a no-op for an in-process engine)."""
-        if not isinstance(self.llm_engine, LLMEngine):  # an EngineProtocol: worker processes
-            self.llm_engine.shutdown()
+        self.llm_engine.shutdown()
 
     def __enter__(self):
         return self

@@ -49,6 +49,11 @@ class LLMEngine(EngineCore):
                          kv_transfer=conn is not None,
                          two_sided=conn is not None and conn.two_sided, on_schedule=on_schedule)
 
+    def shutdown(self, timeout_s: float = 0.0) -> None:
+        """The EngineProtocol's stop: an in-process engine has no processes to stop (its
+        memory goes with the object), so this only exists for callers that drive any engine
+        the same way."""
+
     # ---- P/D: what needs the connector ------------------------------------------------------
     def kv_export(self, worker: str) -> KVPeer:
         return kv_export(self.runner, worker)
