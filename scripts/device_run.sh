@@ -11,7 +11,7 @@ for stage in "$@"; do
   case $stage in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
-    tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py tests/test_hf_sliding_window.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
+    tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py tests/test_hf_sliding_window.py tests/test_gpu_connectors.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
     serve-compare) # the same sweep on this tree's server and on an older one's (carried as old/),
            # then a kill -9 of the hardened server's worker: how long until it serves again
            for side in old new; do
@@ -27,16 +27,16 @@ for stage in "$@"; do
              [ $side = new ] && python3 scripts/measure_restart.py 2>&1 | tee "$OUT/restart.log"
              kill -TERM $pid; wait $pid
            done;;
-    regress) # issue 14: the reshape next to e6869e6 (carried as old/) in the same run: the offline recipe
-           # (nano-vllm's, as in RESULTS.md) on each side, then serve-compare (old and new servers, same sweep)
+    regress) bash "$0" regress-offline serve-compare;;
+    regress-offline) # issue 14: the reshape next to e6869e6 (carried as old/) in the same run: the
+           # offline recipe (nano-vllm's, as in RESULTS.md) on each side (serve-compare: the servers)
            for side in old new; do
              pp=$PYTHONPATH; [ $side = old ] && pp="old:$PYTHONPATH"
              PYTHONPATH=$pp python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy \
                --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer none \
                --gpu-memory-utilization 0.5 --max-num-batched-tokens ${OFFLINE_TOKENS:-8192} \
                --output "$OUT/offline-$side.json" 2>&1 | grep -v "^Processed" | tail -4
-           done
-           bash "$0" serve-compare;;
+           done;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --output "$OUT/decode-latency-h200.json";;
     offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;
