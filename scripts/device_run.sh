@@ -14,7 +14,7 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py tests/test_hf_sliding_window.py tests/test_gpu_connectors.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
     serve-compare) # the same sweep on this tree's server and on an older one's (carried as old/),
            # then a kill -9 of the hardened server's worker: how long until it serves again
-           for side in old new; do
+           for side in ${SIDES:-old new}; do
              pp=$PYTHONPATH; [ $side = old ] && pp="old:$PYTHONPATH"
              PYTHONPATH=$pp python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
                --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-$side.log" 2>&1 &
@@ -23,8 +23,8 @@ for stage in "$@"; do
              python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
                --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-16 32 inf} --goodput ttft:500 tpot:50 \
-               --disable-tqdm --result-file "$OUT/serve-compare-$side.json" 2>&1 | tail -6
-             [ $side = new ] && python3 scripts/measure_restart.py 2>&1 | tee "$OUT/restart.log"
+               --disable-tqdm --result-file "$OUT/serve-compare-$side${SERVE_TAG:-}.json" 2>&1 | tail -6
+             [ $side = new ] && [ -z "${NO_RESTART:-}" ] && python3 scripts/measure_restart.py 2>&1 | tee "$OUT/restart.log"
              kill -TERM $pid; wait $pid
            done;;
     regress) bash "$0" regress-offline serve-compare;;
