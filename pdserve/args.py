@@ -60,6 +60,7 @@ class _Group:
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
+    from .disagg.connectors import connector_names
     from .routing.policies import POLICIES
     g = p.add_argument_group("P/D disaggregation (several workers behind a router)")
     g.add_argument("--prefill", type=int, default=0, help="prefill workers")
@@ -72,8 +73,9 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-policy", default=None, choices=list(POLICIES),
                    help="default: disagg with prefill workers, else collocated")
     g.add_argument("--kv-connector", default="shared",
-                   help="how KV moves: shared (CUDA IPC peer reads, or a pinned host relay "
-                        "without peer access; a shared file on CPU), relay, nccl, torch-dist (CPU)")
+                   help="how KV moves between prefill and decode workers: a registered connector ("
+                        + ", ".join(connector_names()) + "; pdserve/disagg/connectors/base.py "
+                        "says what each does) or a package.module:Class plugin path")
     g.add_argument("--kv-transfer-mode", default="async", choices=list(_config.KV_TRANSFER_MODES),
                    help="sync: a decode worker pulls inside its step; async: beside its steps")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,

@@ -348,7 +348,7 @@ def test_two_prefill_two_decode_workers_share_the_load(tmp_path, reference, conn
         assert router.route_stats.transfers == len(PROMPTS)
         _assert_clean(router)
         assert all(w.outstanding == 0 for w in router.workers.values())
-        assert not any(router._bound.values())
+        assert not any(router.core.bound.values())
 
 
 @pytest.mark.parametrize("cfg,ptp,dtp", [(LLAMA_8Q_2KV, 2, 1), (LLAMA_8Q_2KV, 1, 2),
@@ -446,7 +446,7 @@ def test_prefill_worker_dead_at_the_hand_off_is_recomputed(tmp_path, reference, 
 
     def kill_at_first_hand_off(self, results):
         victim = self.workers["prefill-0"].client
-        if self._handoffs and not victim.exited():
+        if self.core.handoffs and not victim.exited():
             os.kill(victim.pids[0], signal.SIGKILL)
             victim._procs[0].join(10)
         return real(self, results)

@@ -108,18 +108,6 @@ class Router:
     def two_sided(self) -> bool:
         return self.core.two_sided
 
-    @property
-    def _bound(self) -> dict[str, int]:
-        return self.core.bound
-
-    @property
-    def _handoffs(self) -> dict:
-        return self.core.handoffs
-
-    @property
-    def _closed(self) -> bool:
-        return self.core.closed
-
     def step_records(self, worker: str) -> list[StepRecord]:
         """worker's recent engine steps (StepRecord), oldest first, across its restarts."""
         return list(self.core.workers[worker].steps)
@@ -356,7 +344,7 @@ class Router:
         now = time.monotonic()
         if now - w.started >= self.restart.stable_s:
             w.attempts = 0
-        if self._closed or w.attempts >= self.restart.max_restarts:
+        if self.core.closed or w.attempts >= self.restart.max_restarts:
             w.restart_at = None   # failed: stays out of routing
             return
         w.restart_at = now + self.restart.delay(w.attempts)
@@ -372,7 +360,7 @@ class Router:
         back-off has passed, and takes the started workers back into routing."""
         now = time.monotonic()
         for w in self.workers.values():
-            if w.alive or self._closed:
+            if w.alive or self.core.closed:
                 continue
             if w.starting is None and w.restart_at is not None and now >= w.restart_at:
                 w.restart_at = None
@@ -444,7 +432,7 @@ class Router:
         return [pid for w in self.workers.values() for pid in w.client.pids]
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.core.closed:
             raise EngineDeadError("the router was shut down")
 
     def drain(self, timeout_s: float = 60.0) -> list[RequestOutput]:
@@ -460,7 +448,7 @@ class Router:
         return collected
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        if self._closed:
+        if self.core.closed:
             return
         self.core.close()
         for w in self.workers.values():
