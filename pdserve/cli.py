@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["latency"]:
             from .bench.latency import main as bench_latency
             return bench_latency(argv[2:])
+        if sub == ["step"]:
+            from .bench.step import main as bench_step
+            return bench_step(argv[2:])
         if sub == ["serve"]:
             from .bench.serve import main as bench_serve
             return bench_serve(argv[2:])
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["pd"]:
             from .bench.pd import main as bench_pd
             return bench_pd(argv[2:])
-        print("usage: pdserve bench {offline,latency,tp,pd,serve} [options]   (pdserve bench offline --help)",
+        print("usage: pdserve bench {offline,latency,step,tp,pd,serve} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     from .args import add_engine_args

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
-# Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, offline,
+# Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
 # tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -39,6 +39,7 @@ for stage in "$@"; do
            done;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --output "$OUT/decode-latency-h200.json";;
+    step) python3 -m pdserve bench step --models qwen2.5-1.5b qwen2.5-7b --output "$OUT/step-cost-h200.json";;
     offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;
     wheels) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
             export PYTHONPATH="/tmp/site:$PYTHONPATH";;
