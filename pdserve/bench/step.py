@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for note in notes:
         print(f"note: {note}", flush=True)
     bw = None if args.skip_bandwidth else copy_bandwidth(device)
-    return {"benchmark": "step", "engines": engines, "notes": notes,
+    return {"benchmark": "step", "models": models, "engines": engines, "notes": notes,
             "copy_bandwidth_bytes_per_s": bw, "rows": rows}
 
 
