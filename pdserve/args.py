@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS))
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=None,
+                   help="largest step with prefill tokens replayed as a CUDA graph (default: "
+                        f"the token budget, at most {_config.MAX_GRAPH_TOKENS}; 0: eager)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer (token-id prompts only; for dummy presets)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -30,6 +30,9 @@ KV_TRANSFER_MODES = ("sync", "async")
 MAX_BLOCK_SIZE = 1024
 # Block ids travel as int32 (block tables), the scratch block included (id num_kv_blocks).
 MAX_NUM_KV_BLOCKS = 2 ** 31 - 2
+# Default bound on the steps with prefill tokens that CUDA graphs cover: past ~8k tokens a step's
+# GPU time (tens of ms) dwarfs its launch overhead, and graph memory grows with the tokens.
+MAX_GRAPH_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class EngineConfig:
     attention_backend: str = "auto"     # "auto": triton on CUDA, torch on CPU
     enforce_eager: bool = False         # CUDA: no CUDA graphs
     cuda_graph_max_batch: int = 512     # largest captured decode batch (capped by max_num_seqs)
+    # largest step with prefill tokens replayed as a CUDA graph (None: the token budget, at most
+    # MAX_GRAPH_TOKENS; 0: such steps run eagerly, decode graphs stay)
+    cuda_graph_max_tokens: int | None = None
     tensor_parallel_size: int = 1       # ranks per worker (NCCL on CUDA, gloo on CPU)
     # "uni": the engine runs in the caller's process (tp 1 only); "mp": in worker processes the
     # caller talks to over messages; "auto": uni for tp 1, mp otherwise.
@@ -71,6 +77,7 @@ class EngineConfig:
             check_int(name, getattr(self, name))
         check_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         check_int("max_model_len", self.max_model_len, allow_none=True)
+        check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, minimum=0, allow_none=True)
         if self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks > MAX_NUM_KV_BLOCKS:
@@ -162,6 +169,15 @@ class EngineConfig:
     def use_cuda_graphs(self) -> bool:
         return (self.is_cuda and not self.enforce_eager
                 and self.resolved_attention_backend == "triton")
+
+    @property
+    def graph_max_tokens(self) -> int:
+        """The largest step with prefill tokens that runs as a CUDA graph (0: none)."""
+        if not self.use_cuda_graphs:
+            return 0
+        if self.cuda_graph_max_tokens is not None:
+            return min(self.cuda_graph_max_tokens, self.max_num_batched_tokens)
+        return min(self.max_num_batched_tokens, MAX_GRAPH_TOKENS)
 
     @property
     def torch_dtype(self) -> "torch.dtype":

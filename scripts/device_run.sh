@@ -15,9 +15,10 @@ for stage in "$@"; do
     serve-compare) # the same sweep on this tree's server and on an older one's (carried as old/),
            # then a kill -9 of the hardened server's worker: how long until it serves again
            for side in ${SIDES:-old new}; do
-             pp=$PYTHONPATH; [ $side = old ] && pp="old:$PYTHONPATH"
-             PYTHONPATH=$pp python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
-               --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-$side.log" 2>&1 &
+             # (python -m puts the working directory first on sys.path: the old side runs from old/)
+             dir=.; [ $side = old ] && dir=old
+             (cd $dir && exec python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
+               --device cuda --port 8000 --gpu-memory-utilization 0.8) > "$OUT/serve-$side.log" 2>&1 &
              pid=$!
              for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
              python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
@@ -31,14 +32,20 @@ for stage in "$@"; do
     regress-offline) # issue 14: the reshape next to e6869e6 (carried as old/) in the same run: the
            # offline recipe (nano-vllm's, as in RESULTS.md) on each side (serve-compare: the servers)
            for side in old new; do
-             pp=$PYTHONPATH; [ $side = old ] && pp="old:$PYTHONPATH"
-             PYTHONPATH=$pp python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy \
+             dir=.; [ $side = old ] && dir=old
+             (cd $dir && python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy \
                --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer none \
                --gpu-memory-utilization 0.5 --max-num-batched-tokens ${OFFLINE_TOKENS:-8192} \
-               --output "$OUT/offline-$side.json" 2>&1 | grep -v "^Processed" | tail -4
+               --output "$OUT/offline-$side.json") 2>&1 | grep -v "^Processed" | tail -4
            done;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --output "$OUT/decode-latency-h200.json";;
+    step-compare) # issue 15: bench step on an older tree (carried as old/) and on this one, in turn
+           for side in ${SIDES:-old new}; do
+             dir=.; [ $side = old ] && dir=old
+             (cd $dir && python3 -m pdserve bench step --models ${STEP_MODELS:-qwen2.5-1.5b} ${STEP_ARGS:-} \
+               --output "$OUT/step-$side${STEP_TAG:-}.json") 2>&1 | grep -v Warn | tail -${STEP_TAIL:-16}
+           done;;
     step) python3 -m pdserve bench step --models qwen2.5-1.5b qwen2.5-7b --output "$OUT/step-cost-h200.json";;
     offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;
     wheels) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

@@ -36,8 +36,8 @@ def timed(fn, n=100):
 
 
 g = eng.runner.graphs
-bs = g.bucket(batch)
-print(f"{model} batch {batch}: graph replay {timed(g.graphs[g.tier(160), bs].replay):.3f} ms, "
+key = g.plan(batch, batch, 1, 160).key
+print(f"{model} batch {batch}: graph replay {timed(g.graphs[key].replay):.3f} ms, "
       f"engine step {timed(eng.step):.3f} ms")
 pr = cProfile.Profile()
 pr.enable()
@@ -55,6 +55,6 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(20):
-        g.graphs[g.tier(160), bs].replay()
+        g.graphs[key].replay()
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))

@@ -1,7 +1,7 @@
 """GPU correctness of the whole fast path (Triton kernels, CUDA graphs) against HF transformers
 Qwen2ForCausalLM with the same random weights: bf16 logits within 2e-2 relative error of the fp32
 reference; fp32 greedy 32 tokens identical, with CUDA graphs on and off, for a mixed batch with
-chunked prefill. Run on the device: `python -m pytest -m gpu tests/test_gpu_model.py`."""
+chunked prefill (graphed as mixed steps). Run on the device: `python -m pytest -m gpu tests/test_gpu_model.py`."""
 import pytest
 import torch
 
@@ -68,10 +68,17 @@ def test_fp32_greedy_matches_hf_mixed_batch(hf_dir, backend, eager):
     llm = LLM(str(d), device="cuda", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=1024,
               max_num_batched_tokens=96, enforce_eager=eager, attention_backend=backend)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    graphs = llm.llm_engine.runner.graphs
+    assert (graphs is not None) == (not eager and backend == "triton")
+    families = []
+    if graphs is not None:   # which graph each step replayed
+        replay = graphs.replay
+        graphs.replay = lambda plan, n: (families.append(plan.key[0]), replay(plan, n))[1]
+        assert graphs.mixed_sizes == [16, 32, 48, 64, 96] and graphs.memory_bytes > 0
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert_greedy_matches_hf(hf, prompts, outs, 32)
-    if not eager:
-        assert llm.llm_engine.runner.graphs is not None
+    if graphs is not None:   # chunked prefill + decodes ran as mixed graphs, then decode graphs
+        assert families.count("mixed") >= 10 and families.count("decode") >= 10, families
     llm.llm_engine.check_integrity()
 
 

@@ -133,8 +133,8 @@ def _graph_floor_rank(rank: int, world: int, init: str, model: str, dtype: str, 
                        skip_tokenizer_init=True, max_num_seqs=1, max_model_len=1024,
                        num_kv_blocks=256, tensor_parallel_size=world)
     runner, _, _ = build_model_runner(cfg)
-    g = runner.graphs.graphs[(runner.graphs.tiers[0], 1)]
-    hidden = runner.graphs.outputs[(runner.graphs.tiers[0], 1)]
+    key = runner.graphs.plan(1, 1, 1, 1).key   # the batch-1 decode graph, shortest tier
+    g, hidden = runner.graphs.graphs[key], runner.graphs.outputs[key]
 
     def timed(fn, iters=300) -> float:
         for _ in range(30):

@@ -1,24 +1,55 @@
-"""CUDAGraphRunner: decode-only forwards captured once per batch-size bucket and replayed.
+"""CUDAGraphRunner: whole forwards captured once per shape bucket and replayed, for decode-only
+steps and for steps that carry prefill tokens (mixed or lone prefill).
 
-Every captured graph reads the same static, named buffers (GraphBuffers); a step copies its batch
-into the first B rows and pads the bucket with rows that write into the scratch block and attend
-only to it, so padding never touches a live sequence's cache. All graphs share one memory pool.
-Logits and sampling run after the replay, on the rows that matter.
+Full graphs, not piecewise: the Triton attention path reads nothing from the host (its launcher
+uses shapes and two static upper bounds, max_query_len and max_seq_len, which choose launches and
+split counts, never correctness), and it handles a padded mixed batch (StepInputs: padding
+sequences with q_len 0, padding tokens in the scratch block). So one graph covers embedding,
+every layer and the final norm; logits and sampling run after the replay on the rows that matter.
 
-Graphs are captured per (context tier, batch bucket): the attention kernel sizes its split-K
-grid from the captured max_seq_len, so a batch of short sequences replays a graph captured for a
-short bound (no split-K, no reduce pass) instead of one sized for max_model_len.
+Two graph families share one memory pool and one set of input buffers (StepInputs):
+
+    decode  key (tier, bs):  bs sequences of one token each (bs in DECODE_SIZES up to
+                             cuda_graph_max_batch); max_query_len 1 (the decode launch only)
+    mixed   key (tier, T):   T tokens (T in mixed_sizes up to the token budget) in up to
+                             min(T, max_seqs) sequences of any lengths; max_query_len T
+
+The tier is the captured max_seq_len: a batch of short sequences replays a graph captured for a
+short bound (no split-K, no reduce pass) instead of one sized for max_model_len (decode: 511
+and max_model_len; mixed: 511, 2047, 8191, ... and max_model_len). A step picks
+the smallest bucket that holds it (plan); beyond the largest, or with enforce_eager, it runs
+eagerly over the same buffers.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
+from .step_inputs import StepInputs
 
 
 SHORT_CONTEXT = 511  # below 512 keys the attention kernel runs without split-K
+# Mixed steps' context tiers grow x4: their prefill launch sizes its split-K from the bound, and
+# a bound far above the batch's real contexts splits short key ranges into many pieces plus a
+# reduce pass (measured: 32 decodes at 1k context + a 256-token chunk spent 1.3 ms in attention
+# under a 32k bound). Decode graphs keep two tiers: their split count barely moves with it.
+MIXED_TIER_RATIO = 4
+# Mixed-step token buckets: ~1.5x apart, so padding wastes at most a third of a step's work.
+MIXED_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+               6144, 8192)
+
+
+def context_tiers(max_seq_len: int, ratio: int) -> list[int]:
+    """Captured max_seq_len bounds: SHORT_CONTEXT, then x ratio apart (ratio 1: none between)
+    while at most half of max_seq_len, then max_seq_len itself."""
+    tiers, t = set(), SHORT_CONTEXT
+    while ratio > 1 and 2 * t < max_seq_len:
+        tiers.add(t)
+        t = (t + 1) * ratio - 1
+    return sorted(tiers | {min(SHORT_CONTEXT, max_seq_len), max_seq_len})
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -26,113 +57,107 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [s for s in sizes if s <= max_batch] or [1]
 
 
-@dataclass
-class GraphBuffers:
-    """Views into two packed device tensors, so a step uploads its inputs in two copies:
-    tokens [3, max_batch] int64 = (input_ids, positions, slot_mapping) and
-    meta [max_batch + max_batch * max_blocks] int32 = (seq_lens, block_tables row-major)."""
-    tokens: torch.Tensor
-    meta: torch.Tensor
-    input_ids: torch.Tensor        # [max_batch] int64
-    positions: torch.Tensor        # [max_batch] int64
-    slot_mapping: torch.Tensor     # [max_batch] int64
-    seq_lens: torch.Tensor         # [max_batch] int32
-    block_tables: torch.Tensor     # [max_batch, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor  # [max_batch + 1] int32, fixed 0..max_batch (one token per row)
+def mixed_sizes(max_tokens: int) -> list[int]:
+    """Token buckets for steps with prefill tokens, up to max_tokens (the step's token budget,
+    itself a bucket so that a full step is graphed too). Empty for max_tokens 0."""
+    if max_tokens <= 0:
+        return []
+    sizes = [s for s in MIXED_SIZES if s < max_tokens]
+    return sizes + [max_tokens]
 
-    @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device, pin: bool) -> "GraphBuffers":
-        tokens = torch.zeros(3, max_batch, dtype=torch.long, device=device, pin_memory=pin)
-        meta = torch.zeros(max_batch * (1 + max_blocks), dtype=torch.int32, device=device,
-                           pin_memory=pin)
-        return cls(tokens, meta, tokens[0], tokens[1], tokens[2], meta[:max_batch],
-                   meta[max_batch:].view(max_batch, max_blocks),
-                   torch.arange(max_batch + 1, dtype=torch.int32, device=device))
+
+@dataclass(frozen=True)
+class GraphPlan:
+    key: tuple[str, int, int]   # (family, tier, size)
+    num_tokens: int             # padded shape the step is staged to
+    num_seqs: int
 
 
 class CUDAGraphRunner:
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_seq_len: int,
-                 scratch_block: int, block_size: int, device: torch.device):
+    def __init__(self, model, inputs: StepInputs, max_batch: int, max_mixed_tokens: int,
+                 max_seq_len: int):
+        """max_batch: largest decode batch graphed (0: none); max_mixed_tokens: largest mixed
+        step graphed (0: none); max_seq_len: the longest sequence served."""
         self.model = model
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        self.tiers = sorted({min(SHORT_CONTEXT, max_seq_len), max_seq_len})
-        self.scratch_slot = scratch_block * block_size
-        self.block_size = block_size
-        n = self.max_batch
-        self.max_blocks = max_blocks_per_seq
-        self.scratch_block = scratch_block
-        self.buffers = GraphBuffers.allocate(n, max_blocks_per_seq, device, pin=False)
-        # Pinned host twin: a step fills it with numpy and uploads it asynchronously.
-        self.staging = GraphBuffers.allocate(n, max_blocks_per_seq, "cpu", pin=True)
-        self.np_tokens = self.staging.tokens.numpy()
-        self.np_seq_lens = self.staging.seq_lens.numpy()
-        self.np_tables = self.staging.block_tables.numpy()
-        self.buffers.slot_mapping.fill_(self.scratch_slot)
-        self.buffers.block_tables.fill_(scratch_block)
-        self.buffers.seq_lens.fill_(1)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.inputs = inputs
+        self.decode_sizes = capture_sizes(max_batch) if max_batch > 0 else []
+        self.mixed_sizes = mixed_sizes(min(max_mixed_tokens, inputs.max_tokens))
+        self.tiers = context_tiers(max_seq_len, 1)
+        self.mixed_tiers = context_tiers(max_seq_len, MIXED_TIER_RATIO)
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.pool = None
+        self.capture_s = 0.0
+        self.memory_bytes = 0
 
-    def bucket(self, batch: int) -> int | None:
-        return next((s for s in self.sizes if s >= batch), None)
+    @staticmethod
+    def _tier(tiers: list[int], max_seq_len: int) -> int | None:
+        return next((t for t in tiers if t >= max_seq_len), None)
 
-    def tier(self, max_seq_len: int) -> int:
-        return next(t for t in self.tiers if t >= max_seq_len)
+    def plan(self, num_tokens: int, num_seqs: int, max_query_len: int,
+             max_seq_len: int) -> GraphPlan | None:
+        """The graph this step replays (the smallest that holds it), or None: run eagerly."""
+        if max_query_len == 1:
+            tier = self._tier(self.tiers, max_seq_len)
+            bs = next((s for s in self.decode_sizes if s >= num_seqs), None)
+            if bs is not None and tier is not None:
+                return GraphPlan(("decode", tier, bs), bs, bs)
+        tier = self._tier(self.mixed_tiers, max_seq_len)
+        t = next((s for s in self.mixed_sizes if s >= num_tokens), None)
+        if t is None or tier is None:
+            return None
+        b = self._mixed_seqs(t)
+        return GraphPlan(("mixed", tier, t), t, b) if num_seqs <= b else None
 
-    def _meta(self, bs: int, tier: int) -> AttentionMetadata:
-        b = self.buffers
-        return AttentionMetadata(slot_mapping=b.slot_mapping[:bs],
-                                 query_start_loc=b.query_start_loc[:bs + 1],
-                                 seq_lens=b.seq_lens[:bs], block_tables=b.block_tables[:bs],
-                                 max_query_len=1, max_seq_len=tier, num_decodes=bs)
+    def _mixed_seqs(self, num_tokens: int) -> int:
+        return min(num_tokens, self.inputs.max_seqs)
+
+    def _meta(self, family: str, tier: int, size: int) -> AttentionMetadata:
+        x = self.inputs
+        b = size if family == "decode" else self._mixed_seqs(size)
+        return AttentionMetadata(slot_mapping=x.slot_mapping[:size],
+                                 query_start_loc=x.query_start_loc[:b + 1],
+                                 seq_lens=x.seq_lens[:b], block_tables=x.block_tables[:b],
+                                 max_query_len=1 if family == "decode" else size,
+                                 max_seq_len=tier, num_decodes=b if family == "decode" else 0)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        b = self.buffers
-        for tier in reversed(self.tiers):
-            for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
-                meta = self._meta(bs, tier)
-                with forward_context(meta):
-                    self.model(b.input_ids[:bs], b.positions[:bs])  # warm-up (autotune, lazy init)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    with forward_context(meta):
-                        self.outputs[tier, bs] = self.model(b.input_ids[:bs], b.positions[:bs])
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[tier, bs] = g
+        """Captures every graph, largest first (later graphs reuse the pool's blocks); records
+        capture_s and memory_bytes (device memory the graphs added)."""
+        t0 = time.perf_counter()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved0 = torch.cuda.memory_reserved()
+        keys = [("mixed", tier, t) for tier in reversed(self.mixed_tiers)
+                for t in reversed(self.mixed_sizes)]
+        keys += [("decode", tier, s) for tier in reversed(self.tiers)
+                 for s in reversed(self.decode_sizes)]
+        x = self.inputs
+        for key in keys:
+            family, tier, size = key
+            meta = self._meta(family, tier, size)
+            x.stage([], size, meta.seq_lens.shape[0])   # all padding: reads and writes nothing live
+            with forward_context(meta):
+                self.model(x.input_ids[:size], x.positions[:size])  # warm-up (lazy init, compiles)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                with forward_context(meta):
+                    self.outputs[key] = self.model(x.input_ids[:size], x.positions[:size])
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[key] = g
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()   # the warm-ups' activations: the graphs keep their own pool
+        self.memory_bytes = torch.cuda.memory_reserved() - reserved0   # the graphs' pool
+        self.capture_s = time.perf_counter() - t0
 
-    def run(self, chunks, bs: int) -> torch.Tensor:
-        """Replays the graph for `chunks` (decode rows, one token each) padded to `bs` rows.
-        Returns hidden states [len(chunks), hidden] (graph memory, valid until the next replay)."""
-        n = len(chunks)
-        tok, lens, tables = self.np_tokens, self.np_seq_lens, self.np_tables
-        max_len = 1
-        for i, c in enumerate(chunks):
-            pos = c.start_pos
-            tok[0, i] = c.token_ids[0]
-            tok[1, i] = pos
-            tables[i, : len(c.block_table)] = c.block_table
-            tok[2, i] = c.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
-            lens[i] = pos + 1
-            max_len = max(max_len, pos + 1)
-        # padding rows: write to and attend to the scratch slot only
-        tok[0, n:bs] = 0
-        tok[1, n:bs] = 0
-        tok[2, n:bs] = self.scratch_slot
-        lens[n:bs] = 1
-        tables[n:bs, 0] = self.scratch_block
-        b, st = self.buffers, self.staging
-        b.tokens[:, :bs].copy_(st.tokens[:, :bs], non_blocking=True)
-        end = self.max_batch + bs * self.max_blocks
-        b.meta[:end].copy_(st.meta[:end], non_blocking=True)
-        key = (self.tier(max_len), bs)
-        self.graphs[key].replay()
-        return self.outputs[key][:n]
+    def replay(self, plan: GraphPlan, num_tokens: int) -> torch.Tensor:
+        """Replays the planned graph over the staged inputs; hidden states of the first
+        num_tokens rows (graph memory: valid until the next replay)."""
+        self.graphs[plan.key].replay()
+        return self.outputs[plan.key][:num_tokens]
 
     def release(self) -> None:
         """Drop the graphs before the process group or the cache they reference goes away."""

@@ -12,6 +12,7 @@ request's KV (P/D disaggregation) is moving its block ids' slices layer by layer
 from __future__ import annotations
 
 import functools
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ from ..engine.scheduler import ScheduledChunk, SchedulerOutput
 from ..layers.sampler import Sampler, SamplingBatch
 from ..protocol import KVDrop
 from .cuda_graph import CUDAGraphRunner
+from .step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,9 +58,14 @@ class ModelRunner:
                  device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = (),
                  max_model_len: int = 4096, cuda_graph_max_batch: int = 0,
                  is_driver: bool = True, kv_connector: str | None = None,
-                 kv_path: str | None = None, kv_sync: bool = True):
+                 kv_path: str | None = None, kv_sync: bool = True,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                 cuda_graph_max_tokens: int = 0):
         """is_driver: rank 0 (samples; it also times each forward on the device, see
-        take_gpu_times)."""
+        take_gpu_times). max_num_batched_tokens / max_num_seqs: the scheduler's per-step bounds
+        (they size the step buffers). cuda_graph_max_batch / cuda_graph_max_tokens: the largest
+        decode batch / the largest step with prefill tokens replayed as a CUDA graph (0: none;
+        both 0: every step runs eagerly)."""
         cfg = model.config
         # Under TP every rank runs the forward and the logits gather; only the driver (rank 0)
         # samples, and the others learn the tokens from its next SchedulerOutput.
@@ -89,14 +98,25 @@ class ModelRunner:
         # Forward timing (driver only): a CUDA event pair per forward, read once complete.
         self._gpu_pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._gpu_settled: dict[int, float | None] = {}
+        # Every forward's inputs (eager and graphed); the warm-up's batches need ~70 tokens.
+        self.inputs = StepInputs(max(max_num_batched_tokens, cuda_graph_max_batch, 128),
+                                 max(max_num_seqs, cuda_graph_max_batch, 2),
+                                 -(-max_model_len // block_size), self.scratch_block, block_size,
+                                 device)
         self.graphs = None
         if device.type == "cuda":
             self.warm_up(max_model_len)
-        if cuda_graph_max_batch > 0:
-            self.graphs = CUDAGraphRunner(model, cuda_graph_max_batch,
-                                          -(-max_model_len // block_size), max_model_len,
-                                          self.scratch_block, block_size, device)
+        if cuda_graph_max_batch > 0 or cuda_graph_max_tokens > 0:
+            self.graphs = CUDAGraphRunner(model, self.inputs, cuda_graph_max_batch,
+                                          cuda_graph_max_tokens, max_model_len)
             self.graphs.capture()
+            g = self.graphs
+            logger.info("CUDA graphs: %d decode (batch <= %d) x %d and %d mixed (tokens <= %d) "
+                        "x %d context tiers, captured in %.1f s, %.0f MiB",
+                        len(g.decode_sizes), cuda_graph_max_batch, len(g.tiers),
+                        len(g.mixed_sizes),
+                        cuda_graph_max_tokens, len(g.mixed_tiers), g.capture_s,
+                        g.memory_bytes / 2**20)
 
     @_own_device
     @torch.inference_mode()
@@ -280,47 +300,24 @@ class ModelRunner:
         st.prompt_logprobs_done = hi
 
     def _forward(self, chunks) -> tuple[torch.Tensor, list[int]]:
-        """Runs the model over the batch; returns hidden states and query_start_loc (host)."""
-        n = len(chunks)
-        decode_only = all(len(c.token_ids) == 1 for c in chunks)
-        bs = self.graphs.bucket(n) if (self.graphs is not None and decode_only) else None
-        if bs is not None:
-            return self.graphs.run(chunks, bs), list(range(n + 1))
-        host = self._host_inputs(chunks, n)
-        qsl = host["query_start_loc"].tolist()
-        dev = self.device
-        seq_lens = host["seq_lens"].tolist()
-        meta = AttentionMetadata(
-            slot_mapping=host["slot_mapping"].to(dev, non_blocking=True),
-            query_start_loc=host["query_start_loc"].to(dev, non_blocking=True),
-            seq_lens=host["seq_lens"].to(dev, non_blocking=True),
-            block_tables=host["block_tables"].to(dev, non_blocking=True),
-            max_query_len=max(len(c.token_ids) for c in chunks), max_seq_len=max(seq_lens),
-            num_decodes=sum(1 for c in chunks if len(c.token_ids) == 1),
-            query_start_loc_host=qsl, seq_lens_host=seq_lens)
-        with forward_context(meta):
-            hidden = self.model(host["input_ids"].to(dev, non_blocking=True),
-                                host["positions"].to(dev, non_blocking=True))
-        return hidden, qsl
-
-    def _host_inputs(self, chunks, rows: int) -> dict[str, torch.Tensor]:
-        """Host tensors for an eager forward (padded to `rows` sequences of one token each that
-        write into and attend to the scratch block only, when rows > len(chunks))."""
-        bs = self.block_size
+        """Runs the model over the batch, as a CUDA-graph replay when one holds it, else eagerly
+        (both over self.inputs); returns hidden states [T, hidden] and query_start_loc (host)."""
         lens = [len(c.token_ids) for c in chunks]
-        pad = rows - len(chunks)
-        toks = [t for c in chunks for t in c.token_ids] + [0] * pad
-        starts = torch.tensor([c.start_pos for c in chunks] + [0] * pad, dtype=torch.long)
-        q_lens = torch.tensor(lens + [1] * pad, dtype=torch.long)
-        max_blocks = max(len(c.block_table) for c in chunks)
-        tables = torch.full((rows, max_blocks), self.scratch_block, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
-        row = torch.repeat_interleave(torch.arange(rows), q_lens)
-        qsl = torch.zeros(rows + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        positions = starts[row] + torch.arange(len(toks)) - qsl[:-1].long()[row]
-        slots = tables[row, positions // bs].long() * bs + positions % bs
-        return {"input_ids": torch.tensor(toks, dtype=torch.long), "positions": positions,
-                "slot_mapping": slots, "query_start_loc": qsl,
-                "seq_lens": (starts + q_lens).to(torch.int32), "block_tables": tables}
+        plan = None
+        if self.graphs is not None:
+            plan = self.graphs.plan(sum(lens), len(chunks), max(lens),
+                                    max(c.start_pos + n for c, n in zip(chunks, lens)))
+        if plan is not None:
+            staged = self.inputs.stage(chunks, plan.num_tokens, plan.num_seqs)
+            return self.graphs.replay(plan, staged.num_tokens), staged.query_start_loc
+        staged = self.inputs.stage(chunks)
+        x, T, B = self.inputs, staged.num_tokens, staged.num_seqs
+        meta = AttentionMetadata(
+            slot_mapping=x.slot_mapping[:T], query_start_loc=x.query_start_loc[:B + 1],
+            seq_lens=x.seq_lens[:B], block_tables=x.block_tables[:B],
+            max_query_len=staged.max_query_len, max_seq_len=staged.max_seq_len,
+            num_decodes=next((i for i, n in enumerate(lens) if n != 1), B),
+            query_start_loc_host=staged.query_start_loc, seq_lens_host=staged.seq_lens)
+        with forward_context(meta):
+            hidden = self.model(x.input_ids[:T], x.positions[:T])
+        return hidden, staged.query_start_loc
