@@ -3,7 +3,11 @@ roofline measured in the same run.
 
 For each (batch, context): `batch` requests with `context`-token random prompts are prefilled,
 then the engine decodes; each `LLMEngine.step()` (schedule + forward + sample + detokenize-free
-bookkeeping) is timed with a device sync and the median over `--steps` steps is reported.
+bookkeeping) is timed with a device sync and the median over `--steps` steps is reported; then
+`--steps` more run back to back with one sync at the end (pipelined_step_ms: what a running
+engine sustains, the host's next step overlapping the device's under async scheduling).
+Batch 1 is also measured as a user sees it: LLM.generate of 1 + --generate-tokens output tokens
+against 1 output token, per extra token, beside the weight-read floor.
 
 Roofline: the bytes a decode step must read (all weights once, plus every sequence's KV cache)
 divided by the bandwidth of a large device-to-device copy measured here (bytes read + written
@@ -29,7 +33,7 @@ def measure(llm, batch: int, context: int, steps: int, warmup: int, seed: int) -
     eng = llm.llm_engine
     device = eng.config.torch_device
     prompts = random_prompts(batch, context, context + 1, eng.model_config.vocab_size, seed)
-    sp = SamplingParams(temperature=0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=warmup + 2 * steps + 2, ignore_eos=True)
     ids = [f"lat-{batch}-{context}-{i}" for i in range(batch)]
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, {"prompt_token_ids": p}, sp)
@@ -44,10 +48,42 @@ def measure(llm, batch: int, context: int, steps: int, warmup: int, seed: int) -
         eng.step()
         sync(device)
         times.append(time.perf_counter() - t0)
+    # back to back, one sync at the end: what a running engine sustains (with async scheduling
+    # the host's work for the next step overlaps the device's)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync(device)
+    pipelined = (time.perf_counter() - t0) / steps
     eng.abort_request(ids)
+    while eng.has_unfinished_requests():   # (a step in flight under async scheduling)
+        eng.step()
     running = len(eng.scheduler.running)
     return {"step_ms": statistics.median(times) * 1e3, "step_ms_p10": _pct(times, 10) * 1e3,
-            "step_ms_p90": _pct(times, 90) * 1e3, "steps": steps, "running_after": running}
+            "step_ms_p90": _pct(times, 90) * 1e3, "pipelined_step_ms": pipelined * 1e3,
+            "steps": steps, "running_after": running}
+
+
+def generate_per_token(llm, context: int, tokens: int, seed: int, reps: int = 3) -> dict[str, Any]:
+    """Batch-1 decode as a user sees it: LLM.generate of one `context`-token prompt for
+    1 + tokens output tokens against 1, per extra token (medians of reps)."""
+    from pdserve import SamplingParams
+    prompt = random_prompts(1, context, context + 1, llm.llm_engine.model_config.vocab_size, seed)[0]
+
+    def timed(n: int) -> float:
+        ts = []
+        for _ in range(reps + 1):   # (the first is a warm-up)
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}],
+                         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                         use_tqdm=False)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts[1:])
+
+    one, many = timed(1), timed(1 + tokens)
+    return {"context": context, "tokens": tokens, "generate_1_ms": one * 1e3,
+            "generate_n_ms": many * 1e3, "per_token_ms": (many - one) / tokens * 1e3}
 
 
 def _model_bytes(eng) -> tuple[int, int]:
@@ -70,13 +106,15 @@ def run(args) -> dict[str, Any]:
     device = torch.device(args.device)
     results = []
     bw = copy_bandwidth(device)
+    generate_rows = []
     for model in args.models:
         sizes = sorted({1, *args.batch_sizes})
         max_ctx = max(args.context, args.batch1_context)
         llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                   skip_tokenizer_init=True, max_num_seqs=max(sizes),
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=max_ctx + args.steps + args.warmup + 8,
+                  max_model_len=max_ctx + max(2 * args.steps + args.warmup,
+                                              args.generate_tokens) + 8,
                   enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
         eng = llm.llm_engine
         weight_bytes, kv_per_token = _model_bytes(eng)
@@ -89,15 +127,26 @@ def run(args) -> dict[str, Any]:
                      "weights_only_roofline_ms": weight_bytes / bw * 1e3,
                      "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
             entry["x_roofline"] = entry["step_ms"] / entry["roofline_ms"]
+            entry["pipelined_x_roofline"] = entry["pipelined_step_ms"] / entry["roofline_ms"]
             results.append(entry)
             print(f"{model:>14} bs={bs:<4} ctx={ctx:<5} step {r['step_ms']:8.3f} ms   roofline "
-                  f"{entry['roofline_ms']:7.3f} ms   x{entry['x_roofline']:.2f}", flush=True)
+                  f"{entry['roofline_ms']:7.3f} ms   x{entry['x_roofline']:.2f}   back to back "
+                  f"{r['pipelined_step_ms']:8.3f} ms x{entry['pipelined_x_roofline']:.2f}",
+                  flush=True)
+        if args.generate_tokens:
+            g = generate_per_token(llm, args.batch1_context, args.generate_tokens, args.seed)
+            g.update(model=model, weights_only_roofline_ms=weight_bytes / bw * 1e3)
+            g["x_weights_roofline"] = g["per_token_ms"] / g["weights_only_roofline_ms"]
+            generate_rows.append(g)
+            print(f"{model:>14} LLM.generate batch 1: {g['per_token_ms']:.3f} ms/token, "
+                  f"x{g['x_weights_roofline']:.2f} the weight floor", flush=True)
         eng.runner.release()
         del llm, eng
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"benchmark": "latency", "copy_bandwidth_bytes_per_s": bw, "results": results}
+    return {"benchmark": "latency", "copy_bandwidth_bytes_per_s": bw, "results": results,
+            "generate": generate_rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--generate-tokens", type=int, default=512,
+                   help="batch-1 LLM.generate of 1 + this many tokens vs 1, per token (0: skip)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--output", default=None)

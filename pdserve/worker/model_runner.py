@@ -230,7 +230,9 @@ class ModelRunner:
         if where == list(range(len(where))):  # decode batches: rows already in place
             picked = hidden[: len(where)]
         else:
-            picked = hidden[torch.tensor(where, device=self.device)]
+            # (staged through pinned memory: a pageable upload would wait for the forward)
+            rows_idx = torch.tensor(where, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            picked = hidden[rows_idx.to(self.device, non_blocking=True)]
         logits = self.model.compute_logits(picked)
         if not self.is_driver:
             return {}

@@ -59,8 +59,9 @@ class _Twin:
         self.seq_lens = self.meta[self.s_off: self.s_off + max_seqs]
         self.block_tables = self.meta[self.t_off:].view(max_seqs, max_blocks)
         self.uploaded: torch.cuda.Event | None = None   # the last upload that read this twin
-        self.np_tokens, self.np_qsl = self.tokens.numpy(), self.query_start_loc.numpy()
-        self.np_seq_lens, self.np_tables = self.seq_lens.numpy(), self.block_tables.numpy()
+        if self.tokens.device.type == "cpu":   # numpy views: what a step fills
+            self.np_tokens, self.np_qsl = self.tokens.numpy(), self.query_start_loc.numpy()
+            self.np_seq_lens, self.np_tables = self.seq_lens.numpy(), self.block_tables.numpy()
 
 
 class StepInputs:
