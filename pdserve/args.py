@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS))
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="schedule each step only after the previous one's tokens are read "
+                        "(default: the next step is launched while the device runs this one)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer (token-id prompts only; for dummy presets)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
