@@ -96,7 +96,8 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
             min(config.cuda_graph_max_batch, config.max_num_seqs) if config.use_cuda_graphs else 0,
             is_driver=get_tp_group().is_driver, kv_connector=config.kv_connector,
             kv_path=None if kv_dir is None else f"{kv_dir}/kv-rank{get_tp_group().rank}",
-            kv_sync=config.kv_transfer_mode == "sync")
+            kv_sync=config.kv_transfer_mode == "sync",
+            share_sampled=config.async_scheduling and get_tp_group().size > 1)
     return runner, num_blocks, max_model_len
 
 

@@ -74,6 +74,7 @@ class CUDAGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
+        self._staged: torch.cuda.Event | None = None   # recorded after the last upload
 
     def bucket(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
@@ -106,10 +107,16 @@ class CUDAGraphRunner:
                 self.graphs[tier, bs] = g
         torch.cuda.synchronize()
 
-    def run(self, chunks, bs: int) -> torch.Tensor:
+    def run(self, chunks, bs: int, fix_inputs=None) -> torch.Tensor:
         """Replays the graph for `chunks` (decode rows, one token each) padded to `bs` rows.
-        Returns hidden states [len(chunks), hidden] (graph memory, valid until the next replay)."""
+        Returns hidden states [len(chunks), hidden] (graph memory, valid until the next replay).
+        fix_inputs(input_ids): called on the staged device input_ids before the replay (async
+        scheduling writes the previous step's sampled tokens there)."""
         n = len(chunks)
+        if self._staged is not None:
+            # async scheduling: the previous step's upload may still be queued behind a running
+            # step; the host must not refill the pinned staging buffer before it has run
+            self._staged.synchronize()
         tok, lens, tables = self.np_tokens, self.np_seq_lens, self.np_tables
         max_len = 1
         for i, c in enumerate(chunks):
@@ -130,6 +137,10 @@ class CUDAGraphRunner:
         b.tokens[:, :bs].copy_(st.tokens[:, :bs], non_blocking=True)
         end = self.max_batch + bs * self.max_blocks
         b.meta[:end].copy_(st.meta[:end], non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        if fix_inputs is not None:
+            fix_inputs(b.input_ids[:n])
         key = (self.tier(max_len), bs)
         self.graphs[key].replay()
         return self.outputs[key][:n]

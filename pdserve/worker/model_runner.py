@@ -5,6 +5,16 @@ engine core's Executor, engine/executor.py).
 It owns the KV cache tensor and each sequence's sampling state (params, generator, the tokens the
 penalties need); the scheduler owns which blocks hold what.
 
+Async scheduling (execute_async): the sampled tokens stay on the device, with the row of each
+sequence, and the next step's pending inputs (ScheduledChunk.last_pending) are written from them
+into its input_ids on the device before its forward (_write_pending); the host gets its copy
+through a non-blocking copy that StepResult.result() waits for. Under TP the driver broadcasts
+the tokens to the other ranks after sampling, so every rank fills the same inputs.
+
+    step N   sample -> tokens [rows] (device) ----------------------> copy to host -> result()
+                                 | rows: {seq id: row}
+    step N+1 input_ids (staged from the host, 0 at pending slots) <- tokens[row] at each slot
+
 KV cache layout: one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim];
 layer i works on the view kv_cache[i]. A block id means the same slots in every layer, so moving a
 request's KV (P/D disaggregation) is moving its block ids' slices layer by layer.
@@ -14,14 +24,16 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
 from ..devices import on_device
-from ..engine.executor import SampledToken
+from ..engine.executor import Ready, SampledToken, StepHandle
 from ..engine.kv_coordinator import KVStepWork
 from ..engine.scheduler import ScheduledChunk, SchedulerOutput
+from ..layers.parallel_state import get_tp_group
 from ..layers.sampler import Sampler, SamplingBatch
 from ..protocol import KVDrop
 from .cuda_graph import CUDAGraphRunner
@@ -34,6 +46,41 @@ class _SeqState:
     params: object
     generator: torch.Generator | None
     prompt_logprobs_done: int = 0   # prompt positions whose next-token logprob was computed
+
+
+class _PendingInputs(NamedTuple):
+    """Where a step's inputs take the tokens the step before sampled (device tensors)."""
+    slots: torch.Tensor      # [k] int64: positions in the step's flat input_ids
+    rows: torch.Tensor       # [k] int64: rows of `tokens`
+    tokens: torch.Tensor     # [rows] int64: the previous step's sampled tokens
+
+
+class StepResult:
+    """execute_async's handle: the step's sampled tokens (and logprobs) on their way to the host
+    (copies behind an event on CUDA; on CPU they are there already)."""
+
+    def __init__(self, ids: list[str], seqs: list[_SeqState], want: list[int | None],
+                 host: tuple, event: "torch.cuda.Event | None"):
+        self._ids, self._seqs, self._want, self._host, self._event = ids, seqs, want, host, event
+        self._result: dict[str, SampledToken] | None = None
+
+    def result(self) -> dict[str, SampledToken]:
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, lp, top_ids, top_lp = (None if t is None else t.tolist() for t in self._host)
+        result = {}
+        for j, (rid, s) in enumerate(zip(self._ids, self._seqs)):
+            # (the state object itself: a finished sequence's id may be in use again)
+            s.output_token_ids.append(tokens[j])
+            k = self._want[j]
+            top = None
+            if k and top_ids is not None:
+                top = list(zip(top_ids[j][:k], top_lp[j][:k]))
+            result[rid] = SampledToken(tokens[j], lp[j] if k is not None else None, top)
+        self._result = result
+        return result
 
 
 # Prompt logprobs: rows of logits made at once (a long prompt's [rows, vocab] float32 adds up).
@@ -54,13 +101,18 @@ class ModelRunner:
                  device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = (),
                  max_model_len: int = 4096, cuda_graph_max_batch: int = 0,
                  is_driver: bool = True, kv_connector: str | None = None,
-                 kv_path: str | None = None, kv_sync: bool = True):
+                 kv_path: str | None = None, kv_sync: bool = True, share_sampled: bool = False):
         """is_driver: rank 0 (samples; it also times each forward on the device, see
-        take_gpu_times)."""
+        take_gpu_times). share_sampled: TP with async scheduling: the driver broadcasts each
+        step's sampled tokens to every rank (pending inputs are filled on every rank)."""
         cfg = model.config
         # Under TP every rank runs the forward and the logits gather; only the driver (rank 0)
-        # samples, and the others learn the tokens from its next SchedulerOutput.
+        # samples, and the others learn the tokens from its next SchedulerOutput (or from its
+        # broadcast: share_sampled).
         self.is_driver = is_driver
+        self.share_sampled = share_sampled
+        # the last step's sampled tokens on the device and each sequence's row in them
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -77,7 +129,6 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         else:  # P/D: a pool other workers can pull from, and the means to pull from theirs
             from ..disagg.connectors import get_connector_class
-            from ..layers.parallel_state import get_tp_group
             cls = get_connector_class(kv_connector)
             self.kv_cache = cls.allocate(shape, kv_dtype, device, kv_path)
             tp = get_tp_group()
@@ -166,27 +217,36 @@ class ModelRunner:
         self.seqs[data.request_id] = _SeqState(list(data.prompt_token_ids),
                                                list(data.output_token_ids), data.params, gen)
 
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Runs the step to the end: its new tokens (Executor.execute)."""
+        return self.execute_async(out).result()
+
     @_own_device
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        """Starts the step (Executor.execute_async): the forward and sampling are queued on the
+        device and the tokens' copy to the host started; the handle's result() waits for it.
+        (Prompt logprobs are read here, at once.)"""
         for rid in out.finished_ids:
             self.seqs.pop(rid, None)
         for data in out.new_requests:  # every rank: prompt logprobs need the params everywhere
             self._add(data)
         if out.kv_work is not None:
             self._kv_work(out.kv_work)
+        last, self._last_sampled = self._last_sampled, None
         if out.is_empty:
-            return {}
+            return Ready({})
         for src, dst in out.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
         # Decode rows (one token) first: attention backends batch them.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
+        pending = self._pending_inputs(chunks, last)
         timed = self.is_driver and self.device.type == "cuda"
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        hidden, qsl = self._forward(chunks)
+        hidden, qsl = self._forward(chunks, pending)
         if timed:
             end.record()
             self._gpu_pending.append((out.step_id, start, end))
@@ -204,7 +264,7 @@ class ModelRunner:
         for f in out.forks:
             rows[f.request_id] = rows[f.parent_id]
         if not rows:
-            return {}
+            return Ready({})
         ids = list(rows)
         where = list(rows.values())
         if where == list(range(len(where))):  # decode batches: rows already in place
@@ -212,28 +272,56 @@ class ModelRunner:
         else:
             picked = hidden[torch.tensor(where, device=self.device)]
         logits = self.model.compute_logits(picked)
+        order = {rid: j for j, rid in enumerate(ids)}
         if not self.is_driver:
-            return {}
+            if self.share_sampled:
+                tokens = torch.empty(len(ids), dtype=torch.long, device=self.device)
+                self._last_sampled = (get_tp_group().broadcast(tokens), order)
+            return Ready({})
         seqs = [self.seqs[r] for r in ids]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], [s.generator for s in seqs],
             self.vocab_size, self.device, eos_token_ids=self.eos_token_ids)
         res = self.sampler(logits, batch)
-        tokens = res.token_ids.tolist()
+        if self.share_sampled:
+            get_tp_group().broadcast(res.token_ids)
+        self._last_sampled = (res.token_ids, order)
         want = [s.params.logprobs for s in seqs]
-        lp = res.logprobs.tolist() if any(w is not None for w in want) else None
-        top_ids = res.topk_ids.tolist() if res.topk_ids is not None else None
-        top_lp = res.topk_logprobs.tolist() if res.topk_logprobs is not None else None
-        result = {}
-        for j, (rid, s) in enumerate(zip(ids, seqs)):
-            s.output_token_ids.append(tokens[j])
-            k = want[j]
-            top = None
-            if k and top_ids is not None:
-                top = list(zip(top_ids[j][:k], top_lp[j][:k]))
-            result[rid] = SampledToken(tokens[j], lp[j] if k is not None else None, top)
-        return result
+        lp = res.logprobs if any(w is not None for w in want) else None
+        cuda = self.device.type == "cuda"
+        host = tuple(None if t is None else _to_host(t, cuda)
+                     for t in (res.token_ids, lp, res.topk_ids, res.topk_logprobs))
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return StepResult(ids, seqs, want, host, event)
+
+    def _pending_inputs(self, chunks, last) -> _PendingInputs | None:
+        """The flat input positions of this step's pending tokens (each the last of its chunk)
+        and their rows in the previous step's sampled tokens."""
+        slots, rows = [], []
+        end = 0
+        for c in chunks:
+            end += len(c.token_ids)
+            if c.last_pending:
+                if last is None or c.request_id not in last[1]:
+                    raise RuntimeError(f"{c.request_id}: its chunk feeds a token the previous "
+                                       "step did not sample")
+                slots.append(end - 1)
+                rows.append(last[1][c.request_id])
+        if not slots:
+            return None
+        idx = torch.tensor([slots, rows], dtype=torch.long).to(self.device, non_blocking=True)
+        return _PendingInputs(idx[0], idx[1], last[0])
+
+    @staticmethod
+    def _write_pending(input_ids: torch.Tensor, pending: _PendingInputs | None) -> None:
+        """Writes the previous step's sampled tokens into a step's input_ids (on the device,
+        after they were staged, before the forward): every forward path calls this."""
+        if pending is not None:
+            input_ids.index_copy_(0, pending.slots, pending.tokens.index_select(0, pending.rows))
 
     def take_gpu_times(self) -> dict[int, float | None]:
         """Forward device times (ms) by step id, of the forwards whose end event has completed
@@ -279,13 +367,16 @@ class ModelRunner:
                          zip(st.prompt_token_ids[a + 1:b + 1], chosen, tops))
         st.prompt_logprobs_done = hi
 
-    def _forward(self, chunks) -> tuple[torch.Tensor, list[int]]:
-        """Runs the model over the batch; returns hidden states and query_start_loc (host)."""
+    def _forward(self, chunks, pending: _PendingInputs | None = None
+                 ) -> tuple[torch.Tensor, list[int]]:
+        """Runs the model over the batch; returns hidden states and query_start_loc (host).
+        pending: inputs that take the previous step's sampled tokens (_write_pending)."""
         n = len(chunks)
         decode_only = all(len(c.token_ids) == 1 for c in chunks)
         bs = self.graphs.bucket(n) if (self.graphs is not None and decode_only) else None
         if bs is not None:
-            return self.graphs.run(chunks, bs), list(range(n + 1))
+            return self.graphs.run(chunks, bs, lambda ids: self._write_pending(ids, pending)), \
+                list(range(n + 1))
         host = self._host_inputs(chunks, n)
         qsl = host["query_start_loc"].tolist()
         dev = self.device
@@ -298,9 +389,10 @@ class ModelRunner:
             max_query_len=max(len(c.token_ids) for c in chunks), max_seq_len=max(seq_lens),
             num_decodes=sum(1 for c in chunks if len(c.token_ids) == 1),
             query_start_loc_host=qsl, seq_lens_host=seq_lens)
+        input_ids = host["input_ids"].to(dev, non_blocking=True)
+        self._write_pending(input_ids, pending)
         with forward_context(meta):
-            hidden = self.model(host["input_ids"].to(dev, non_blocking=True),
-                                host["positions"].to(dev, non_blocking=True))
+            hidden = self.model(input_ids, host["positions"].to(dev, non_blocking=True))
         return hidden, qsl
 
     def _host_inputs(self, chunks, rows: int) -> dict[str, torch.Tensor]:
@@ -324,3 +416,12 @@ class ModelRunner:
         return {"input_ids": torch.tensor(toks, dtype=torch.long), "positions": positions,
                 "slot_mapping": slots, "query_start_loc": qsl,
                 "seq_lens": (starts + q_lens).to(torch.int32), "block_tables": tables}
+
+
+def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
+    """A host copy of t that lands without blocking (pinned; ready once the step's event is)."""
+    if not cuda:
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
