@@ -53,8 +53,8 @@ class EngineConfig:
     # tokens (they stay on the device and feed N+1's inputs), so the host's work (stops,
     # detokenization, the next schedule) overlaps the device's. The tokens reach the caller
     # exactly as without it; steps that need the host to know the tokens first run in order
-    # (penalties, min_tokens, KV pulls: engine/core.py). On CPU too (nothing overlaps there,
-    # the same code runs). False: every step waits for its tokens before the next is scheduled.
+    # (penalties, min_tokens: engine/core.py). On CPU too (nothing overlaps there, the same
+    # code runs). False: every step waits for its tokens before the next is scheduled.
     async_scheduling: bool = True
     cuda_graph_max_batch: int = 512     # largest captured decode batch (capped by max_num_seqs)
     tensor_parallel_size: int = 1       # ranks per worker (NCCL on CUDA, gloo on CPU)

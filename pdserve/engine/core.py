@@ -24,12 +24,11 @@ flight between step() calls, so the host's work overlaps the device's:
 A sequence that stopped in N already has a chunk in N+1: that token is dropped, its blocks were
 freed when it stopped (the device reuses them only after N+1), and its outputs, finish reason
 and token counts are those of a synchronous run. A step waits for the one in flight first (a
-synchronous step) when the host must know the tokens before it is started:
-  - a sequence sampled in the step in flight has repetition/frequency/presence penalties or is
-    below its min_tokens (the runner builds the next step's penalties and bans from the output
-    history it keeps on the host);
-  - the new step starts KV pulls (P/D consumer): they write blocks that the step in flight may
-    still write (freed by a sequence that stopped) outside the device's stream order.
+synchronous step) when the host must know the tokens before it is started: a sequence sampled
+in the step in flight has repetition/frequency/presence penalties, or reaches its min_tokens
+with that token (the runner builds the next step's penalties and bans from the output history
+it keeps on the host). KV pulls need no wait: a connector's copy runs after the work already queued on the
+device (connectors/base.py start_load), the step in flight's writes to freed blocks included.
 The scheduler itself holds back a sequence with a pending token that may end by length or that
 holds its KV (scheduler.py). The last step drains: when no sequence is left, the step in flight
 is read at once; has_unfinished_requests() and has_work() count a step in flight.
@@ -271,10 +270,6 @@ class EngineCore:
         num_waiting = len(self.scheduler.waiting)
         if self._on_schedule is not None:
             self._on_schedule(sched)
-        if prev is not None and self._starts_pulls(sched):
-            self._apply(prev)
-            prev = None
-            self.num_sync_steps += 1
         started = None
         if sched.is_empty:
             self.executor.execute(sched)  # no forward: the KV work and the runner's bookkeeping
@@ -300,21 +295,15 @@ class EngineCore:
 
     def _needs_tokens_first(self) -> bool:
         """The runner builds a step's penalties and min_tokens bans from the output tokens it
-        knows on the host: a sequence sampled in the step in flight that has either must get
-        that token there before its next step is started."""
+        knows on the host: a sequence sampled in the step in flight must get that token there
+        before its next step is started if it has penalties, or if that token is the one that
+        lifts its min_tokens ban (the runner would count one token too few)."""
         for req in self.scheduler.pending_samplers():
             p = req.params
-            if not req.status.finished and (p.has_penalty
-                                            or len(req.output_token_ids) < p.min_tokens):
+            if not req.status.finished and (
+                    p.has_penalty or len(req.output_token_ids) + req.num_pending == p.min_tokens):
                 return True
         return False
-
-    @staticmethod
-    def _starts_pulls(sched: SchedulerOutput) -> bool:
-        """KV pulls write their blocks outside the device's stream order: blocks freed by a
-        sequence that stopped may still be written by the step in flight."""
-        work = sched.kv_work
-        return work is not None and any(load.dst_block_ids for load in work.loads)
 
     def _take_prompt_logprobs(self) -> None:
         """Taken as soon as the executor has them (the ModelRunner: when it starts the step,
