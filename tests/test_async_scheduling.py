@@ -383,13 +383,17 @@ def test_smollm2_mixed_batch_same_as_sync(smol):
     prompts += [TEXTS[0], TEXTS[1]]       # n > 1: seeded, and greedy
     params += [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8),
                SamplingParams(n=2, max_tokens=8, temperature=0)]
-    prompts += [TEXTS[2], TEXTS[3]]       # penalties (synchronous steps)
-    params += [SamplingParams(repetition_penalty=1.3, **G),
-               SamplingParams(temperature=0.8, seed=3, presence_penalty=0.6,
-                              frequency_penalty=0.4, max_tokens=12)]
-    prompts += chats + chats[1:]          # EOS, and EOS banned until min_tokens
+    # penalties (synchronous steps); after "1 1 ... 1" the model repeats its last token unless
+    # that token is penalised, so a history one token short (the one in flight) would show
+    prompts += [TEXTS[3], "1 1 1 1 1 1 1 1 1 1"]
+    params += [SamplingParams(temperature=0.8, seed=3, presence_penalty=0.6,
+                              frequency_penalty=0.4, max_tokens=12),
+               SamplingParams(repetition_penalty=1.3, **G)]
+    # EOS; and EOS banned until min_tokens, lifted right where the model wants it (the step
+    # that lifts it must count the token in flight)
+    prompts += chats + chats[1:]
     params += [SamplingParams(max_tokens=16, temperature=0)] * 2
-    params.append(SamplingParams(max_tokens=16, temperature=0, min_tokens=5))
+    params.append(SamplingParams(max_tokens=16, temperature=0, min_tokens=2))
     prompts.append(chats[0])              # max_model_len (64) before max_tokens
     params.append(SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
     outs = _generate_both(smol, prompts, params)
@@ -398,7 +402,8 @@ def test_smollm2_mixed_batch_same_as_sync(smol):
     eos, banned = ref[-4:-2], ref[-2]
     assert [o.outputs[0].finish_reason for o in eos] == ["stop", "stop"]
     assert all(o.outputs[0].stop_reason is None for o in eos)                # EOS
-    assert len(eos[1].outputs[0].token_ids) < 5 <= len(banned.outputs[0].token_ids)
+    assert banned.outputs[0].token_ids == eos[1].outputs[0].token_ids
+    assert len(banned.outputs[0].token_ids) == 3 and banned.outputs[0].finish_reason == "stop"
     assert len(ref[-1].prompt_token_ids) + len(ref[-1].outputs[0].token_ids) == 64
     assert outs[False, "preemptions"] > 0 and outs[True, "preemptions"] > 0
     assert len({tuple(c.token_ids) for c in ref[7].outputs}) > 1           # seeds per sample
