@@ -502,3 +502,85 @@ def test_1p1d_async_same_as_sync(tmp_path):
     assert sorted(got[True]) == sorted(got[False]) == ["r0", "r1", "r2", "r3"]
     _assert_same_outputs([got[False][k] for k in sorted(got[False])],
                          [got[True][k] for k in sorted(got[True])])
+
+
+# ---- the scheduler with a step in flight (random interleavings) -------------------------------
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+from pdserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from pdserve.engine.request import Request, RequestStatus  # noqa: E402
+from pdserve.engine.scheduler import Scheduler  # noqa: E402
+
+
+class InFlightMachine(RuleBasedStateMachine):
+    """Schedules the next step before the previous one is updated (the engine core's order),
+    finishes sequences by length when their tokens arrive and aborts at random: integrity holds,
+    no chunk reaches past max_tokens, a pending input is always the previous step's sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = Scheduler(KVCacheManager(12, 4), 6, 10)
+        self.n = 0
+        self.unread: list = []            # SchedulerOutputs scheduled, not updated (oldest first)
+
+    @rule(n_prompt=st.integers(1, 20), max_tokens=st.integers(1, 8), siblings=st.integers(0, 2))
+    def add(self, n_prompt, max_tokens, siblings):
+        sp = SamplingParams(max_tokens=max_tokens)
+        r = Request(f"r{self.n}", list(range(1, n_prompt + 1)), sp, max_model_len=48)
+        for i in range(siblings):
+            r.siblings.append(Request(f"r{self.n}.{i}", r.prompt_token_ids, sp, max_model_len=48,
+                                      status=RequestStatus.FORK_PENDING))
+        self.n += 1
+        if n_prompt + max_tokens + 1 <= 48:
+            self.s.add(r)
+
+    @rule()
+    def step(self):
+        out = self.s.schedule()
+        prev = self.unread[-1] if self.unread else None
+        sampled_before = set() if prev is None else (
+            {c.request_id for c in prev.chunks if c.sample} | {f.request_id for f in prev.forks})
+        for c in out.chunks:
+            assert c.start_pos + len(c.token_ids) <= len(c.block_table) * 4
+            if c.last_pending:
+                assert c.request_id in sampled_before
+            req = self.s.requests[c.request_id]
+            assert len(req.output_token_ids) + req.num_pending <= req.params.max_tokens
+        if out.chunks:
+            self.unread.append(out)
+        if len(self.unread) > 1 or not out.chunks:
+            self._update()
+
+    def _update(self):
+        if not self.unread:
+            return
+        out = self.unread.pop(0)
+        got = self.s.update({c.request_id: 3 for c in out.chunks if c.sample}
+                            | {f.request_id: 3 for f in out.forks})
+        for r in got:
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                self.s.finish(r, RequestStatus.FINISHED_LENGTH)
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = [r for r in self.s.requests.values() if r.status is not RequestStatus.FORK_PENDING]
+        if live:
+            self.s.finish(data.draw(st.sampled_from(live)), RequestStatus.FINISHED_ABORTED)
+
+    @invariant()
+    def integrity(self):
+        self.s.check_integrity()
+
+    def teardown(self):
+        for _ in range(2000):
+            if not self.s.has_unfinished() and not self.unread:
+                break
+            self.step()
+        assert not self.s.has_unfinished()
+        assert self.s.kv.num_free_blocks() == 12
+
+
+TestInFlightMachine = InFlightMachine.TestCase
+TestInFlightMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

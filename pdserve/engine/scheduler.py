@@ -18,8 +18,10 @@ counts one pending token (Request.num_pending) until update() hands it the token
 chunk feeds that token from the device (ScheduledChunk.last_pending). A sequence with a pending
 token is not scheduled again when it would run past max_tokens / max_model_len, nor when it holds
 its KV for a consumer (P/D: the held KV must end at its prompt); update() drops the tokens of
-sequences that finished meanwhile. With one step in flight at most, a chunk holds one pending
-token at most, at its end.
+sequences that finished meanwhile. A sequence preempted with a token pending keeps it (the step
+in flight computed it from its blocks before they were freed, and the device runs steps in
+order); its recompute starts in a later step, when the token is known. With one step in flight
+at most, a chunk holds one pending token at most, at its end.
 
 Pure Python; the model runner only sees the SchedulerOutput.
 """
@@ -214,8 +216,6 @@ class Scheduler:
             req = self.waiting[0]
             if self._num_seq_slots_used() + 1 + len(req.siblings) > self.max_num_seqs:
                 break
-            if req.num_pending:  # preempted while its token was on the device: recomputing
-                break            # it needs that token on the host (next step)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
