@@ -27,8 +27,9 @@ and token counts are those of a synchronous run. A step waits for the one in fli
 synchronous step) when the host must know the tokens before it is started: a sequence sampled
 in the step in flight has repetition/frequency/presence penalties, or reaches its min_tokens
 with that token (the runner builds the next step's penalties and bans from the output history
-it keeps on the host). KV pulls need no wait: a connector's copy runs after the work already queued on the
-device (connectors/base.py start_load), the step in flight's writes to freed blocks included.
+it keeps on the host). KV pulls need no wait: a connector's copy runs after the work already
+queued on the device (connectors/base.py start_load), the step in flight's writes to freed
+blocks included.
 The scheduler itself holds back a sequence with a pending token that may end by length or that
 holds its KV (scheduler.py). The last step drains: when no sequence is left, the step in flight
 is read at once; has_unfinished_requests() and has_work() count a step in flight.

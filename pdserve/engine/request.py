@@ -51,7 +51,7 @@ class Request:
     max_model_len: int = 1 << 30            # prompt + output never exceeds this
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0            # tokens whose K/V are in the cache or being written
-    num_pending: int = 0                    # sampled by steps in flight, not in output_token_ids yet
+    num_pending: int = 0                    # sampled by steps in flight, not in output_token_ids
     status: RequestStatus = RequestStatus.WAITING
     siblings: list["Request"] = field(default_factory=list)  # FORK_PENDING sequences forked from this one
     num_preemptions: int = 0

@@ -286,9 +286,10 @@ class Scheduler:
 
     def update(self, sampled: dict[str, int]) -> list[Request]:
         """Apply the results of the oldest scheduled step with chunks that has not been updated
-        (steps are updated in the order they were scheduled; steps without chunks are not). Returns the sequences that got a
-        new token; a sequence that finished (stopped, aborted) since that step was scheduled
-        gets nothing. A preempted one keeps its token (computed before its blocks were freed)."""
+        (steps are updated in the order they were scheduled; steps without chunks are not).
+        Returns the sequences that got a new token; a sequence that finished (stopped,
+        aborted) since that step was scheduled gets nothing. A preempted one keeps its token
+        (computed before its blocks were freed)."""
         got: list[Request] = []
         if not self._unread:   # (a step without chunks: nothing to apply)
             return got
@@ -313,7 +314,7 @@ class Scheduler:
             live |= set(coord.loading)
         assert held <= live, f"block tables held by non-running requests: {held - live}"
         assert self._num_seq_slots_used() <= self.max_num_seqs
-        unread = collections.Counter(r.request_id for r in self.pending_samplers())
+        unread = collections.Counter(self.pending_samplers())   # (by object: ids are reused)
         for r in self.requests.values():
-            assert r.num_pending == unread[r.request_id], f"{r.request_id}: pending tokens"
+            assert r.num_pending == unread[r], f"{r.request_id}: pending tokens"
             assert r.num_computed_tokens <= r.num_total_tokens, f"{r.request_id}: computed"

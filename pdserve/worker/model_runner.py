@@ -325,8 +325,8 @@ class ModelRunner:
 
     def take_gpu_times(self) -> dict[int, float | None]:
         """Forward device times (ms) by step id, of the forwards whose end event has completed
-        (Event.query: never a wait; the sampled tokens' copy has usually completed them by the
-        time execute returns); None for each step on CPU."""
+        (Event.query: never a wait; once a step's result() returned, its forward has
+        completed); None for each step on CPU."""
         out, self._gpu_settled = self._gpu_settled, {}
         pending = self._gpu_pending
         while pending and pending[0][2].query():

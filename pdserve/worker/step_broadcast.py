@@ -12,7 +12,8 @@ At batch 256 with 64 blocks per sequence the whole tables pickle to 60 KB and ta
 unpickle on a CI core; a decode step's delta is a few bytes per sequence. Everything else a
 forward needs (tokens, positions, forks, block copies, new requests' sampling params, the KV
 coordinator's work for the connectors) is sent as is. A pending token (async scheduling) is not
-known here either: every rank takes it from the sampled tokens the driver broadcasts. Pure Python: tested on CPU without processes.
+known here either: every rank takes it from the sampled tokens the driver broadcasts. Pure
+Python: tested on CPU without processes.
 """
 from __future__ import annotations
 
