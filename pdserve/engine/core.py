@@ -2,7 +2,8 @@
 
     add_request(id, prompt, params)  -> validates, tokenizes, queues (ValueError on bad input)
     step()                           -> schedule -> execute -> update; RequestOutputs of the
-                                        requests that advanced
+                                        requests that advanced (async scheduling: the
+                                        update is the previous step's, see below)
     abort_request(id)                -> frees everything the request holds
     has_unfinished_requests()
 
