@@ -52,6 +52,13 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"     # "auto": triton on CUDA, torch on CPU
     enforce_eager: bool = False         # CUDA: no CUDA graphs
+    # Async scheduling: step() schedules and launches step N+1 before it reads step N's sampled
+    # tokens (they stay on the device and feed N+1's inputs), so the host's work (stops,
+    # detokenization, the next schedule) overlaps the device's. The tokens reach the caller
+    # exactly as without it; steps that need the host to know the tokens first run in order
+    # (penalties, min_tokens: engine/core.py). On CPU too (nothing overlaps there, the same
+    # code runs). False: every step waits for its tokens before the next is scheduled.
+    async_scheduling: bool = True
     cuda_graph_max_batch: int = 512     # largest captured decode batch (capped by max_num_seqs)
     # largest step with prefill tokens replayed as a CUDA graph (None: the token budget, at most
     # MAX_GRAPH_TOKENS; 0: such steps run eagerly, decode graphs stay)
@@ -88,7 +95,8 @@ class EngineConfig:
         # torch.Generator.manual_seed takes [-2**63, 2**64)
         if not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        for name in ("skip_tokenizer_init", "enforce_eager", "disable_custom_all_reduce"):
+        for name in ("skip_tokenizer_init", "enforce_eager", "disable_custom_all_reduce",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -52,6 +52,11 @@ def test_defaults_match_engine_config():
     assert engine_config(_parser().parse_args([])) == EngineConfig()
 
 
+def test_async_scheduling_flag():
+    assert engine_config(_parser().parse_args([])).async_scheduling is True
+    assert engine_config(_parser().parse_args(["--no-async-scheduling"])).async_scheduling is False
+
+
 @pytest.mark.parametrize("kwargs, counts, policy", [
     ({}, (0, 0, 1), "collocated"),                       # nothing asked: one collocated worker
     ({"prefill": 1, "decode": 2}, (1, 2, 0), "disagg"),

@@ -145,6 +145,7 @@ def test_bad_engine_args():
     (dict(kv_cache_memory_gb=True), "kv_cache_memory_gb"),
     (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization"),
     (dict(enforce_eager="no"), "enforce_eager"),
+    (dict(async_scheduling=1), "async_scheduling"),
     (dict(skip_tokenizer_init=1), "skip_tokenizer_init"),
     (dict(model=5), "model"),
 ])

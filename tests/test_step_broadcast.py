@@ -28,10 +28,10 @@ def test_follower_rebuilds_every_step(tmp_path):
     def check(sched):
         payload = enc.encode(sched)
         got = dec.decode(payload)
-        assert [(c.request_id, c.token_ids, c.start_pos, c.sample, list(c.block_table))
-                for c in got.chunks] == \
-               [(c.request_id, c.token_ids, c.start_pos, c.sample, list(c.block_table))
-                for c in sched.chunks]
+        assert [(c.request_id, c.token_ids, c.start_pos, c.sample, c.last_pending,
+                 list(c.block_table)) for c in got.chunks] == \
+               [(c.request_id, c.token_ids, c.start_pos, c.sample, c.last_pending,
+                 list(c.block_table)) for c in sched.chunks]
         assert (got.forks, got.block_copies, got.finished_ids) == \
                (sched.forks, sched.block_copies, sched.finished_ids)
         assert [n.request_id for n in got.new_requests] == [n.request_id for n in sched.new_requests]
@@ -58,6 +58,7 @@ def test_follower_rebuilds_every_step(tmp_path):
         eng.check_integrity()
     assert not eng.has_unfinished_requests()
     assert eng.scheduler.num_preemptions > 0  # the pool is small on purpose
+    assert any(c.last_pending for s in steps for c in s.chunks)  # (async scheduling)
     assert any(s.block_copies for s in steps) or any(s.forks for s in steps)
     check(eng.scheduler.schedule())  # finished ids travel with the next step (here an empty one)
     assert not enc.mirror and not dec.tables  # finished requests leave no copies behind

@@ -48,7 +48,8 @@ from .common import copy_bandwidth, git_info, hardware_info, random_prompts, syn
 
 EMBEDDED = "embedded"   # --models name of the embedded SmolLM2 (model=None)
 _ENGINE_FLAGS_EXCLUDED = ("--model", "--skip-tokenizer-init", "--tensor-parallel-size",
-                          "--distributed-executor-backend", "--disable-custom-all-reduce")
+                          "--distributed-executor-backend", "--disable-custom-all-reduce",
+                          "--no-async-scheduling")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,7 +391,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     budget_set = args.max_num_batched_tokens is not None
     budget = args.max_num_batched_tokens if budget_set else token_budget(args)
     seqs = args.max_num_seqs if args.max_num_seqs is not None else seq_slots(args)
-    notes = []
+    notes = ["steps run synchronously (async scheduling off): each timed step() is one whole "
+             "step, its record its own"]
     if budget_set and budget < token_budget(args):
         notes.append(f"--max-num-batched-tokens {budget} is below the {token_budget(args)} "
                      "the requested rows need: the rows that do not fit are skipped")
@@ -400,6 +402,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ns = argparse.Namespace(**vars(args))
         ns.model = None if model == EMBEDDED else model
         ns.max_num_batched_tokens, ns.max_num_seqs, ns.skip_tokenizer_init = budget, seqs, True
+        # One step at a time: under async scheduling a step() call would apply the step before
+        # it (its record and tokens), so each timed step here runs synchronously.
+        ns.async_scheduling = False
         cfg = engine_config(ns)
         llm = LLM(**dataclasses.asdict(cfg))
         try:

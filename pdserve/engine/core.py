@@ -2,7 +2,8 @@
 
     add_request(id, prompt, params)  -> validates, tokenizes, queues (ValueError on bad input)
     step()                           -> schedule -> execute -> update; RequestOutputs of the
-                                        requests that advanced
+                                        requests that advanced (async scheduling: the
+                                        update is the previous step's, see below)
     abort_request(id)                -> frees everything the request holds
     has_unfinished_requests()
 
@@ -14,11 +15,31 @@ process) the tensors, the OutputProcessor detokenization, stops, logprobs and ou
 Each step with a forward leaves a StepRecord (take_step_records): its prefill/decode mix, the
 queue, its wall time and, once the executor's measurement settles (never waited for), the
 forward's device time.
+
+Async scheduling (config.async_scheduling, an executor with execute_async): one step stays in
+flight between step() calls, so the host's work overlaps the device's:
+
+    step() k:   schedule N+1 ─ start N+1 ─ read N's tokens ─ update, stops, outputs of N ─ return
+    device:     ...... N ...............─ N+1 (its pending inputs: N's tokens, on the device)
+
+A sequence that stopped in N already has a chunk in N+1: that token is dropped, its blocks were
+freed when it stopped (the device reuses them only after N+1), and its outputs, finish reason
+and token counts are those of a synchronous run. A step waits for the one in flight first (a
+synchronous step) when the host must know the tokens before it is started: a sequence sampled
+in the step in flight has repetition/frequency/presence penalties, or reaches its min_tokens
+with that token (the runner builds the next step's penalties and bans from the output history
+it keeps on the host). KV pulls need no wait: a connector's copy runs after the work already
+queued on the device (connectors/base.py start_load), the step in flight's writes to freed
+blocks included.
+The scheduler itself holds back a sequence with a pending token that may end by length or that
+holds its KV (scheduler.py). The last step drains: when no sequence is left, the step in flight
+is read at once; has_unfinished_requests() and has_work() count a step in flight.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..config import EngineConfig
@@ -26,7 +47,7 @@ from ..outputs import RequestOutput
 from ..protocol import (AddRequest, KVDrop, KVLoadDone, KVPeer, KVSend, KVSource, Prompt,
                         StepRecord, check_token_ids, kv_transfer_unsupported, parse_prompt)
 from ..sampling_params import SamplingParams
-from .executor import Executor
+from .executor import Executor, Ready, StepHandle
 from .kv_cache_manager import KVCacheManager
 from .kv_coordinator import KVCoordinator
 from .output_processor import OutputProcessor
@@ -38,6 +59,15 @@ from .scheduler import Scheduler, SchedulerOutput
 STEP_RECORDS_KEPT = 4096
 # Steps whose device time is not settled yet, at most (an executor that never settles one).
 _PENDING_RECORDS = 64
+
+
+@dataclass
+class _Started:
+    """A step handed to the executor whose tokens were not applied yet."""
+    sched: SchedulerOutput
+    handle: StepHandle
+    t0: float            # when its schedule() began (perf_counter)
+    num_waiting: int     # the queue after its schedule()
 
 
 class EngineCore:
@@ -72,8 +102,12 @@ class EngineCore:
         self._on_schedule = on_schedule
         self._kv_events: list[KVLoadDone] = []
         self._pending_records: dict[int, StepRecord] = {}
+        self._early_times: dict[int, float | None] = {}   # device times of steps not applied yet
         self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_KEPT)
         self.last_step_ran = False   # the last step() ran a forward
+        self.async_scheduling = config.async_scheduling and hasattr(executor, "execute_async")
+        self._in_flight: _Started | None = None
+        self.num_sync_steps = 0      # async scheduling: steps that waited for the one in flight
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -163,12 +197,14 @@ class EngineCore:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return len(self.outputs) > 0
+        """Requests, or a step in flight (async scheduling: the next step() reads it)."""
+        return len(self.outputs) > 0 or self._in_flight is not None
 
     def has_work(self) -> bool:
-        """step() has something to do: requests, or KV work (peers, sends, verdicts)."""
-        return len(self.outputs) > 0 or (self.kv_coordinator is not None
-                                         and self.kv_coordinator.has_work())
+        """step() has something to do: requests, a step in flight, or KV work (peers, sends,
+        verdicts)."""
+        return self.has_unfinished_requests() or (self.kv_coordinator is not None
+                                                  and self.kv_coordinator.has_work())
 
     def only_transfers_in_flight(self) -> bool:
         """The last step ran no forward and KV loads are in flight: nothing runs until a pull
@@ -223,18 +259,65 @@ class EngineCore:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of the requests that advanced. Synchronous: the
+        step scheduled here. Async scheduling: the step started by the previous call (this
+        call's step stays in flight, see the module docstring)."""
         t0 = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and self._needs_tokens_first():
+            self._apply(prev)
+            prev = None
+            self.num_sync_steps += 1
         sched = self.scheduler.schedule()
+        num_waiting = len(self.scheduler.waiting)
         if self._on_schedule is not None:
             self._on_schedule(sched)
-        sampled = self.executor.execute(sched)
+        started = None
+        if sched.is_empty:
+            self.executor.execute(sched)  # no forward: the KV work and the runner's bookkeeping
+        elif self.async_scheduling:
+            started = _Started(sched, self.executor.execute_async(sched), t0, num_waiting)
+        else:
+            started = _Started(sched, Ready(self.executor.execute(sched)), t0, num_waiting)
+        self._take_prompt_logprobs()
         coord = self.kv_coordinator
         if coord is not None:
             coord.loads_started(sched.kv_work, time.monotonic())
             if coord.started:
                 self._finish_loads()
+        if prev is not None:
+            self._apply(prev)
+        if started is not None:
+            if self.async_scheduling and self.scheduler.requests:
+                self._in_flight = started
+            else:  # synchronous, or nothing left to run: its tokens (if any) end here
+                self._apply(started)
+        self.last_step_ran = not sched.is_empty
+        return self.outputs.take_outputs(time.monotonic())
+
+    def _needs_tokens_first(self) -> bool:
+        """The runner builds a step's penalties and min_tokens bans from the output tokens it
+        knows on the host: a sequence sampled in the step in flight must get that token there
+        before its next step is started if it has penalties, or if that token is the one that
+        lifts its min_tokens ban (the runner would count one token too few)."""
+        for req in self.scheduler.pending_samplers():
+            p = req.params
+            if not req.status.finished and (
+                    p.has_penalty or len(req.output_token_ids) + req.num_pending == p.min_tokens):
+                return True
+        return False
+
+    def _take_prompt_logprobs(self) -> None:
+        """Taken as soon as the executor has them (the ModelRunner: when it starts the step,
+        while their sequences are surely live); an aborted request's are dropped."""
         for rid, entries in self.executor.take_prompt_logprobs().items():
-            self.outputs.add_prompt_logprobs(rid, entries)
+            if self.outputs.has_sequence(rid):
+                self.outputs.add_prompt_logprobs(rid, entries)
+
+    def _apply(self, started: _Started) -> None:
+        """A started step's tokens: the scheduler's update, stops, the outputs and its record."""
+        sampled = started.handle.result()
+        self._take_prompt_logprobs()
         advanced = self.scheduler.update({k: v.token_id for k, v in sampled.items()})
         now = time.monotonic()
         for req in advanced:
@@ -242,18 +325,21 @@ class EngineCore:
             if stop is not None:
                 held = self.scheduler.finish(req, stop.status, now)
                 self.outputs.finish(req, stop, held)
-        outs = self.outputs.take_outputs(now)
-        self.last_step_ran = not sched.is_empty
-        if self.last_step_ran:
-            self._record(sched, t0, now)
-        return outs
+        self._record(started, now)
 
-    def _record(self, sched: SchedulerOutput, t0: float, now: float) -> None:
+    def _record(self, started: _Started, now: float) -> None:
+        """wall_ms: from the step's schedule() to its tokens applied (async: across two
+        step() calls)."""
+        sched = started.sched
         dec = sched.num_decodes
         self._pending_records[sched.step_id] = StepRecord(
             now, sched.num_prefill_tokens, dec, len(sched.chunks) - dec, dec,
-            len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
+            started.num_waiting, (time.perf_counter() - started.t0) * 1e3)
         self._settle_records()
+        if sched.step_id in self._early_times:    # measured before its tokens were applied
+            rec = self._pending_records.pop(sched.step_id)
+            rec.gpu_ms = self._early_times.pop(sched.step_id)
+            self._records.append(rec)
         if len(self._pending_records) > _PENDING_RECORDS:   # never settled: give it up as unmeasured
             oldest = next(iter(self._pending_records))
             self._records.append(self._pending_records.pop(oldest))
@@ -264,6 +350,10 @@ class EngineCore:
             if rec is not None:
                 rec.gpu_ms = ms
                 self._records.append(rec)
+            else:  # async scheduling: a step in flight, its record comes when it is applied
+                self._early_times[step_id] = ms
+                if len(self._early_times) > _PENDING_RECORDS:
+                    del self._early_times[next(iter(self._early_times))]
 
     def take_step_records(self) -> list[StepRecord]:
         """The records of the steps whose device time settled since the last call, oldest

@@ -9,8 +9,9 @@ was already reported; it builds the RequestOutputs.
     take_outputs(now)                  the RequestOutputs of the groups touched since the last call
 
 Sequences are found through one table (sequence id -> (group, index)): an id is never parsed.
-It never touches the scheduler: the engine core applies the stops it returns (async scheduling
-will sit in between). Pure Python: the tokenizer is any object with decode(ids, skip_special).
+It never touches the scheduler: the engine core applies the stops it returns (under async
+scheduling, one step after the tokens were sampled). Pure Python: the tokenizer is any object
+with decode(ids, skip_special).
 """
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ class OutputProcessor:
         self.groups[request_id] = group
         for i, s in enumerate(entries):
             self._table[s.req.request_id] = (group, i)
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._table
 
     def request_id_of(self, seq_id: str) -> str:
         return self._table[seq_id][0].request_id

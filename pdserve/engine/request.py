@@ -1,5 +1,14 @@
 """Request: one sequence the scheduler runs. A user request with n > 1 becomes n Requests; the
-first computes the prompt, the others fork from it when its prefill completes."""
+first computes the prompt, the others fork from it when its prefill completes.
+
+Under async scheduling a sequence can be scheduled before the host knows its last token:
+
+    positions   0 ........ num_tokens-1 | num_tokens ... num_tokens+num_pending-1
+                prompt + known outputs  | sampled by a step in flight (on the device)
+
+num_computed_tokens counts positions handed to a forward (advanced when scheduled, so the next
+schedule() sees what a step in flight computes); a chunk that reaches into the pending positions
+feeds the token the previous step sampled there (ScheduledChunk.last_pending)."""
 from __future__ import annotations
 
 import enum
@@ -41,7 +50,8 @@ class Request:
     seed: int | None = None                 # this sequence's sampling seed (None: engine's RNG)
     max_model_len: int = 1 << 30            # prompt + output never exceeds this
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0            # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0            # tokens whose K/V are in the cache or being written
+    num_pending: int = 0                    # sampled by steps in flight, not in output_token_ids
     status: RequestStatus = RequestStatus.WAITING
     siblings: list["Request"] = field(default_factory=list)  # FORK_PENDING sequences forked from this one
     num_preemptions: int = 0
@@ -60,7 +70,22 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def num_total_tokens(self) -> int:
+        """Known and pending tokens: where the sequence stands once the steps in flight end."""
+        return self.num_tokens + self.num_pending
+
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end); a pending position (at most the last, see the module docstring)
+        holds 0 until the runner writes the sampled token there on the device."""
+        if end > self.num_tokens:
+            assert end == self.num_tokens + 1 <= self.num_total_tokens, "one pending token at most"
+            return self._known_slice(start, end - 1) + [0]
+        return self._known_slice(start, end)
+
+    def _known_slice(self, start: int, end: int) -> list[int]:
+        if start >= end:
+            return []
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

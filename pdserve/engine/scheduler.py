@@ -12,10 +12,22 @@ prompt KV is on a producer (add_remote), loads in flight, blocks held for a cons
 one this is the plain collocated scheduler; with one, the coordinator's per-step KV work rides
 in SchedulerOutput.kv_work.
 
+Async scheduling (engine/core.py): schedule() may run while the previous step is still on the
+device. It advances num_computed_tokens as it schedules, and a sequence that samples in a step
+counts one pending token (Request.num_pending) until update() hands it the token; its next decode
+chunk feeds that token from the device (ScheduledChunk.last_pending). A sequence with a pending
+token is not scheduled again when it would run past max_tokens / max_model_len, nor when it holds
+its KV for a consumer (P/D: the held KV must end at its prompt); update() drops the tokens of
+sequences that finished meanwhile. A sequence preempted with a token pending keeps it (the step
+in flight computed it from its blocks before they were freed, and the device runs steps in
+order); its recompute starts in a later step, when the token is known. With one step in flight
+at most, a chunk holds one pending token at most, at its end.
+
 Pure Python; the model runner only sees the SchedulerOutput.
 """
 from __future__ import annotations
 
+import collections
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -42,6 +54,9 @@ class ScheduledChunk(NamedTuple):  # a NamedTuple: built for every running seque
     start_pos: int            # position of token_ids[0] (= cached tokens)
     block_table: list[int]    # the live table: valid until the next schedule()
     sample: bool              # True when this chunk reaches the end of the sequence
+    # token_ids[-1] is the token the previous step sampled for this sequence, not known on the
+    # host yet (0 here): the runner writes it on the device before the forward (async scheduling)
+    last_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._known_to_runner: set[str] = set()
         self._finished_since_step: list[str] = []
-        self._last: tuple[list[tuple[Request, int]], list[Request]] = ([], [])
+        # per scheduled step not updated yet, oldest first: the sequences that sample in it
+        self._unread: deque[list[Request]] = deque()
         self.num_preemptions = 0  # total, for metrics and tests
         self._step_id = 0
 
@@ -176,7 +192,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and self._waits_for_host(req):
+                i += 1
+                continue
+            n = min(req.num_total_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             while copies is None:  # pool short: preempt the newest until this one fits
                 victim = self.running.pop()
@@ -214,24 +233,32 @@ class Scheduler:
                 coord.start_loads(self.kv, self.max_num_seqs - self._num_seq_slots_used())
             out.kv_work = coord.take_work()
 
+        samplers: list[Request] = []
         forked: list[Request] = []
         num_decodes = 0
         for req, n in picked:
-            end = req.num_computed_tokens + n
-            if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+            start = req.num_computed_tokens
+            end = start + n
+            sample = end == req.num_total_tokens
+            if n == 1 and start >= req.num_prompt_tokens:
                 num_decodes += 1
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
                 out.new_requests.append(self._new_data(req))
             # The block table is passed by reference: the runner reads it within this step.
             out.chunks.append(ScheduledChunk(
-                req.request_id, req.token_slice(req.num_computed_tokens, end),
-                req.num_computed_tokens, self.kv.block_tables[req.request_id],
-                sample=end == req.num_tokens))
-            if end == req.num_tokens and req.siblings:
+                req.request_id, req.token_slice(start, end), start,
+                self.kv.block_tables[req.request_id], sample, end > req.num_tokens))
+            req.num_computed_tokens = end
+            if sample:
+                req.num_pending += 1
+                samplers.append(req)
+            if sample and req.siblings:
                 for s in req.siblings:
                     self.kv.fork(req.request_id, s.request_id)
                     s.status = RequestStatus.RUNNING
+                    s.num_computed_tokens = s.num_prompt_tokens
+                    s.num_pending += 1
                     self.running.append(s)
                     self._known_to_runner.add(s.request_id)
                     out.new_requests.append(self._new_data(s))
@@ -240,8 +267,17 @@ class Scheduler:
                 req.siblings = []
         out.num_decodes = num_decodes
         out.num_prefill_tokens = self.max_num_batched_tokens - budget - num_decodes
-        self._last = (picked, forked)
+        if out.chunks:
+            self._unread.append(samplers + forked)
         return out
+
+    @staticmethod
+    def _waits_for_host(req: Request) -> bool:
+        """A sequence with a token still on the device that is not scheduled again until the
+        host has it: it may end there by length (no chunk past a request's end), or it holds
+        its KV for a consumer when it finishes (which must then cover its prompt only)."""
+        return (req.hold_kv or len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
+                or req.num_total_tokens >= req.max_model_len)
 
     @staticmethod
     def _new_data(req: Request) -> NewRequestData:
@@ -249,22 +285,25 @@ class Scheduler:
                               list(req.output_token_ids))
 
     def update(self, sampled: dict[str, int]) -> list[Request]:
-        """Apply the last step's results. Returns the sequences that got a new token."""
-        picked, forked = self._last
-        self._last = ([], [])
+        """Apply the results of the oldest scheduled step with chunks that has not been updated
+        (steps are updated in the order they were scheduled; steps without chunks are not).
+        Returns the sequences that got a new token; a sequence that finished (stopped,
+        aborted) since that step was scheduled gets nothing. A preempted one keeps its token
+        (computed before its blocks were freed)."""
         got: list[Request] = []
-        for req, n in picked:
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted later in the same schedule() call
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_output(sampled[req.request_id])
-                got.append(req)
-        for s in forked:
-            s.num_computed_tokens = s.num_prompt_tokens
-            s.append_output(sampled[s.request_id])
-            got.append(s)
+        if not self._unread:   # (a step without chunks: nothing to apply)
+            return got
+        for req in self._unread.popleft():
+            if req.status.finished:
+                continue
+            req.num_pending -= 1
+            req.append_output(sampled[req.request_id])
+            got.append(req)
         return got
+
+    def pending_samplers(self) -> list[Request]:
+        """The sequences that sample in the steps scheduled but not updated yet."""
+        return [r for step in self._unread for r in step]
 
     def check_integrity(self) -> None:
         coord = self.kv_coordinator
@@ -275,3 +314,7 @@ class Scheduler:
             live |= set(coord.loading)
         assert held <= live, f"block tables held by non-running requests: {held - live}"
         assert self._num_seq_slots_used() <= self.max_num_seqs
+        unread = collections.Counter(self.pending_samplers())   # (by object: ids are reused)
+        for r in self.requests.values():
+            assert r.num_pending == unread[r], f"{r.request_id}: pending tokens"
+            assert r.num_computed_tokens <= r.num_total_tokens, f"{r.request_id}: computed"

@@ -64,6 +64,12 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x as rank `src` has it, on every rank (in place)."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable obj, in rank order (setup only: it syncs the host)."""
         if self.size == 1:

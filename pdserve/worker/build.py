@@ -98,7 +98,8 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
             kv_path=None if kv_dir is None else f"{kv_dir}/kv-rank{get_tp_group().rank}",
             kv_sync=config.kv_transfer_mode == "sync",
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, cuda_graph_max_tokens=config.graph_max_tokens)
+            max_num_seqs=config.max_num_seqs, cuda_graph_max_tokens=config.graph_max_tokens,
+            share_sampled=config.async_scheduling and get_tp_group().size > 1)
     return runner, num_blocks, max_model_len
 
 

@@ -8,6 +8,20 @@ penalties need); the scheduler owns which blocks hold what.
 KV cache layout: one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim];
 layer i works on the view kv_cache[i]. A block id means the same slots in every layer, so moving a
 request's KV (P/D disaggregation) is moving its block ids' slices layer by layer.
+
+Async scheduling (execute_async): the sampled tokens stay on the device, with the row of each
+sequence, and the next step's pending inputs (ScheduledChunk.last_pending) are written from them
+into its input_ids on the device before its forward (_write_pending); the host gets its copy
+through a non-blocking copy that StepResult.result() waits for. Under TP the driver broadcasts
+the tokens to the other ranks after sampling, so every rank fills the same inputs.
+
+    step N   sample -> tokens [rows] (device) ----------------------> copy to host -> result()
+                                 | rows: {seq id: row}
+    step N+1 input_ids (staged from the host, 0 at pending slots) <- tokens[row] at each slot
+
+KV cache layout: one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim];
+layer i works on the view kv_cache[i]. A block id means the same slots in every layer, so moving a
+request's KV (P/D disaggregation) is moving its block ids' slices layer by layer.
 """
 from __future__ import annotations
 
@@ -15,14 +29,16 @@ import functools
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
 from ..devices import on_device
-from ..engine.executor import SampledToken
+from ..engine.executor import Ready, SampledToken, StepHandle
 from ..engine.kv_coordinator import KVStepWork
 from ..engine.scheduler import ScheduledChunk, SchedulerOutput
+from ..layers.parallel_state import get_tp_group
 from ..layers.sampler import Sampler, SamplingBatch
 from ..protocol import KVDrop
 from .cuda_graph import CUDAGraphRunner
@@ -38,6 +54,45 @@ class _SeqState:
     params: object
     generator: torch.Generator | None
     prompt_logprobs_done: int = 0   # prompt positions whose next-token logprob was computed
+
+
+# Prompt logprobs: rows of logits made at once (a long prompt's [rows, vocab] float32 adds up).
+_PROMPT_LOGPROB_ROWS = 512
+
+
+class _PendingInputs(NamedTuple):
+    """Where a step's inputs take the tokens the step before sampled (device tensors)."""
+    slots: torch.Tensor      # [k] int64: positions in the step's flat input_ids
+    rows: torch.Tensor       # [k] int64: rows of `tokens`
+    tokens: torch.Tensor     # [rows] int64: the previous step's sampled tokens
+
+
+class StepResult:
+    """execute_async's handle: the step's sampled tokens (and logprobs) on their way to the host
+    (copies behind an event on CUDA; on CPU they are there already)."""
+
+    def __init__(self, ids: list[str], seqs: list[_SeqState], want: list[int | None],
+                 host: tuple, event: "torch.cuda.Event | None"):
+        self._ids, self._seqs, self._want, self._host, self._event = ids, seqs, want, host, event
+        self._result: dict[str, SampledToken] | None = None
+
+    def result(self) -> dict[str, SampledToken]:
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, lp, top_ids, top_lp = (None if t is None else t.tolist() for t in self._host)
+        result = {}
+        for j, (rid, s) in enumerate(zip(self._ids, self._seqs)):
+            # (the state object itself: a finished sequence's id may be in use again)
+            s.output_token_ids.append(tokens[j])
+            k = self._want[j]
+            top = None
+            if k and top_ids is not None:
+                top = list(zip(top_ids[j][:k], top_lp[j][:k]))
+            result[rid] = SampledToken(tokens[j], lp[j] if k is not None else None, top)
+        self._result = result
+        return result
 
 
 # Prompt logprobs: rows of logits made at once (a long prompt's [rows, vocab] float32 adds up).
@@ -60,16 +115,22 @@ class ModelRunner:
                  is_driver: bool = True, kv_connector: str | None = None,
                  kv_path: str | None = None, kv_sync: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 cuda_graph_max_tokens: int = 0):
+                 cuda_graph_max_tokens: int = 0, share_sampled: bool = False):
         """is_driver: rank 0 (samples; it also times each forward on the device, see
         take_gpu_times). max_num_batched_tokens / max_num_seqs: the scheduler's per-step bounds
         (they size the step buffers). cuda_graph_max_batch / cuda_graph_max_tokens: the largest
         decode batch / the largest step with prefill tokens replayed as a CUDA graph (0: none;
-        both 0: every step runs eagerly)."""
+        both 0: every step runs eagerly). share_sampled: TP with async scheduling: the driver
+        broadcasts each step's sampled tokens to every rank (pending inputs are filled on every
+        rank)."""
         cfg = model.config
         # Under TP every rank runs the forward and the logits gather; only the driver (rank 0)
-        # samples, and the others learn the tokens from its next SchedulerOutput.
+        # samples, and the others learn the tokens from its next SchedulerOutput (or from its
+        # broadcast: share_sampled).
         self.is_driver = is_driver
+        self.share_sampled = share_sampled
+        # the last step's sampled tokens on the device and each sequence's row in them
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -86,7 +147,6 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         else:  # P/D: a pool other workers can pull from, and the means to pull from theirs
             from ..disagg.connectors import get_connector_class
-            from ..layers.parallel_state import get_tp_group
             cls = get_connector_class(kv_connector)
             self.kv_cache = cls.allocate(shape, kv_dtype, device, kv_path)
             tp = get_tp_group()
@@ -186,27 +246,36 @@ class ModelRunner:
         self.seqs[data.request_id] = _SeqState(list(data.prompt_token_ids),
                                                list(data.output_token_ids), data.params, gen)
 
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Runs the step to the end: its new tokens (Executor.execute)."""
+        return self.execute_async(out).result()
+
     @_own_device
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        """Starts the step (Executor.execute_async): the forward and sampling are queued on the
+        device and the tokens' copy to the host started; the handle's result() waits for it.
+        (Prompt logprobs are read here, at once.)"""
         for rid in out.finished_ids:
             self.seqs.pop(rid, None)
         for data in out.new_requests:  # every rank: prompt logprobs need the params everywhere
             self._add(data)
         if out.kv_work is not None:
             self._kv_work(out.kv_work)
+        last, self._last_sampled = self._last_sampled, None
         if out.is_empty:
-            return {}
+            return Ready({})
         for src, dst in out.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
         # Decode rows (one token) first: attention backends batch them.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
+        pending = self._pending_inputs(chunks, last)
         timed = self.is_driver and self.device.type == "cuda"
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        hidden, qsl = self._forward(chunks)
+        hidden, qsl = self._forward(chunks, pending)
         if timed:
             end.record()
             self._gpu_pending.append((out.step_id, start, end))
@@ -224,43 +293,69 @@ class ModelRunner:
         for f in out.forks:
             rows[f.request_id] = rows[f.parent_id]
         if not rows:
-            return {}
+            return Ready({})
         ids = list(rows)
         where = list(rows.values())
         if where == list(range(len(where))):  # decode batches: rows already in place
             picked = hidden[: len(where)]
         else:
-            # (staged through pinned memory: a pageable upload would wait for the forward)
-            rows_idx = torch.tensor(where, dtype=torch.long, pin_memory=self.device.type == "cuda")
-            picked = hidden[rows_idx.to(self.device, non_blocking=True)]
+            picked = hidden[_to_device(where, self.device)]
         logits = self.model.compute_logits(picked)
+        order = {rid: j for j, rid in enumerate(ids)}
         if not self.is_driver:
-            return {}
+            if self.share_sampled:
+                tokens = torch.empty(len(ids), dtype=torch.long, device=self.device)
+                self._last_sampled = (get_tp_group().broadcast(tokens), order)
+            return Ready({})
         seqs = [self.seqs[r] for r in ids]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], [s.generator for s in seqs],
             self.vocab_size, self.device, eos_token_ids=self.eos_token_ids)
         res = self.sampler(logits, batch)
-        tokens = res.token_ids.tolist()
+        if self.share_sampled:
+            get_tp_group().broadcast(res.token_ids)
+        self._last_sampled = (res.token_ids, order)
         want = [s.params.logprobs for s in seqs]
-        lp = res.logprobs.tolist() if any(w is not None for w in want) else None
-        top_ids = res.topk_ids.tolist() if res.topk_ids is not None else None
-        top_lp = res.topk_logprobs.tolist() if res.topk_logprobs is not None else None
-        result = {}
-        for j, (rid, s) in enumerate(zip(ids, seqs)):
-            s.output_token_ids.append(tokens[j])
-            k = want[j]
-            top = None
-            if k and top_ids is not None:
-                top = list(zip(top_ids[j][:k], top_lp[j][:k]))
-            result[rid] = SampledToken(tokens[j], lp[j] if k is not None else None, top)
-        return result
+        lp = res.logprobs if any(w is not None for w in want) else None
+        cuda = self.device.type == "cuda"
+        host = tuple(None if t is None else _to_host(t, cuda)
+                     for t in (res.token_ids, lp, res.topk_ids, res.topk_logprobs))
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return StepResult(ids, seqs, want, host, event)
+
+    def _pending_inputs(self, chunks, last) -> _PendingInputs | None:
+        """The flat input positions of this step's pending tokens (each the last of its chunk)
+        and their rows in the previous step's sampled tokens."""
+        slots, rows = [], []
+        end = 0
+        for c in chunks:
+            end += len(c.token_ids)
+            if c.last_pending:
+                if last is None or c.request_id not in last[1]:
+                    raise RuntimeError(f"{c.request_id}: its chunk feeds a token the previous "
+                                       "step did not sample")
+                slots.append(end - 1)
+                rows.append(last[1][c.request_id])
+        if not slots:
+            return None
+        idx = _to_device([slots, rows], self.device)
+        return _PendingInputs(idx[0], idx[1], last[0])
+
+    @staticmethod
+    def _write_pending(input_ids: torch.Tensor, pending: _PendingInputs | None) -> None:
+        """Writes the previous step's sampled tokens into a step's input_ids (on the device,
+        after they were staged, before the forward): every forward path calls this."""
+        if pending is not None:
+            input_ids.index_copy_(0, pending.slots, pending.tokens.index_select(0, pending.rows))
 
     def take_gpu_times(self) -> dict[int, float | None]:
         """Forward device times (ms) by step id, of the forwards whose end event has completed
-        (Event.query: never a wait; the sampled tokens' copy has usually completed them by the
-        time execute returns); None for each step on CPU."""
+        (Event.query: never a wait; once a step's result() returned, its forward has
+        completed); None for each step on CPU."""
         out, self._gpu_settled = self._gpu_settled, {}
         pending = self._gpu_pending
         while pending and pending[0][2].query():
@@ -301,9 +396,11 @@ class ModelRunner:
                          zip(st.prompt_token_ids[a + 1:b + 1], chosen, tops))
         st.prompt_logprobs_done = hi
 
-    def _forward(self, chunks) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, chunks, pending: _PendingInputs | None = None
+                 ) -> tuple[torch.Tensor, list[int]]:
         """Runs the model over the batch, as a CUDA-graph replay when one holds it, else eagerly
-        (both over self.inputs); returns hidden states [T, hidden] and query_start_loc (host)."""
+        (both over self.inputs); returns hidden states [T, hidden] and query_start_loc (host).
+        pending: inputs that take the previous step's sampled tokens (_write_pending)."""
         lens = [len(c.token_ids) for c in chunks]
         plan = None
         if self.graphs is not None:
@@ -311,8 +408,10 @@ class ModelRunner:
                                     max(c.start_pos + n for c, n in zip(chunks, lens)))
         if plan is not None:
             staged = self.inputs.stage(chunks, plan.num_tokens, plan.num_seqs)
+            self._write_pending(self.inputs.input_ids, pending)
             return self.graphs.replay(plan, staged.num_tokens), staged.query_start_loc
         staged = self.inputs.stage(chunks)
+        self._write_pending(self.inputs.input_ids, pending)
         x, T, B = self.inputs, staged.num_tokens, staged.num_seqs
         meta = AttentionMetadata(
             slot_mapping=x.slot_mapping[:T], query_start_loc=x.query_start_loc[:B + 1],
@@ -323,3 +422,19 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(x.input_ids[:T], x.positions[:T])
         return hidden, staged.query_start_loc
+
+
+def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
+    """A host copy of t that lands without blocking (pinned; ready once the step's event is)."""
+    if not cuda:
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of values on device, uploaded without waiting for the work queued there
+    (through pinned memory: a pageable upload would wait for the step in flight)."""
+    t = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)

@@ -11,7 +11,9 @@ step, so each rank keeps its own copy of every live table and the driver sends o
 At batch 256 with 64 blocks per sequence the whole tables pickle to 60 KB and take ~2 ms to
 unpickle on a CI core; a decode step's delta is a few bytes per sequence. Everything else a
 forward needs (tokens, positions, forks, block copies, new requests' sampling params, the KV
-coordinator's work for the connectors) is sent as is. Pure Python: tested on CPU without processes.
+coordinator's work for the connectors) is sent as is. A pending token (async scheduling) is not
+known here either: every rank takes it from the sampled tokens the driver broadcasts. Pure
+Python: tested on CPU without processes.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ class StepEncoder:
             else:
                 mode, blocks = _REPLACE, list(live)
                 self.mirror[c.request_id] = list(live)
-            rows.append((c.request_id, c.token_ids, c.start_pos, c.sample, mode, blocks))
+            rows.append((c.request_id, c.token_ids, c.start_pos, c.sample, c.last_pending, mode,
+                         blocks))
         return pickle.dumps((rows, sched.forks, sched.block_copies, sched.new_requests,
                              sched.finished_ids, sched.kv_work), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -57,12 +60,12 @@ class StepDecoder:
         for rid in finished:
             self.tables.pop(rid, None)
         chunks = []
-        for rid, tokens, start, sample, mode, blocks in rows:
+        for rid, tokens, start, sample, pending, mode, blocks in rows:
             if mode == _APPEND:
                 table = self.tables[rid]
                 table.extend(blocks)
             else:
                 table = self.tables[rid] = blocks
-            chunks.append(ScheduledChunk(rid, tokens, start, table, sample))
+            chunks.append(ScheduledChunk(rid, tokens, start, table, sample, pending))
         return SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies,
                                new_requests=new, finished_ids=finished, kv_work=kv_work)

@@ -8,7 +8,9 @@
                                         (the all-reduces / logits gather inside meet rank 0's)
 
 Rank 0 decides everything that is not tensor math (which tokens run, which token was sampled),
-so ranks cannot diverge: the others learn sampled tokens from the next step's chunks.
+so ranks cannot diverge: the others learn sampled tokens from the next step's chunks, or,
+for a token still pending there (async scheduling), from the driver's broadcast of each
+step's sampled tokens (model_runner.py).
 
 Lifecycle: Drain -> rank 0 rejects new requests, finishes the ones in flight, tells the other
 ranks to stop, releases CUDA graphs (they captured collectives) before the process group, answers

@@ -113,7 +113,10 @@ class KVConnector(abc.ABC):
     def start_load(self, load: "KVLoad", sync: bool) -> None:
         """Begin copying a request's blocks. sync: return only once it is finished (poll()
         reports it). A load without destination blocks is a two-sided receive-and-discard
-        (keeps the pair in step): it is nobody's, never reported nor judged."""
+        (keeps the pair in step): it is nobody's, never reported nor judged. On a GPU the copy
+        must come after the work already queued on the device's current stream (the blocks'
+        last writers: under async scheduling a step still in flight may write blocks that
+        were freed and are now this load's)."""
 
     @abc.abstractmethod
     def poll(self) -> list["KVLoadDone"]:
