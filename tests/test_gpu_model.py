@@ -112,26 +112,30 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
     assert kernel_variants(kernels) == before
 
 
-def test_step_records_carry_forward_gpu_times(tmp_path):
-    """Every step with a forward yields a StepRecord whose device time (CUDA events around the
-    forward) is measured and fits inside the step's wall time (the step ends after the sampled
-    tokens' device-to-host copy, which follows the forward on the stream)."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_records_carry_forward_gpu_times(tmp_path, async_scheduling):
+    """Every forward yields a StepRecord whose device time (CUDA events around the forward) is
+    measured and fits inside the step's wall time (schedule to tokens applied: the tokens'
+    device-to-host copy follows the forward on the stream), with async scheduling or without."""
     from pdserve.config import EngineConfig
     from pdserve.worker.llm_engine import LLMEngine
 
     from .test_tp import LLAMA_8Q_2KV, _folder
     engine = LLMEngine(EngineConfig(model=_folder(tmp_path, LLAMA_8Q_2KV), load_format="dummy",
-                                    device="cuda", skip_tokenizer_init=True, num_kv_blocks=256))
+                                    device="cuda", skip_tokenizer_init=True, num_kv_blocks=256,
+                                    async_scheduling=async_scheduling))
+    runner = engine.runner
+    forwards = []
+    start = runner.execute_async
+    runner.execute_async = lambda s: (forwards.append(s.step_id) if s.chunks else None, start(s))[1]
     for i, n in enumerate([5, 300, 40]):
         engine.add_request(f"r{i}", {"prompt_token_ids": list(range(2, 2 + n))},
                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    steps = 0
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
     torch.cuda.synchronize()
     records = engine.take_step_records()
-    assert len(records) == steps
+    assert len(records) == len(forwards) > 0
     assert sum(r.num_prefill_tokens for r in records) == 345
     for r in records:
         assert r.gpu_ms is not None and 0 < r.gpu_ms <= r.wall_ms + 0.05, r

@@ -384,6 +384,17 @@ def _line(r: dict) -> str:
             f"{_fmt(r['host_share'], '.1%', 6)}  {note}")
 
 
+def _graph_info(eng) -> dict[str, Any]:
+    """The CUDA graphs the engine captured at start-up: how many, how long, how much memory."""
+    g = getattr(getattr(eng, "runner", None), "graphs", None)
+    if g is None:
+        return {"cuda_graphs": None}
+    return {"cuda_graphs": {"decode": len(g.decode_sizes) * len(g.tiers),
+                            "mixed": len(g.mixed_sizes) * len(g.mixed_tiers),
+                            "mixed_max_tokens": g.mixed_sizes[-1] if g.mixed_sizes else 0,
+                            "capture_s": g.capture_s, "memory_mib": g.memory_bytes / 2 ** 20}}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve import LLM
     device = torch.device(args.device)
@@ -413,7 +424,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engines.append({"name": model, **dataclasses.asdict(cfg),
                             "max_model_len_used": eng.max_model_len,
                             "num_kv_blocks_used": eng.num_kv_blocks,
-                            "use_cuda_graphs": cfg.use_cuda_graphs})
+                            "use_cuda_graphs": cfg.use_cuda_graphs, **_graph_info(eng)})
             rows.extend(bench.rows())
         finally:
             runner = getattr(llm.llm_engine, "runner", None)
