@@ -537,8 +537,10 @@ def _wait_up(router, name, timeout_s=120):
         router.step(timeout_s=0.2)
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
-@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+# every connector loses its consumer; a lost producer (re-pairing from the other side) on the
+# one-sided and on one two-sided connector (torch-dist and nccl share PairConnector's pairing)
+@pytest.mark.parametrize("connector,victim", [(c, "decode-0") for c in CONNECTORS]
+                         + [("shared", "prefill-0"), ("nccl", "prefill-0")])
 def test_a_dead_worker_is_restarted_and_exchanges_kv_again(tmp_path, reference, connector,
                                                            victim):
     """kill -9 a prefill or a decode worker of a 1P1D deployment: while it is down requests
