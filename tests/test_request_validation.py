@@ -6,9 +6,6 @@ engine's 400; fields pdserve cannot honour (response_format, tools, logit_bias, 
 server keeps answering normal requests after each."""
 import pytest
 
-from .test_server import _start, _stop, _stopped_cleanly
-from .utils import assert_processes_gone
-
 httpx = pytest.importorskip("httpx")
 
 VOCAB = 49152  # SmolLM2's
@@ -16,12 +13,8 @@ USER = [{"role": "user", "content": "Say hi."}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc, base = _start(["--max-num-seqs", "16", "--max-model-len", "256"])
-    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
-    yield base
-    assert _stopped_cleanly(_stop(proc))
-    assert_processes_gone(pids)
+def server(small_server):
+    return small_server   # (conftest.py: one server for this module and the conformance tests)
 
 
 def _post(base: str, path: str, body: dict) -> httpx.Response:

@@ -12,8 +12,7 @@ import os
 
 import pytest
 
-from .test_server import MODEL, _metric, _start, _stop, _stopped_cleanly
-from .utils import assert_processes_gone
+from .test_server import MODEL, _metric
 
 httpx = pytest.importorskip("httpx")
 
@@ -21,20 +20,12 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("P
               ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/health"),
               ("GET", "/tokenizer_info")]
 # per operation and kind of data (schema-valid, invalid, made acceptable); raise for a longer hunt
-MAX_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "20"))  # CI budget; deeper: set it
+MAX_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "10"))  # CI budget; deeper: set it
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc, base = _start(["--max-model-len", "256", "--max-num-seqs", "16"])
-    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
-    yield base
-    try:
-        health = httpx.get(base + "/health", timeout=10)
-        assert health.status_code == 200, f"the engine died during the tests: {health.text}"
-    finally:
-        assert _stopped_cleanly(_stop(proc))
-        assert_processes_gone(pids)
+def server(small_server):
+    return small_server   # (conftest.py: one server for this module and the request-schema tests)
 
 
 # ---- schemathesis ------------------------------------------------------------------------------

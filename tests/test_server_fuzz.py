@@ -18,7 +18,7 @@ from hypothesis import strategies as st  # noqa: E402
 from .test_server import _start, _stop, _stopped_cleanly  # noqa: E402
 from .utils import assert_processes_gone, save_tiny_model_with_tokenizer  # noqa: E402
 
-EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "20"))  # CI budget; deeper: set it
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "10"))  # CI budget; deeper: set it
 
 # surrogates (category Cs) are what hypothesis' text() leaves out by default
 _ugly_text = st.text(st.characters(categories=("Cs", "Lu", "Nd", "Zs", "Cc", "So")),
