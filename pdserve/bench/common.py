@@ -201,3 +201,20 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float:
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def run_described(name: str, run, args, argv: list[str], output: str) -> dict[str, Any] | None:
+    """Runs a benchmark's run(args) and wraps its result in the payload every result file has
+    (command, git, hardware with the load average at the start too, config, timestamp); None
+    after printing the error when run raises ValueError / OSError."""
+    start = hardware_info()
+    try:
+        body = run(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    hw = hardware_info()
+    hw["load_avg_at_start"] = start.get("load_avg_1_5_15")
+    return {"benchmark": name, "command": ["pdserve", "bench", name, *argv], **git_info(),
+            "hardware": hw, "config": {**vars(args), "output": output},
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **body}

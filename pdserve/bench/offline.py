@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..args import add_engine_args, engine_config
-from .common import CpuUsage, git_info, hardware_info, random_prompts, write_result
+from .common import CpuUsage, random_prompts, run_described, write_result
 
 MATCH_PREFIX = 16
 PEER_NAME = "hf-transformers-generate"
@@ -448,23 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     output = args.output or f"bench/results/offline-{torch.device(args.device).type}.json"
-    start = hardware_info()
-    try:
-        body = run(args)
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    payload = run_described("offline", run, args, argv, output)
+    if payload is None:
         return 1
-    hw = hardware_info()
-    hw["load_avg_at_start"] = start.get("load_avg_1_5_15")
-    payload = {
-        "benchmark": "offline",
-        "command": ["pdserve", "bench", "offline", *argv],
-        **git_info(),
-        "hardware": hw,
-        "config": {**vars(args), "output": output},
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **body,
-    }
     _print_table(payload)
     print(f"wrote {os.path.abspath(write_result(output, payload))}")
     return 0

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..args import add_engine_args, engine_config
-from .common import copy_bandwidth, git_info, hardware_info, random_prompts, sync, write_result
+from .common import copy_bandwidth, random_prompts, run_described, sync, write_result
 
 EMBEDDED = "embedded"   # --models name of the embedded SmolLM2 (model=None)
 _ENGINE_FLAGS_EXCLUDED = ("--model", "--skip-tokenizer-init", "--tensor-parallel-size",
@@ -452,19 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or f"bench/results/step-cost-{torch.device(args.device).type}.json"
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    start = hardware_info()
-    try:
-        body = run(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    payload = run_described("step", run, args, argv, output)
+    if payload is None:
         return 1
-    hw = hardware_info()
-    hw["load_avg_at_start"] = start.get("load_avg_1_5_15")
-    payload = {"benchmark": "step", "command": ["pdserve", "bench", "step", *argv],
-               **git_info(), "hardware": hw, "config": {**vars(args), "output": output},
-               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **body}
     print(f"wrote {os.path.abspath(write_result(output, payload))}")
-    errors = [r for r in body["rows"] if "error" in r]
+    errors = [r for r in payload["rows"] if "error" in r]
     if errors:
         print(f"error: {len(errors)} row(s) did not time the step they meant", file=sys.stderr)
         return 1

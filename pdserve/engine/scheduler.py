@@ -30,7 +30,8 @@ from __future__ import annotations
 import collections
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from itertools import chain
+from typing import Iterator, NamedTuple
 
 from ..protocol import KVLoadDone, KVSource
 from .kv_cache_manager import BlockCopy, KVCacheManager
@@ -301,9 +302,10 @@ class Scheduler:
             got.append(req)
         return got
 
-    def pending_samplers(self) -> list[Request]:
-        """The sequences that sample in the steps scheduled but not updated yet."""
-        return [r for step in self._unread for r in step]
+    def pending_samplers(self) -> Iterator[Request]:
+        """The sequences that sample in the steps scheduled but not updated yet (walked in place:
+        the engine core asks every step)."""
+        return chain.from_iterable(self._unread)
 
     def check_integrity(self) -> None:
         coord = self.kv_coordinator
