@@ -91,9 +91,6 @@ class StepInputs:
         self.query_start_loc, self.seq_lens, self.block_tables = (d.query_start_loc, d.seq_lens,
                                                                   d.block_tables)
 
-    def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
-
     def stage(self, chunks, t_pad: int | None = None, b_pad: int | None = None) -> StagedBatch:
         """Lays `chunks` (ScheduledChunks; decode rows first is usual, any order works) into the
         buffers, padded to t_pad tokens and b_pad sequences (default: no padding), and starts the
