@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
-# tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -90,6 +90,17 @@ for stage in "$@"; do
            SERVE_DEPS="$dep" SERVE_RATES="16 32" SERVE_TAG=-verify bash "$0" serve-pd
            echo "slow steps:"; grep "took" "$OUT/serve-${dep%%:*}.log"
            unset PDSERVE_LOG_SLOW_STEP_MS;;
+    skinny-sweep) # issue 15 item 3: every skinny_linear candidate vs cuBLAS at the decode shapes
+           python3 -m pdserve.kernels.bench --skinny --output "$OUT/skinny-sweep.json" 2>&1 | grep -v Warn | tail -70;;
+    skinny-ab) # decode at batch 1..8 with the skinny kernel on and off (SKINNY_MAX_M = 0), in turn
+           for side in on off; do
+             python3 -c "import sys, pdserve.layers.linear as l; l.SKINNY_MAX_M = 8 if sys.argv[1] == 'on' else 0
+from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2.5-1.5b qwen2.5-7b \
+               --batch-sizes 1 2 4 8 --steps 50 --generate-tokens 256 \
+               --output "$OUT/latency-skinny-$side.json" 2>&1 | grep -v Warn | tail -12
+           done;;
+    latency-peer) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 --steps 30 \
+           --generate-tokens 256 --peer hf-static --output "$OUT/latency-peer.json" 2>&1 | grep -v Warn | tail -8;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -12,6 +12,11 @@ against 1 output token, per extra token, beside the weight-read floor.
 Roofline: the bytes a decode step must read (all weights once, plus every sequence's KV cache)
 divided by the bandwidth of a large device-to-device copy measured here (bytes read + written
 per second). Weights-only floor is reported too.
+
+Peer (`--peer hf-static`): HF transformers on the same architecture (random weights of the same
+shapes, in the same dtype), generating with a static KV cache and its forward under
+torch.compile(mode="reduce-overhead") (CUDA graphs), timed the same way as LLM.generate: one
+`context`-token prompt, 1 + --generate-tokens new tokens against 1, per extra token.
 """
 from __future__ import annotations
 
@@ -86,6 +91,48 @@ def generate_per_token(llm, context: int, tokens: int, seed: int, reps: int = 3)
             "generate_n_ms": many * 1e3, "per_token_ms": (many - one) / tokens * 1e3}
 
 
+def hf_static_per_token(hf_config: dict, dtype: torch.dtype, device: torch.device, context: int,
+                        tokens: int, seed: int, reps: int = 3) -> dict[str, Any]:
+    """The peer: HF generate with a static cache and a compiled (reduce-overhead) forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    d = {k: v for k, v in hf_config.items() if k not in ("model_type", "quantization_config")}
+    config = AutoConfig.for_model(hf_config.get("model_type", "llama"), **d)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.disable_compile = True     # compiled here, as the HF recipe does
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    prompt = torch.tensor([random_prompts(1, context, context + 1, config.vocab_size, seed)[0]],
+                          device=device)
+
+    def timed(n: int) -> float:
+        ts = []
+        for _ in range(reps + 2):   # (the first two compile and warm up this cache shape)
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                               do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                               pad_token_id=0)
+            sync(device)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts[2:])
+
+    t_compile = time.perf_counter()
+    one = timed(1)
+    many = timed(1 + tokens)
+    out = {"peer": "hf-static", "context": context, "tokens": tokens,
+           "generate_1_ms": one * 1e3, "generate_n_ms": many * 1e3,
+           "per_token_ms": (many - one) / tokens * 1e3,
+           "wall_s_incl_compile": time.perf_counter() - t_compile}
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def _model_bytes(eng) -> tuple[int, int]:
     """Weight bytes a step reads (tied weights once) and KV-cache bytes per token."""
     params = {id(p): p for p in eng.model.parameters()}.values()
@@ -107,7 +154,17 @@ def run(args) -> dict[str, Any]:
     results = []
     bw = copy_bandwidth(device)
     generate_rows = []
+    peer_rows = []
     for model in args.models:
+        if args.peer == "hf-static" and model in (args.peer_models or args.models[:1]):
+            from ..loader.model_loader import resolve_source
+            dtype = torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype)
+            r = hf_static_per_token(resolve_source(model).hf_config, dtype, device,
+                                    args.batch1_context, args.generate_tokens, args.seed)
+            r["model"] = model
+            peer_rows.append(r)
+            print(f"{model:>14} HF static cache + torch.compile, batch 1: "
+                  f"{r['per_token_ms']:.3f} ms/token", flush=True)
         sizes = sorted({1, *args.batch_sizes})
         max_ctx = max(args.context, args.batch1_context)
         llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
@@ -137,16 +194,22 @@ def run(args) -> dict[str, Any]:
             g = generate_per_token(llm, args.batch1_context, args.generate_tokens, args.seed)
             g.update(model=model, weights_only_roofline_ms=weight_bytes / bw * 1e3)
             g["x_weights_roofline"] = g["per_token_ms"] / g["weights_only_roofline_ms"]
+            peer = next((r for r in peer_rows if r["model"] == model), None)
+            if peer is not None:
+                g["peer_per_token_ms"] = peer["per_token_ms"]
+                g["speedup_vs_peer"] = peer["per_token_ms"] / g["per_token_ms"]
             generate_rows.append(g)
             print(f"{model:>14} LLM.generate batch 1: {g['per_token_ms']:.3f} ms/token, "
-                  f"x{g['x_weights_roofline']:.2f} the weight floor", flush=True)
+                  f"x{g['x_weights_roofline']:.2f} the weight floor"
+                  + (f", {g['speedup_vs_peer']:.2f}x faster than the peer" if peer else ""),
+                  flush=True)
         eng.runner.release()
         del llm, eng
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"benchmark": "latency", "copy_bandwidth_bytes_per_s": bw, "results": results,
-            "generate": generate_rows}
+            "generate": generate_rows, "peer": peer_rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,10 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--generate-tokens", type=int, default=512,
                    help="batch-1 LLM.generate of 1 + this many tokens vs 1, per token (0: skip)")
+    p.add_argument("--peer", default="none", choices=["none", "hf-static"],
+                   help="hf-static: HF transformers with a static cache under torch.compile "
+                        "(reduce-overhead), batch-1 generate timed the same way (needs "
+                        "--generate-tokens)")
+    p.add_argument("--peer-models", nargs="+", default=None,
+                   help="the models the peer runs for (default: the first of --models)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
+    if args.peer != "none" and args.generate_tokens <= 0:
+        p.error("--peer times batch-1 generate: it needs --generate-tokens > 0")
     payload = run(args)
     payload.update(command=["pdserve", "bench", "latency", *(argv if argv is not None else sys.argv[3:])],
                    config=vars(args), hardware=hardware_info(), **git_info())

@@ -2,6 +2,8 @@
 
     python -m pdserve.kernels.bench         # decode table vs copy bandwidth, prefill TFLOP/s
     python -m pdserve.kernels.bench --tune  # also sweep DECODE_CONFIG / PREFILL_CONFIG variants
+    python -m pdserve.kernels.bench --skinny --output f.json
+                                            # skinny_linear configs vs cuBLAS at decode shapes
 
 Target (issue): decode attention reads K/V at >= 80% of the device-to-device copy bandwidth once
 the KV read is >= 256 MB.
@@ -141,6 +143,111 @@ def bench_prefill(num_seqs: int, chunk: int, context: int, H: int, Hkv: int, D: 
                 prefill_config={**pa.PREFILL_CONFIG, **(prefill_config or {})})
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) variants the --skinny sweep times
+SKINNY_CANDIDATES = [
+    (16, 256, 4, 4, False), (32, 256, 4, 4, False), (32, 128, 4, 3, False), (64, 128, 4, 4, False),
+    (16, 512, 4, 3, False), (64, 256, 8, 3, False), (8, 512, 4, 4, False),
+    (16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, True), (16, 512, 4, 3, True),
+    (32, 128, 4, 5, True), (64, 256, 8, 3, True), (128, 128, 8, 3, True),
+]
+
+
+def skinny_shapes(preset: str) -> list[tuple[str, int, int, bool, bool]]:
+    """(name, N, K, bias, silu_mul) of one decoder layer's projections and the LM head."""
+    from ..models.config import ModelConfig
+    from ..models.presets import PRESETS
+    c = ModelConfig.from_hf(PRESETS[preset])
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return [("qkv", q + 2 * kv, c.hidden_size, c.attention_bias, False),
+            ("o", c.hidden_size, q, False, False),
+            ("gate_up", 2 * c.intermediate_size, c.hidden_size, False, False),
+            ("down", c.hidden_size, c.intermediate_size, False, True),
+            ("lm_head", c.vocab_size, c.hidden_size, False, False)]
+
+
+def _graph_us(fns, replays: int) -> float:
+    """Median GPU time of one fn, timed as a CUDA graph of all of them in turn (no launch gaps
+    from the host; every fn reads its own weight, so weights come from HBM as in a model)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    ms = _median_ms(graph.replay, replays, 3)
+    del graph
+    return ms * 1e3 / len(fns)
+
+
+def bench_skinny(presets=("qwen2.5-1.5b", "qwen2.5-7b"), ms=(1, 2, 4, 8, 16),
+                 candidates=None, replays: int = 20, stream_bytes: int = 256 << 20) -> dict:
+    """Every candidate config of kernels/skinny_gemm.py and cuBLAS (F.linear; for the fused
+    down projection, silu_and_mul + F.linear) on each preset's layer shapes at each row count.
+    Each row: us per product, weight GB/s, and the max error against an fp32 reference relative
+    to the reference's largest magnitude (None where a candidate failed, with the error)."""
+    from .activation import silu_and_mul
+    from .skinny_gemm import skinny_linear
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    candidates = candidates or SKINNY_CANDIDATES
+    rows = []
+    for preset in presets:
+        for name, n, k, has_bias, silu in skinny_shapes(preset):
+            wbytes = n * k * 2
+            copies = max(2, min(28, -(-stream_bytes // wbytes)))
+            ws = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+            bias = torch.randn(n, device=dev, dtype=dtype) if has_bias else None
+            for m in ms:
+                x = torch.randn(m, 2 * k if silu else k, device=dev, dtype=dtype)
+                xin = silu_and_mul(x) if silu else x
+                ref = xin.float() @ ws[0].float().T + (bias.float() if has_bias else 0)
+                scale = ref.abs().max().item()
+                outs = [torch.empty(m, n, device=dev, dtype=dtype) for _ in ws]
+
+                def cublas(w, o):
+                    def fn():   # what the model ran before: the activation kernel, then cuBLAS
+                        a = silu_and_mul(x) if silu else x
+                        if bias is None:
+                            torch.matmul(a, w.T, out=o)
+                        else:
+                            torch.addmm(bias, a, w.T, out=o)
+                    return fn
+                us = _graph_us([cublas(w, o) for w, o in zip(ws, outs)], replays)
+                err = (outs[0].float() - ref).abs().max().item() / scale
+                base = dict(model=preset, shape=name, N=n, K=k, M=m)
+                rows.append(dict(base, impl="cublas", us=us, gbps=wbytes / us / 1e3, err=err))
+                for cfg in candidates:
+                    if not cfg[4] and m > 4:
+                        continue   # the FMA form holds M x BLOCK_N x BLOCK_K products in registers
+                    try:
+                        fns = [(lambda w=w, o=o: skinny_linear(x, w, bias, silu_mul=silu, out=o,
+                                                                config=cfg))
+                               for w, o in zip(ws, outs)]
+                        us = _graph_us(fns, replays)
+                        err = (outs[0].float() - ref).abs().max().item() / scale
+                        rows.append(dict(base, impl=list(cfg), us=us, gbps=wbytes / us / 1e3, err=err))
+                    except Exception as e:   # report, keep sweeping
+                        rows.append(dict(base, impl=list(cfg), us=None, gbps=None, err=None,
+                                         error=f"{type(e).__name__}: {e}"[:300]))
+            del ws
+            torch.cuda.empty_cache()
+    best = {}
+    for r in rows:
+        if r["us"] is None or r["impl"] == "cublas" or r["err"] > 2 ** -6:
+            continue
+        key = (r["model"], r["shape"], r["M"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    cub = {(r["model"], r["shape"], r["M"]): r for r in rows if r["impl"] == "cublas"}
+    summary = [dict(model=k[0], shape=k[1], M=k[2], cublas_us=cub[k]["us"], best_us=b["us"],
+                    best_impl=b["impl"], speedup=cub[k]["us"] / b["us"], best_gbps=b["gbps"])
+               for k, b in best.items()]
+    return {"rows": rows, "summary": summary, "copy_gbps": copy_bandwidth()}
+
+
 def _row(r: dict) -> str:
     gt = "-" if r["graph_time_us"] is None else f"{r['graph_time_us']:9.1f}"
     return (f"{r['batch']:5d} {r['context']:6d} {r['H']:3d}/{r['Hkv']:<2d} {r['D']:4d} "
@@ -152,7 +259,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tune", action="store_true", help="sweep tile / stage / warp variants")
     ap.add_argument("--bs", type=int, default=16)
+    ap.add_argument("--skinny", action="store_true",
+                    help="only the skinny_linear sweep (kernels/skinny_gemm.py) against cuBLAS")
+    ap.add_argument("--output", default=None, help="--skinny: write the rows as JSON here")
     args = ap.parse_args(argv)
+    if args.skinny:
+        import json
+        res = bench_skinny()
+        for r in res["summary"]:
+            print(f"{r['model']:>13} {r['shape']:>8} M={r['M']:<3} cublas {r['cublas_us']:7.1f} us  "
+                  f"best {r['best_us']:7.1f} us ({r['best_gbps']:5.0f} GB/s) x{r['speedup']:.2f} "
+                  f"{r['best_impl']}", flush=True)
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     head = (f"{'batch':>5} {'ctx':>6} {'H/Hkv':>6} {'D':>4} {'spl':>3} {'KV MB':>9} "
             f"{'eager us':>9} {'graph us':>9} {'KV GB/s':>8} {'copyGB/s':>8} {'%copy':>7}")
     print(head)

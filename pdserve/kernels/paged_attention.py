@@ -72,39 +72,14 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._interpreter import INTERPRET as _INTERPRET   # (importing it patches the interpreter)
+
 __all__ = ["paged_attention", "paged_attention_ref", "default_num_kv_splits"]
-
-
-def _fix_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a scalar into a Python int with int(ndarray of shape (1,)),
-    which numpy >= 2.4 refuses (triton-lang/triton#9171), so `range(lo, hi)` with runtime bounds
-    fails under TRITON_INTERPRET=1. Re-patch tensor.__index__ to take the single element. Only
-    touches the interpreter; compiled kernels are unaffected."""
-    try:
-        from triton.runtime import interpreter as _interp
-    except ImportError:  # pragma: no cover
-        return
-    orig = getattr(_interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_pdserve_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._pdserve_fixed = True
-    _interp._patch_lang_tensor = patched
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if _INTERPRET:
-    _fix_interpreter_index()
 
 _LOG2E = 1.4426950408889634
 # finite "minus infinity" for running maxima: exp2(_NEG - x) == 0, and never inf - inf = NaN

@@ -49,6 +49,29 @@ def materialize(loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
 
+# A product with at most this many rows (a decode step of a small batch) in a half dtype on CUDA
+# goes to the Triton weight-streaming kernel (kernels/skinny_gemm.py), which reads the weight
+# closer to the copy bandwidth than cuBLAS does at such shapes (bench/RESULTS.md, issue 15).
+SKINNY_MAX_M = 8
+
+
+def uses_skinny(x: torch.Tensor) -> bool:
+    """Whether linear() sends `x` to the skinny kernel."""
+    return x.is_cuda and x.shape[0] <= SKINNY_MAX_M and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           silu_mul: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias. With silu_mul, x is a SwiGLU [gate | up] and silu(gate) * up is the
+    input (fused into the load on the skinny path; only allowed where uses_skinny(x))."""
+    if uses_skinny(x):
+        from ..kernels.skinny_gemm import skinny_linear
+        return skinny_linear(x, weight, bias, silu_mul=silu_mul)
+    if silu_mul:
+        raise ValueError("linear: silu_mul is fused only on the skinny path (see uses_skinny)")
+    return F.linear(x, weight, bias)
+
+
 def _copy(param: torch.Tensor, loaded) -> None:
     loaded = materialize(loaded)
     if param.shape != loaded.shape:
@@ -69,7 +92,7 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_Linear):
@@ -134,8 +157,9 @@ class RowParallelLinear(_Linear):
         n = param.shape[1]
         _copy(param, loaded.narrow(1, self.tp.rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, *, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: x is [gate | up] of a SwiGLU MLP (see linear())."""
+        out = self.tp.all_reduce(linear(x, self.weight, silu_mul=silu_mul))
         return out if self.bias is None else out + self.bias
 
 
@@ -171,5 +195,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocabulary shard, gathered to the full vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.tp.all_gather(F.linear(hidden, self.weight), -1)
+        logits = self.tp.all_gather(linear(hidden, self.weight), -1)
         return logits[..., : self.vocab_size]
