@@ -143,13 +143,10 @@ def bench_prefill(num_seqs: int, chunk: int, context: int, H: int, Hkv: int, D: 
                 prefill_config={**pa.PREFILL_CONFIG, **(prefill_config or {})})
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) variants the --skinny sweep times
-SKINNY_CANDIDATES = [
-    (16, 256, 4, 4, False), (32, 256, 4, 4, False), (32, 128, 4, 3, False), (64, 128, 4, 4, False),
-    (16, 512, 4, 3, False), (64, 256, 8, 3, False), (8, 512, 4, 4, False),
-    (16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, True), (16, 512, 4, 3, True),
-    (32, 128, 4, 5, True), (64, 256, 8, 3, True), (128, 128, 8, 3, True),
-]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) variants the --skinny sweep times, beside
+# pick_config's choice ("auto")
+SKINNY_CANDIDATES = [(bn, bk, 4, 4, sp) for bn in (16, 32, 64) for bk in (128, 256)
+                     for sp in (1, 2, 4, 8)]
 
 
 def skinny_shapes(preset: str) -> list[tuple[str, int, int, bool, bool]]:
@@ -162,6 +159,7 @@ def skinny_shapes(preset: str) -> list[tuple[str, int, int, bool, bool]]:
             ("o", c.hidden_size, q, False, False),
             ("gate_up", 2 * c.intermediate_size, c.hidden_size, False, False),
             ("down", c.hidden_size, c.intermediate_size, False, True),
+            ("down_unfused", c.hidden_size, c.intermediate_size, False, False),
             ("lm_head", c.vocab_size, c.hidden_size, False, False)]
 
 
@@ -183,7 +181,7 @@ def _graph_us(fns, replays: int) -> float:
     return ms * 1e3 / len(fns)
 
 
-def bench_skinny(presets=("qwen2.5-1.5b", "qwen2.5-7b"), ms=(1, 2, 4, 8, 16),
+def bench_skinny(presets=("qwen2.5-1.5b", "qwen2.5-7b"), ms=(1, 4, 8, 16),
                  candidates=None, replays: int = 20, stream_bytes: int = 256 << 20) -> dict:
     """Every candidate config of kernels/skinny_gemm.py and cuBLAS (F.linear; for the fused
     down projection, silu_and_mul + F.linear) on each preset's layer shapes at each row count.
@@ -219,18 +217,18 @@ def bench_skinny(presets=("qwen2.5-1.5b", "qwen2.5-7b"), ms=(1, 2, 4, 8, 16),
                 err = (outs[0].float() - ref).abs().max().item() / scale
                 base = dict(model=preset, shape=name, N=n, K=k, M=m)
                 rows.append(dict(base, impl="cublas", us=us, gbps=wbytes / us / 1e3, err=err))
-                for cfg in candidates:
-                    if not cfg[4] and m > 4:
-                        continue   # the FMA form holds M x BLOCK_N x BLOCK_K products in registers
+                for cfg in [None, *candidates]:
                     try:
                         fns = [(lambda w=w, o=o: skinny_linear(x, w, bias, silu_mul=silu, out=o,
                                                                 config=cfg))
                                for w, o in zip(ws, outs)]
                         us = _graph_us(fns, replays)
                         err = (outs[0].float() - ref).abs().max().item() / scale
-                        rows.append(dict(base, impl=list(cfg), us=us, gbps=wbytes / us / 1e3, err=err))
+                        rows.append(dict(base, impl=list(cfg) if cfg else "auto", us=us,
+                                         gbps=wbytes / us / 1e3, err=err))
                     except Exception as e:   # report, keep sweeping
-                        rows.append(dict(base, impl=list(cfg), us=None, gbps=None, err=None,
+                        rows.append(dict(base, impl=list(cfg) if cfg else "auto", us=None,
+                                         gbps=None, err=None,
                                          error=f"{type(e).__name__}: {e}"[:300]))
             del ws
             torch.cuda.empty_cache()
@@ -242,8 +240,10 @@ def bench_skinny(presets=("qwen2.5-1.5b", "qwen2.5-7b"), ms=(1, 2, 4, 8, 16),
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
     cub = {(r["model"], r["shape"], r["M"]): r for r in rows if r["impl"] == "cublas"}
+    auto = {(r["model"], r["shape"], r["M"]): r for r in rows if r["impl"] == "auto"}
     summary = [dict(model=k[0], shape=k[1], M=k[2], cublas_us=cub[k]["us"], best_us=b["us"],
-                    best_impl=b["impl"], speedup=cub[k]["us"] / b["us"], best_gbps=b["gbps"])
+                    best_impl=b["impl"], speedup=cub[k]["us"] / b["us"], best_gbps=b["gbps"],
+                    auto_us=auto.get(k, {}).get("us"))
                for k, b in best.items()]
     return {"rows": rows, "summary": summary, "copy_gbps": copy_bandwidth()}
 
@@ -269,7 +269,7 @@ def main(argv=None) -> None:
         for r in res["summary"]:
             print(f"{r['model']:>13} {r['shape']:>8} M={r['M']:<3} cublas {r['cublas_us']:7.1f} us  "
                   f"best {r['best_us']:7.1f} us ({r['best_gbps']:5.0f} GB/s) x{r['speedup']:.2f} "
-                  f"{r['best_impl']}", flush=True)
+                  f"{r['best_impl']}  auto {r['auto_us'] or float('nan'):7.1f} us", flush=True)
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(res, f, indent=1)

@@ -1,7 +1,7 @@
 """The skinny linear kernel (pdserve.kernels.skinny_gemm) and the model's use of it.
 
-CPU runs go through Triton's interpreter (fp16: it has no bf16 arithmetic), both kernel forms
-(tl.dot and CUDA-core FMAs). The reference is the product in float64 torch. GPU runs
+CPU runs go through Triton's interpreter (fp16: it has no bf16 arithmetic), with K whole and
+split across programs. The reference is the product in float64 torch. GPU runs
 (@pytest.mark.gpu): bf16 at the Qwen2.5 decode shapes, against float64 and cuBLAS."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from pdserve.kernels.skinny_gemm import skinny_linear
 
-DOT = (16, 64, 4, 2, True)
-FMA = (16, 64, 4, 2, False)
+WHOLE = (16, 64, 4, 2, 1)
+SPLIT = (16, 32, 4, 2, 3)      # three splits of K (fewer where K is short)
 
 
 def _f64(x, w, bias=None, silu=False):
@@ -43,7 +43,7 @@ def _data(m, n, k, dtype, device, *, silu=False, bias=False, seed=0):
 CPU_CASES = [(1, 40, 70), (3, 64, 256), (8, 33, 300), (5, 16, 16), (2, 17, 129)]
 
 
-@pytest.mark.parametrize("cfg", [DOT, FMA], ids=["dot", "fma"])
+@pytest.mark.parametrize("cfg", [WHOLE, SPLIT], ids=["whole_k", "split_k"])
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("mnk", CPU_CASES, ids=lambda s: "x".join(map(str, s)))
@@ -63,10 +63,20 @@ def test_skinny_linear_strided_input_and_out():
     x = xb[:, ::2]                                   # column stride 2
     ob = torch.full((3, 2 * 24), float("nan"), dtype=torch.float16)
     out = ob[:, 1::2]
-    got = skinny_linear(x, w, out=out, config=DOT)
+    got = skinny_linear(x, w, out=out, config=WHOLE)
     assert got is out
     assert torch.isnan(ob[:, 0::2]).all()            # nothing written outside the view
     _check(got, _f64(x, w), torch.float16, 48)
+
+
+def test_split_k_is_deterministic_and_leaves_counters_reset():
+    from pdserve.kernels import skinny_gemm
+    x, w, b = _data(4, 40, 300, torch.float16, "cpu", bias=True)
+    first = skinny_linear(x, w, b, config=(16, 32, 4, 2, 4))
+    assert skinny_gemm._counters(x.device, 1).eq(0).all()       # the last split reset its tile
+    again = skinny_linear(x, w, b, config=(16, 32, 4, 2, 4))
+    assert torch.equal(first, again)
+    _check(first, _f64(x, w, b), torch.float16, 300)
 
 
 def test_skinny_linear_default_config_and_empty():
@@ -85,6 +95,7 @@ def test_skinny_linear_default_config_and_empty():
     (dict(silu=True), "gate"),
     (dict(x=torch.randn(2, 8, 1, dtype=torch.float16)), "2-D"),
     (dict(out=torch.empty(2, 5, dtype=torch.float16)), "out"),
+    (dict(x=torch.randn(17, 8, dtype=torch.float16)), "rows"),
 ])
 def test_skinny_linear_bad_arguments(bad, match):
     args = dict(x=torch.randn(2, 8, dtype=torch.float16), w=torch.randn(4, 8, dtype=torch.float16),
