@@ -14,7 +14,7 @@ divided by the bandwidth of a large device-to-device copy measured here (bytes r
 per second). Weights-only floor is reported too.
 
 Peer (`--peer hf-static`): HF transformers on the same architecture (random weights of the same
-shapes, in the same dtype), generating with a static KV cache and its forward under
+shapes, in the same dtype), generating with a static KV cache and its decode forward under
 torch.compile(mode="reduce-overhead") (CUDA graphs), timed the same way as LLM.generate: one
 `context`-token prompt, 1 + --generate-tokens new tokens against 1, per extra token.
 """
@@ -95,14 +95,17 @@ def hf_static_per_token(hf_config: dict, dtype: torch.dtype, device: torch.devic
                         tokens: int, seed: int, reps: int = 3) -> dict[str, Any]:
     """The peer: HF generate with a static cache and a compiled (reduce-overhead) forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.generation.configuration_utils import CompileConfig
     d = {k: v for k, v in hf_config.items() if k not in ("model_type", "quantization_config")}
     config = AutoConfig.for_model(hf_config.get("model_type", "llama"), **d)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    # generate() compiles the decode forward itself when the cache is static (the prefill stays
+    # eager); compiling model.forward by hand as well fails in transformers 5 (cudagraph outputs
+    # overwritten by the cache update)
     model.generation_config.cache_implementation = "static"
-    model.generation_config.disable_compile = True     # compiled here, as the HF recipe does
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    model.generation_config.compile_config = CompileConfig(mode="reduce-overhead", fullgraph=True)
     prompt = torch.tensor([random_prompts(1, context, context + 1, config.vocab_size, seed)[0]],
                           device=device)
 

@@ -144,23 +144,22 @@ def bench_prefill(num_seqs: int, chunk: int, context: int, H: int, Hkv: int, D: 
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) variants the --skinny sweep times, beside
-# pick_config's choice ("auto")
+# the configuration the model would use ("auto": tuned_config, else default_config)
 SKINNY_CANDIDATES = [(bn, bk, 4, 4, sp) for bn in (16, 32, 64) for bk in (128, 256)
                      for sp in (1, 2, 4, 8)]
 
 
 def skinny_shapes(preset: str) -> list[tuple[str, int, int, bool, bool]]:
-    """(name, N, K, bias, silu_mul) of one decoder layer's projections and the LM head."""
+    """(name, N, K, bias) of one decoder layer's projections and the LM head."""
     from ..models.config import ModelConfig
     from ..models.presets import PRESETS
     c = ModelConfig.from_hf(PRESETS[preset])
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return [("qkv", q + 2 * kv, c.hidden_size, c.attention_bias, False),
-            ("o", c.hidden_size, q, False, False),
-            ("gate_up", 2 * c.intermediate_size, c.hidden_size, False, False),
-            ("down", c.hidden_size, c.intermediate_size, False, True),
-            ("down_unfused", c.hidden_size, c.intermediate_size, False, False),
-            ("lm_head", c.vocab_size, c.hidden_size, False, False)]
+    return [("qkv", q + 2 * kv, c.hidden_size, c.attention_bias),
+            ("o", c.hidden_size, q, False),
+            ("gate_up", 2 * c.intermediate_size, c.hidden_size, False),
+            ("down", c.hidden_size, c.intermediate_size, False),
+            ("lm_head", c.vocab_size, c.hidden_size, False)]
 
 
 def _graph_us(fns, replays: int) -> float:
@@ -183,44 +182,37 @@ def _graph_us(fns, replays: int) -> float:
 
 def bench_skinny(presets=("qwen2.5-1.5b", "qwen2.5-7b"), ms=(1, 4, 8, 16),
                  candidates=None, replays: int = 20, stream_bytes: int = 256 << 20) -> dict:
-    """Every candidate config of kernels/skinny_gemm.py and cuBLAS (F.linear; for the fused
-    down projection, silu_and_mul + F.linear) on each preset's layer shapes at each row count.
+    """Every candidate config of kernels/skinny_gemm.py and cuBLAS on each preset's layer shapes
+    at each row count.
     Each row: us per product, weight GB/s, and the max error against an fp32 reference relative
     to the reference's largest magnitude (None where a candidate failed, with the error)."""
-    from .activation import silu_and_mul
     from .skinny_gemm import skinny_linear
     dev, dtype = torch.device("cuda"), torch.bfloat16
     candidates = candidates or SKINNY_CANDIDATES
     rows = []
     for preset in presets:
-        for name, n, k, has_bias, silu in skinny_shapes(preset):
+        for name, n, k, has_bias in skinny_shapes(preset):
             wbytes = n * k * 2
             copies = max(2, min(28, -(-stream_bytes // wbytes)))
             ws = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
             bias = torch.randn(n, device=dev, dtype=dtype) if has_bias else None
             for m in ms:
-                x = torch.randn(m, 2 * k if silu else k, device=dev, dtype=dtype)
-                xin = silu_and_mul(x) if silu else x
-                ref = xin.float() @ ws[0].float().T + (bias.float() if has_bias else 0)
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                ref = x.float() @ ws[0].float().T + (bias.float() if has_bias else 0)
                 scale = ref.abs().max().item()
                 outs = [torch.empty(m, n, device=dev, dtype=dtype) for _ in ws]
 
                 def cublas(w, o):
-                    def fn():   # what the model ran before: the activation kernel, then cuBLAS
-                        a = silu_and_mul(x) if silu else x
-                        if bias is None:
-                            torch.matmul(a, w.T, out=o)
-                        else:
-                            torch.addmm(bias, a, w.T, out=o)
-                    return fn
+                    if bias is None:
+                        return lambda: torch.matmul(x, w.T, out=o)
+                    return lambda: torch.addmm(bias, x, w.T, out=o)
                 us = _graph_us([cublas(w, o) for w, o in zip(ws, outs)], replays)
                 err = (outs[0].float() - ref).abs().max().item() / scale
                 base = dict(model=preset, shape=name, N=n, K=k, M=m)
                 rows.append(dict(base, impl="cublas", us=us, gbps=wbytes / us / 1e3, err=err))
                 for cfg in [None, *candidates]:
                     try:
-                        fns = [(lambda w=w, o=o: skinny_linear(x, w, bias, silu_mul=silu, out=o,
-                                                                config=cfg))
+                        fns = [(lambda w=w, o=o: skinny_linear(x, w, bias, out=o, config=cfg))
                                for w, o in zip(ws, outs)]
                         us = _graph_us(fns, replays)
                         err = (outs[0].float() - ref).abs().max().item() / scale

@@ -1,16 +1,16 @@
-"""Linear layers for a few rows: y = x @ w.T (+ bias), x [M, K] with M small (a decode step of a
+"""Linear layers for a few rows: y = x @ w.T (+ bias), x [M, K] with M <= 16 (a decode step of a
 small batch), w [N, K] the nn.Linear weight. At such M the product is a weight stream: every byte
 of w is read once and the arithmetic is free, so what counts is keeping enough loads in flight on
-every SM. One program owns BLOCK_N output columns for all M rows and walks K once; x (a few KB) is
-re-read by every program from L2.
-
-Optionally the input is the fused [gate | up] projection of a SwiGLU MLP, x [M, 2K], and the
-kernel applies silu(gate) * up (fp32, rounded once to x's dtype, as kernels/activation.py does)
-while loading it: the down projection then needs no activation kernel before it.
+every SM. One program owns BLOCK_N output columns for all rows (padded to 16, the smallest tl.dot
+tile) over one split of K; x (a few KB) is re-read by every program from L2.
 
 Long K is split across programs (split-K): each split leaves an fp32 partial sum in a workspace
 and the last split of a column tile to arrive adds the partials in split order, so results do not
 depend on arrival order (run-to-run deterministic, as CUDA graphs and batch-invariance tests need).
+
+Where this beats cuBLAS depends on the shape and the device, by a few percent: `tuned_config`
+knows the shapes measured faster on a device (`python -m pdserve.kernels.bench --skinny`), and
+the model's linear layers use cuBLAS for everything else (layers/linear.py).
 
 Numerics: products accumulate in fp32 and round once to the output dtype (bias added in fp32
 before the rounding), like cuBLAS; only the summation order differs. Half types only (bf16,
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _interpreter  # noqa: F401  (the CPU test path's loop-bound fix)
+from . import _interpreter  # noqa: F401  (the CPU test path: loop bounds)
 from ._checks import check_like, require
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -35,7 +35,7 @@ def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
     M, N, K, k_per_split,
     sx_m, sx_k, sw_n, sw_k, so_m, so_n,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # grid (column tiles, splits of K). Split s sums k in [s * k_per_split, (s + 1) * k_per_split).
@@ -54,13 +54,7 @@ def _skinny_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < k_hi
-        xm = m_ok[:, None] & k_ok[None, :]
-        if SILU_MUL:
-            g = tl.load(x_rows + kk[None, :] * sx_k, mask=xm, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + (kk[None, :] + K) * sx_k, mask=xm, other=0.0).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
-        else:
-            a = tl.load(x_rows + kk[None, :] * sx_k, mask=xm, other=0.0)
+        a = tl.load(x_rows + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :] * sw_k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(w))
     tile = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -89,20 +83,49 @@ def _skinny_kernel(
         tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# Launch configuration: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k). Rows pad to 16 (the
-# smallest tl.dot tile); they cost no memory traffic.
+# Launch configuration: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k).
 BLOCK_M = 16
 MAX_M = 16
-TARGET_PROGRAMS = 4 * 132       # enough loads in flight: a few programs per SM of an H100/H200
+
+# The shapes (N, K) where a configuration beat cuBLAS at every M in 1..16, by device name: the
+# best of `python -m pdserve.kernels.bench --skinny` (bench/results/skinny-sweep-h200.json).
+# Qwen2.5-1.5B and -7B: o_proj, gate_up_proj, down_proj, lm_head; their qkv_proj stays on
+# cuBLAS (it tied at 1.5B and lost by 7% at 7B).
+TUNED: dict[str, dict[tuple[int, int], tuple[int, int, int, int, int]]] = {
+    "NVIDIA H200": {
+        (1536, 1536): (16, 256, 4, 4, 1),      # 1.5B o       5.1 vs 5.3-6.6 us
+        (17920, 1536): (64, 128, 4, 4, 1),     # 1.5B gate_up 17.0-17.8 vs 17.5-18.0
+        (1536, 8960): (32, 128, 4, 4, 8),      # 1.5B down    11.2-11.6 vs 12.0-12.4
+        (151936, 1536): (64, 128, 4, 4, 1),    # 1.5B lm_head 106-112 vs 110-114
+        (3584, 3584): (32, 256, 4, 4, 1),      # 7B o         10.3-10.5 vs 11.5-11.9
+        (37888, 3584): (64, 128, 4, 4, 1),     # 7B gate_up   65.5-67.0 vs 70.0-71.1
+        (3584, 18944): (64, 256, 4, 4, 2),     # 7B down      37.3-37.9 vs 39.4-41.0
+        (152064, 3584): (64, 128, 4, 4, 1),    # 7B lm_head   240-248 vs 248-254
+    },
+}
+_DEVICE_NAMES: dict[int, str] = {}
 
 
-def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """The launch configuration for an [m, k] x [k, n] product: 32-column tiles, and K split
-    until there are about TARGET_PROGRAMS programs, each walking at least 1024 of K."""
-    block_n, block_k = 32, 256
-    tiles = -(-n // block_n)
-    split = max(1, min(-(-TARGET_PROGRAMS // tiles), k // 1024))
-    return block_n, block_k, 4, 4, split
+def tuned_config(device: torch.device, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """The measured-faster configuration for an [M <= MAX_M, k] x [k, n] product on `device`,
+    or None (use cuBLAS)."""
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    name = _DEVICE_NAMES.get(idx)
+    if name is None:
+        name = _DEVICE_NAMES[idx] = torch.cuda.get_device_name(idx)
+    return TUNED.get(name, {}).get((n, k))
+
+
+def default_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """A configuration for any shape (correct everywhere, tuned nowhere): 32-column tiles, K
+    split while there are fewer than ~2 programs per SM and each split keeps >= 2048 of K."""
+    tiles = -(-n // 32)
+    split = 1
+    while tiles * split < 264 and k // (2 * split) >= 2048:
+        split *= 2
+    return 32, 256, 4, 4, split
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -121,11 +144,11 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  silu_mul: bool = False, out: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None,
                   config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x: [M, K] (or [M, 2K] = [gate | up] with silu_mul), weight: [N, K], bias: [N] or None, all
-    one half dtype on one device; M <= MAX_M. Returns x @ weight.T + bias ([M, N], new unless
-    `out` is given). `config` overrides pick_config (the micro-benchmark sweeps it)."""
+    """x: [M, K], weight: [N, K], bias: [N] or None, all one half dtype on one device; M <= MAX_M.
+    Returns x @ weight.T + bias ([M, N], new unless `out` is given). `config`: a launch
+    configuration (default: the tuned one for this shape and device, else default_config)."""
     for name, tns in (("x", x), ("weight", weight)):
         require(isinstance(tns, torch.Tensor),
                 f"skinny_linear: {name} must be a torch.Tensor, got {type(tns).__name__}")
@@ -137,9 +160,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     m, kx = x.shape
     n, k = weight.shape
     require(m <= MAX_M, f"skinny_linear: at most {MAX_M} rows, got {m}")
-    want = 2 * k if silu_mul else k
-    require(kx == want, f"skinny_linear: x has {kx} columns, weight [N, K={k}] needs {want}"
-                        + (" ([gate | up])" if silu_mul else ""))
+    require(kx == k, f"skinny_linear: x has {kx} columns, weight [N, K={k}] needs {k}")
     if bias is not None:
         require(isinstance(bias, torch.Tensor) and bias.shape == (n,),
                 f"skinny_linear: bias must be a [{n}] tensor")
@@ -153,7 +174,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    block_n, block_k, warps, stages, split = config or pick_config(m, n, k)
+    block_n, block_k, warps, stages, split = (config or tuned_config(x.device, n, k)
+                                              or default_config(n, k))
     tiles = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
     split = triton.cdiv(k, k_per_split)          # (no empty split)
@@ -166,21 +188,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias if bias is not None else weight, out, ws, cnt,
         m, n, k, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT=split > 1,
+        HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
     )
     return out
 
 
-def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      silu_mul: bool = False) -> torch.Tensor:
-    """The spec in plain torch: fp32 products and sums, one rounding (the activation, when fused,
-    rounded to x's dtype first, as the unfused model path does)."""
-    if silu_mul:
-        k = x.shape[1] // 2
-        g, u = x[:, :k].float(), x[:, k:].float()
-        x = (g * torch.sigmoid(g) * u).to(x.dtype)
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec in plain torch: fp32 products and sums, one rounding."""
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()

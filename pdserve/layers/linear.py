@@ -50,25 +50,18 @@ def materialize(loaded) -> torch.Tensor:
 
 
 # A product with at most this many rows (a decode step of a small batch) in a half dtype on CUDA
-# goes to the Triton weight-streaming kernel (kernels/skinny_gemm.py), which reads the weight
-# closer to the copy bandwidth than cuBLAS does at such shapes (bench/RESULTS.md, issue 15).
-SKINNY_MAX_M = 8
+# goes to the Triton weight-streaming kernel (kernels/skinny_gemm.py) where it was measured faster
+# than cuBLAS for that shape on that device (a few percent: bench/RESULTS.md, issue 15).
+SKINNY_MAX_M = 16
 
 
-def uses_skinny(x: torch.Tensor) -> bool:
-    """Whether linear() sends `x` to the skinny kernel."""
-    return x.is_cuda and x.shape[0] <= SKINNY_MAX_M and x.dtype in (torch.float16, torch.bfloat16)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           silu_mul: bool = False) -> torch.Tensor:
-    """x @ weight.T + bias. With silu_mul, x is a SwiGLU [gate | up] and silu(gate) * up is the
-    input (fused into the load on the skinny path; only allowed where uses_skinny(x))."""
-    if uses_skinny(x):
-        from ..kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, weight, bias, silu_mul=silu_mul)
-    if silu_mul:
-        raise ValueError("linear: silu_mul is fused only on the skinny path (see uses_skinny)")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias."""
+    if x.is_cuda and x.shape[0] <= SKINNY_MAX_M and x.dtype in (torch.float16, torch.bfloat16):
+        from ..kernels.skinny_gemm import skinny_linear, tuned_config
+        cfg = tuned_config(x.device, weight.shape[0], weight.shape[1])
+        if cfg is not None:
+            return skinny_linear(x, weight, bias, config=cfg)
     return F.linear(x, weight, bias)
 
 
@@ -157,9 +150,8 @@ class RowParallelLinear(_Linear):
         n = param.shape[1]
         _copy(param, loaded.narrow(1, self.tp.rank * n, n))
 
-    def forward(self, x: torch.Tensor, *, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul: x is [gate | up] of a SwiGLU MLP (see linear())."""
-        out = self.tp.all_reduce(linear(x, self.weight, silu_mul=silu_mul))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 

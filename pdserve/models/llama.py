@@ -13,7 +13,7 @@ from ..attention.base import AttentionBackend
 from ..attention.metadata import get_attention_metadata
 from ..layers.activation import SiluAndMul
 from ..layers.linear import (MergedColumnParallelLinear, materialize, ParallelLMHead, QKVParallelLinear,
-                             RowParallelLinear, uses_skinny, VocabParallelEmbedding)
+                             RowParallelLinear, VocabParallelEmbedding)
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .config import ModelConfig
@@ -57,10 +57,7 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        h = self.gate_up_proj(x)
-        if uses_skinny(h):   # the down projection applies the activation as it loads h
-            return self.down_proj(h, silu_mul=True)
-        return self.down_proj(self.act(h))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
