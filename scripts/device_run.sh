@@ -39,7 +39,7 @@ for stage in "$@"; do
                --output "$OUT/offline-$side.json") 2>&1 | grep -v "^Processed" | tail -4
            done;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
-    latency) python3 -m pdserve bench latency --output "$OUT/decode-latency-h200.json";;
+    latency) python3 -m pdserve bench latency --peer hf-static --output "$OUT/decode-latency-h200.json" 2>&1 | grep -v Warn | tail -14;;
     step-compare) # issue 15: bench step on an older tree (carried as old/) and on this one, in turn
            for side in ${SIDES:-old new}; do
              dir=.; [ $side = old ] && dir=old
@@ -96,7 +96,7 @@ for stage in "$@"; do
            for side in on off; do
              python3 -c "import sys, pdserve.layers.linear as l; l.SKINNY_MAX_M = 8 if sys.argv[1] == 'on' else 0
 from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2.5-1.5b qwen2.5-7b \
-               --batch-sizes 1 2 4 8 --steps 50 --generate-tokens 256 \
+               --batch-sizes 1 2 4 8 16 --steps 50 --generate-tokens 256 \
                --output "$OUT/latency-skinny-$side.json" 2>&1 | grep -v Warn | tail -12
            done;;
     latency-peer) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 --steps 30 \
