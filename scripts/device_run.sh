@@ -39,7 +39,7 @@ for stage in "$@"; do
                --output "$OUT/offline-$side.json") 2>&1 | grep -v "^Processed" | tail -4
            done;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
-    latency) python3 -m pdserve bench latency --peer hf-static --output "$OUT/decode-latency-h200.json" 2>&1 | grep -v Warn | tail -14;;
+    latency) python3 -m pdserve bench latency --batch-sizes 1 8 32 128 256 --peer hf-static --output "$OUT/decode-latency-h200.json" 2>&1 | grep -v Warn | tail -14;;
     step-compare) # issue 15: bench step on an older tree (carried as old/) and on this one, in turn
            for side in ${SIDES:-old new}; do
              dir=.; [ $side = old ] && dir=old
