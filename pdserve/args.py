@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="schedule each step only after the previous one's tokens are read "
                         "(default: the next step is launched while the device runs this one)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached prompt prefixes (token-granular radix tree; "
+                        "default on)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer (token-id prompts only; for dummy presets)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

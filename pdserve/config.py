@@ -59,6 +59,10 @@ class EngineConfig:
     # (penalties, min_tokens: engine/core.py). On CPU too (nothing overlaps there, the same
     # code runs). False: every step waits for its tokens before the next is scheduled.
     async_scheduling: bool = True
+    # Prefix caching (engine/prefix_cache.py): KV of finished and preempted sequences stays in a
+    # token-granular radix tree over the block pool, evicted least recently used when the pool
+    # is short; a new sequence starts from its longest cached prefix.
+    enable_prefix_caching: bool = True
     cuda_graph_max_batch: int = 512     # largest captured decode batch (capped by max_num_seqs)
     # largest step with prefill tokens replayed as a CUDA graph (None: the token budget, at most
     # MAX_GRAPH_TOKENS; 0: such steps run eagerly, decode graphs stay)
@@ -96,7 +100,7 @@ class EngineConfig:
         if not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for name in ("skip_tokenizer_init", "enforce_eager", "disable_custom_all_reduce",
-                     "async_scheduling"):
+                     "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -90,7 +90,7 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_coordinator = None
         if kv_transfer:
             self.kv_coordinator = KVCoordinator(

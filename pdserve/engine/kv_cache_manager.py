@@ -9,12 +9,19 @@ A request's token at position p lives in block table[p // block_size], offset p 
 
 Forking (n > 1) shares every block of the parent; the first write into a shared block copies it
 first (copy-on-write), and the copy is returned for the model runner to execute.
+
+With a prefix cache (prefix_cache.py), a new request's table starts as the blocks of its longest
+cached prefix (match_prefix), a finished or preempted request's computed tokens go into the cache
+(free(id, tokens)), and a pool short of blocks evicts cached ones before it fails. This class is
+the one place where the cache's references and the requests' references meet: the pool's count
+of a block = the tables that list it + the cache nodes that list it.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from .block_pool import BlockPool
+from .prefix_cache import Node, PrefixCache
 
 
 class BlockCopy(NamedTuple):
@@ -23,12 +30,39 @@ class BlockCopy(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self._locked: dict[str, Node] = {}     # request -> the cache node its prefix matched
+        self.prefix_queries = 0                 # tokens looked up in the cache (metrics)
+        self.prefix_hits = 0                    # of them, found
+
+    def match_prefix(self, request_id: str, tokens: list[int], limit: int) -> int:
+        """A request without blocks: start its table with the blocks of the longest cached
+        prefix of tokens[:limit] (shared, copied on write). Returns the matched length."""
+        if self.prefix_cache is None or request_id in self.block_tables:
+            return 0
+        m = self.prefix_cache.match(tokens, limit)
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += m.num_tokens
+        if m.num_tokens == 0:
+            return 0
+        self.pool.incref(m.blocks)
+        self.block_tables[request_id] = list(m.blocks)
+        self.prefix_cache.lock(m.node)
+        self._locked[request_id] = m.node
+        return m.num_tokens
+
+    def _make_room(self, n: int) -> bool:
+        """At least n free blocks, evicting cached ones if needed."""
+        short = n - self.pool.num_free_blocks
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return n <= self.pool.num_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -51,7 +85,7 @@ class KVCacheManager:
             return []
         cow = self._shared_in_range(table, num_computed, end)
         grow = max(0, self.blocks_for(end) - len(table))
-        if grow + len(cow) > self.pool.num_free_blocks:
+        if not self._make_room(grow + len(cow)):
             if not table:
                 del self.block_tables[request_id]
             return None
@@ -70,17 +104,36 @@ class KVCacheManager:
         self.pool.incref(table)
         self.block_tables[child_id] = list(table)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, tokens: list[int] = ()) -> None:
+        """Give back a request's blocks. `tokens`: the positions [0, len) whose KV its blocks
+        hold (computed, or being computed by a step in flight), kept by the prefix cache."""
         table = self.block_tables.pop(request_id, None)
+        self._unlock(request_id)
         if table:
-            # Release in reverse so the tail of a sequence is reused first (roadmap: prefix cache
-            # keeps the head longest).
+            if tokens and self.prefix_cache is not None:
+                self.prefix_cache.insert(tokens, table)
+            # Release in reverse so the tail of a sequence is reused first.
             self.pool.release(reversed(table))
+
+    def _unlock(self, request_id: str) -> None:
+        node = self._locked.pop(request_id, None)
+        if node is not None:
+            self.prefix_cache.unlock(node)
 
     def detach(self, request_id: str) -> list[int]:
         """Take a request's table out of the manager with its blocks still allocated: the caller
         owns them now (P/D: kept for a consumer) and gives them back with release()."""
+        self._unlock(request_id)
         return self.block_tables.pop(request_id, [])
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix no request uses; returns the blocks freed."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.reset()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks listed by the prefix cache (some may also be in requests' tables)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_cached_blocks
 
     def release(self, table: list[int]) -> None:
         """Give back a detached table's blocks (tail first, as free() does)."""
@@ -90,6 +143,13 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def check_integrity(self, detached: list[list[int]] = ()) -> None:
-        """Every allocated block is referenced exactly as often as the live tables, plus the
-        detached ones the caller still owns, name it."""
-        self.pool.check_integrity([*self.block_tables.values(), *detached])
+        """Every allocated block is referenced exactly as often as the live tables, the
+        detached ones the caller still owns and the prefix cache's nodes name it; the cache's
+        structure holds and its locks are the live requests' matches."""
+        cached = []
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+            cached = self.prefix_cache.holders()
+            assert self.prefix_cache.root.lock == len(self._locked), "cache locks vs requests"
+        assert set(self._locked) <= set(self.block_tables), "a lock without a table"
+        self.pool.check_integrity([*self.block_tables.values(), *detached, *cached])

@@ -189,4 +189,4 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              dict(group.metrics),
                              None if group.prompt_logprobs is None else list(group.prompt_logprobs),
-                             group.kv_transfer)
+                             group.kv_transfer, group.seqs[0].req.num_cached_tokens or 0)

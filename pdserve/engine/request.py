@@ -56,6 +56,8 @@ class Request:
     siblings: list["Request"] = field(default_factory=list)  # FORK_PENDING sequences forked from this one
     num_preemptions: int = 0
     hold_kv: bool = False                   # P/D producer: keep the blocks when finished
+    num_cached_tokens: int | None = None    # prompt positions found in the prefix cache when
+                                            # first admitted (None: not admitted yet)
 
     num_tokens: int = 0                     # prompt + output; kept by append_output (hot path)
 

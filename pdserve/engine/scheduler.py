@@ -142,11 +142,12 @@ class Scheduler:
                 self.waiting.remove(r)
             elif r.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.LOADING_KV):
                 self.kv_coordinator.drop(r)
+            was_running = r.status is RequestStatus.RUNNING
             r.status = status
             if r.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
                 held = self.kv_coordinator.hold(r.request_id, self.kv.detach(r.request_id), now)
-            else:
-                self.kv.free(r.request_id)
+            else:   # (a loading sequence's blocks hold no KV yet: nothing to cache)
+                self.kv.free(r.request_id, self._computed(r) if was_running else ())
             del self.requests[r.request_id]
             if r.request_id in self._known_to_runner:
                 self._known_to_runner.discard(r.request_id)
@@ -174,8 +175,14 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
                 self.waiting.appendleft(req)
 
+    @staticmethod
+    def _computed(req: Request) -> list[int]:
+        """The tokens whose KV a running sequence's blocks hold (or a step in flight writes):
+        what the prefix cache may keep of it (a pending token is not known yet)."""
+        return req.token_slice(0, min(req.num_computed_tokens, req.num_tokens))
+
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req.request_id)
+        self.kv.free(req.request_id, self._computed(req))
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -217,9 +224,17 @@ class Scheduler:
             req = self.waiting[0]
             if self._num_seq_slots_used() + 1 + len(req.siblings) > self.max_num_seqs:
                 break
+            if req.num_computed_tokens == 0:   # new or preempted: start from a cached prefix
+                # (at least one token left to compute: the step must produce its logits)
+                req.num_computed_tokens = self.kv.match_prefix(
+                    req.request_id, req.token_slice(0, req.num_tokens), req.num_tokens - 1)
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = req.num_computed_tokens
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
+                self.kv.free(req.request_id)   # (the matched prefix: matched again next time)
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
