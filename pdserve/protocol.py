@@ -115,11 +115,14 @@ class WorkerStats(msgspec.Struct):
     """The worker's state after a step (for metrics and, later, load-aware routing)."""
     num_running: int
     num_waiting: int
-    num_kv_blocks_used: int
+    num_kv_blocks_used: int        # held by requests (blocks only the prefix cache holds count as free)
     num_kv_blocks: int
     num_preemptions: int
     kv_peers: int = 0   # P/D: peers this worker's connector has joined (or given up on)
     kv_broken: int = 0  # P/D, two-sided: pairs among kv_peers that broke (or were dropped)
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0      # of them, found cached
+    prefix_cache_blocks: int = 0    # blocks listed by the prefix cache now
 
 
 class StepRecord(msgspec.Struct, array_like=True):

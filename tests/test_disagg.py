@@ -159,7 +159,7 @@ def test_handoff_between_engines_equals_one_engine(tmp_path, mode, connector):
     assert [e.ok for e in D.take_kv_events()] == [True] * len(PROMPTS)
     for e in (P, D):
         e.check_integrity()
-        assert e.kv.pool.num_used_blocks == 0
+        assert e.kv.num_free_blocks() == e.kv.pool.num_blocks
 
 
 def test_seeded_sampling_continues_across_the_handoff(tmp_path):
@@ -195,7 +195,7 @@ def test_lost_kv_is_recomputed_after_the_producers_tokens(tmp_path):
     assert D.take_kv_events() == []  # nothing was pulled
     for e in (P, D):
         e.check_integrity()
-        assert e.kv.pool.num_used_blocks == 0
+        assert e.kv.num_free_blocks() == e.kv.pool.num_blocks
 
 
 def test_bad_kv_source_is_a_clear_error(tmp_path):
@@ -220,7 +220,7 @@ def test_bad_kv_source_is_a_clear_error(tmp_path):
     assert not D.has_unfinished_requests()
     P.release_kv(["a"])
     P.check_integrity()
-    assert P.kv.pool.num_used_blocks == 0
+    assert P.kv.num_free_blocks() == P.kv.pool.num_blocks
 
 
 @pytest.mark.parametrize("fault,mode", [("fail", "sync"), ("fail", "async"), ("hang", "async")])
@@ -240,7 +240,7 @@ def test_failed_or_hung_pull_is_recomputed_on_the_decode_engine(tmp_path, fault,
     assert not ev.ok and ("injected" in ev.error or "timed out" in ev.error)
     for e in (P, D):
         e.check_integrity()
-        assert e.kv.pool.num_used_blocks == 0
+        assert e.kv.num_free_blocks() == e.kv.pool.num_blocks
 
 
 def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path):
@@ -260,9 +260,9 @@ def test_abort_while_waiting_for_or_loading_kv_frees_blocks(tmp_path):
     D.step()                                   # the cancel verdict reaches the runner
     assert not D.runner.connector.loads
     D.check_integrity()
-    assert D.kv.pool.num_used_blocks == 0
+    assert D.kv.num_free_blocks() == D.kv.pool.num_blocks
     P.release_kv(["a"])
-    assert P.kv.pool.num_used_blocks == 0
+    assert P.kv.num_free_blocks() == P.kv.pool.num_blocks
 
 
 def test_unclaimed_kv_expires_on_the_producer(tmp_path):
@@ -273,7 +273,7 @@ def test_unclaimed_kv_expires_on_the_producer(tmp_path):
     assert P.expire_held_kv(time.monotonic() + 1) == 0
     assert P.expire_held_kv(time.monotonic() + 10) == 1
     P.check_integrity()
-    assert P.kv.pool.num_used_blocks == 0
+    assert P.kv.num_free_blocks() == P.kv.pool.num_blocks
 
 
 # ---- worker processes behind the router ------------------------------------------------------

@@ -196,6 +196,11 @@ class EngineCore:
             for req in self.outputs.remove(rid):
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix that no running request uses (they keep theirs until they
+        finish); returns the KV blocks that went back to the pool."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         """Requests, or a step in flight (async scheduling: the next step() reads it)."""
         return len(self.outputs) > 0 or self._in_flight is not None

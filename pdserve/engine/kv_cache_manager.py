@@ -140,7 +140,10 @@ class KVCacheManager:
         self.pool.release(reversed(table))
 
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Blocks no request holds: the pool's free list plus cached blocks only the prefix
+        cache lists (evicted on demand)."""
+        free = self.pool.num_free_blocks
+        return free if self.prefix_cache is None else free + self.prefix_cache.num_evictable_blocks()
 
     def check_integrity(self, detached: list[list[int]] = ()) -> None:
         """Every allocated block is referenced exactly as often as the live tables, the

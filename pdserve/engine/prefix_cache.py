@@ -201,6 +201,15 @@ class PrefixCache:
         """The tree's references, one list per node (for BlockPool.check_integrity)."""
         return [n.blocks for n in self.nodes() if n.blocks]
 
+    def num_evictable_blocks(self) -> int:
+        """Blocks only the tree holds (no request lists them): what eviction can give back once
+        their nodes are unlocked."""
+        listed: dict[int, int] = {}
+        for n in self.nodes():
+            for b in n.blocks:
+                listed[b] = listed.get(b, 0) + 1
+        return sum(1 for b, c in listed.items() if self.pool.ref_counts[b] == c)
+
     def num_cached_tokens(self) -> int:
         return sum(len(n.tokens) for n in self.nodes())
 

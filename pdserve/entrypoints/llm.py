@@ -49,6 +49,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix that no request in flight uses (vLLM's name);
+        returns the KV blocks freed."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stops worker processes (a no-op for an in-process engine)."""
         self.llm_engine.shutdown()

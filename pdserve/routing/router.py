@@ -427,6 +427,10 @@ class Router:
     def num_free_blocks(self) -> int:
         return min(s.num_kv_blocks - s.num_kv_blocks_used for s in self.check_workers().values())
 
+    def reset_prefix_cache(self) -> int:
+        """Every live worker drops its cached prefixes no request uses; the blocks freed."""
+        return sum(w.client.reset_prefix_cache() for w in self.workers.values() if w.alive)
+
     @property
     def pids(self) -> list[int]:
         return [pid for w in self.workers.values() for pid in w.client.pids]

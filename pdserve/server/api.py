@@ -141,6 +141,11 @@ def build_app(engine: AsyncEngine, model_name: str,
                 "num_kv_blocks": stats.num_kv_blocks, "worker_pids": engine.client.pids,
                 "workers": workers()}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget the workers' cached prompt prefixes (those no request in flight uses)."""
+        return {"num_blocks_freed": await engine.reset_prefix_cache()}
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         srv.check_model(req.model)

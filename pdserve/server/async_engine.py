@@ -155,6 +155,9 @@ class AsyncEngine:
         (AssertionError if an invariant is broken)."""
         return await self.call(lambda c: c.check_integrity())
 
+    async def reset_prefix_cache(self) -> int:
+        return await self.call(lambda c: c.reset_prefix_cache())
+
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         self._command(("stop",))
         await asyncio.to_thread(self._thread.join, drain_timeout_s + 5)

@@ -27,6 +27,13 @@ class Metrics:
         self.kv_used = Gauge("pdserve:kv_cache_blocks_used", "KV blocks in use", registry=r)
         self.kv_total = Gauge("pdserve:kv_cache_blocks_total", "KV blocks in the pool", registry=r)
         self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions so far", registry=r)
+        # (gauges set from the workers' running totals, as the preemption count is)
+        self.prefix_queries = Gauge("pdserve:prefix_cache_queries",
+                                    "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Gauge("pdserve:prefix_cache_hits",
+                                 "Prompt tokens found in the prefix cache", registry=r)
+        self.prefix_blocks = Gauge("pdserve:prefix_cache_blocks",
+                                   "KV blocks held by the prefix cache", registry=r)
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pdserve:time_per_output_token_seconds",
@@ -83,6 +90,9 @@ class Metrics:
             self.kv_used.set(stats.num_kv_blocks_used)
             self.kv_total.set(stats.num_kv_blocks)
             self.preemptions.set(stats.num_preemptions)
+            self.prefix_queries.set(stats.prefix_cache_queries)
+            self.prefix_hits.set(stats.prefix_cache_hits)
+            self.prefix_blocks.set(stats.prefix_cache_blocks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

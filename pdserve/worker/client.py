@@ -246,6 +246,10 @@ class EngineClient:
             raise AssertionError(report.error)
         return report.stats
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the worker's cached prefixes that no request uses; returns the blocks freed."""
+        return self._request(m.ResetPrefixCache(), m.PrefixCacheReset).num_blocks_freed
+
     def num_free_blocks(self) -> int:
         s = self.check_integrity()
         return s.num_kv_blocks - s.num_kv_blocks_used

@@ -59,6 +59,14 @@ class CheckIntegrity(msgspec.Struct, tag=True):
     IntegrityReport."""
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Drop the cached prefixes no request uses; answered by PrefixCacheReset."""
+
+
+class PrefixCacheReset(msgspec.Struct, tag=True):
+    num_blocks_freed: int
+
+
 class Drain(msgspec.Struct, tag=True):
     """No more requests: finish what is in flight, report Drained, exit."""
 
@@ -106,5 +114,5 @@ class Failed(msgspec.Struct, tag=True):
 
 
 ToWorker = Union[AddRequests, Abort, CheckIntegrity, Drain, ConnectKV, ReleaseKV, SendKV,
-                 DropPeer]
-FromWorker = Union[Ready, Accepted, Outputs, IntegrityReport, Drained, Failed]
+                 DropPeer, ResetPrefixCache]
+FromWorker = Union[Ready, Accepted, Outputs, IntegrityReport, Drained, Failed, PrefixCacheReset]

@@ -366,10 +366,12 @@ class _Driver:
         eng, sched = self.engine, self.engine.scheduler
         conn = eng.runner.connector
         return self.m.WorkerStats(len(sched.running), len(sched.waiting),
-                                  eng.kv.pool.num_used_blocks, eng.num_kv_blocks,
+                                  eng.num_kv_blocks - eng.kv.num_free_blocks(), eng.num_kv_blocks,
                                   sched.num_preemptions,
                                   0 if conn is None else conn.num_peers(),
-                                  0 if conn is None else conn.num_broken())
+                                  0 if conn is None else conn.num_broken(),
+                                  eng.kv.prefix_queries, eng.kv.prefix_hits,
+                                  eng.kv.num_cached_blocks)
 
     def _read_messages(self) -> None:
         m, eng = self.m, self.engine
@@ -395,6 +397,8 @@ class _Driver:
                 except AssertionError as e:
                     error = f"integrity check failed: {e}"
                 self._send(m.IntegrityReport(error, self._stats()))
+            elif isinstance(msg, m.ResetPrefixCache):
+                self._send(m.PrefixCacheReset(eng.reset_prefix_cache()))
             elif isinstance(msg, m.Drain):
                 self.draining = True
             elif isinstance(msg, m.ConnectKV):
