@@ -255,3 +255,36 @@ def test_schema_states_the_constraints(server):
     assert roles == {"system", "developer", "user", "assistant", "tool"}
     fmt = schemas[chat["response_format"]["anyOf"][0]["$ref"].rsplit("/", 1)[1]]
     assert fmt["properties"]["type"]["const"] == "text"
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_prefix_cache_usage_metrics_and_reset(server):
+    """The second of two chat requests with one long system prompt reports the shared prompt
+    tokens as cached, on both endpoints' usage; the metrics count them; a reset empties it."""
+    system = {"role": "system", "content": "You are a meticulous assistant for prefix tests. " * 4}
+    body = lambda q: {"messages": [system, {"role": "user", "content": q}],   # noqa: E731
+                      "max_tokens": 2, "temperature": 0}
+    assert _post(server, "/reset_prefix_cache", {}).status_code == 200
+    hits0 = _metric(server, "pdserve:prefix_cache_hits")
+    first = _post(server, "/v1/chat/completions", body("One?")).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    second = _post(server, "/v1/chat/completions", body("Two?")).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 30 < cached < second["usage"]["prompt_tokens"]
+    assert _metric(server, "pdserve:prefix_cache_hits") >= hits0 + cached
+    assert _metric(server, "pdserve:prefix_cache_blocks") > 0
+    prompt = "Completions share the cache too: " + "a fixed preamble, " * 12
+    _post(server, "/v1/completions", {"prompt": prompt + "x", "max_tokens": 1, "temperature": 0})
+    again = _post(server, "/v1/completions", {"prompt": prompt + "y", "max_tokens": 1, "temperature": 0})
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 20
+    reset = _post(server, "/reset_prefix_cache", {})
+    assert reset.status_code == 200 and reset.json()["num_blocks_freed"] > 0
+    assert _metric(server, "pdserve:prefix_cache_blocks") == 0
+    after = _post(server, "/v1/chat/completions", body("Two?")).json()
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _assert_still_serving(server)
