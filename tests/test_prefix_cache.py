@@ -307,7 +307,7 @@ def test_manager_matches_then_copies_the_shared_block_on_write():
     assert kv.reset_prefix_cache() == 3 and kv.num_free_blocks() == 8
 
 
-# ---- bugs found (see the report): these fail on the code as it is --------------------------
+# ---- bugs these tests found: they fail on the cache as first committed (693003f) ----------
 def test_tokens_as_a_tuple_match_like_a_list():
     """PrefixCache takes Sequence[int]; a tuple must match what the same list matches."""
     pool, pc = tree()
