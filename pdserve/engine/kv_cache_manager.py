@@ -85,7 +85,13 @@ class KVCacheManager:
             return []
         cow = self._shared_in_range(table, num_computed, end)
         grow = max(0, self.blocks_for(end) - len(table))
-        if not self._make_room(grow + len(cow)):
+        if not self._make_room(grow + len(cow)) and request_id in self._locked:
+            # Its own match may be what holds the room: copying the matched partial block on
+            # write needs a block that only evicting that match frees (then nothing needs a copy).
+            self._unlock(request_id)
+            self._make_room(grow + len(cow))
+            cow = self._shared_in_range(table, num_computed, end)
+        if grow + len(cow) > self.pool.num_free_blocks:
             if not table:
                 del self.block_tables[request_id]
             return None
@@ -110,10 +116,12 @@ class KVCacheManager:
         table = self.block_tables.pop(request_id, None)
         self._unlock(request_id)
         if table:
-            if tokens and self.prefix_cache is not None:
-                self.prefix_cache.insert(tokens, table)
-            # Release in reverse so the tail of a sequence is reused first.
-            self.pool.release(reversed(table))
+            try:
+                if tokens and self.prefix_cache is not None:
+                    self.prefix_cache.insert(tokens, table)
+            finally:   # (a bad `tokens` raises in insert: the blocks still go back)
+                # Release in reverse so the tail of a sequence is reused first.
+                self.pool.release(reversed(table))
 
     def _unlock(self, request_id: str) -> None:
         node = self._locked.pop(request_id, None)

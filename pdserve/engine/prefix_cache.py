@@ -78,6 +78,7 @@ class PrefixCache:
     # ---- matching -----------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
         """The longest cached prefix of tokens[:limit] (no side effects beyond LRU time)."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)   # (edges are lists)
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         self._clock += 1
         bs = self.block_size
@@ -116,6 +117,7 @@ class PrefixCache:
         table, at least ceil(len / bs) long). Positions the tree already has keep the tree's
         blocks. Returns how many positions were new."""
         bs = self.block_size
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
         if len(table) < -(-len(tokens) // bs):
             raise ValueError(f"prefix cache: {len(tokens)} tokens need {-(-len(tokens) // bs)} "
                              f"blocks, the table has {len(table)}")
@@ -128,6 +130,8 @@ class PrefixCache:
             n = _common(tokens, pos, child.tokens)
             child.last_use = self._clock
             if n < len(child.tokens):
+                if pos + n == len(tokens):   # ends inside this edge: nothing new to keep
+                    return 0
                 child = self._split(child, n)
             node, pos = child, pos + n
         if pos == len(tokens):
