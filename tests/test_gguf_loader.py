@@ -377,6 +377,37 @@ def test_gguf_metadata_helper(synthetic):
     assert gguf_metadata(r, "no.such.key", 7) == 7
 
 
+def _same_as_gguf_reader(path) -> None:
+    """GGUFFile (the loader's direct parser) reads what gguf.GGUFReader reads: every metadata
+    value, every tensor's name, type, dims, size, offset and data view."""
+    from pdserve.loader.gguf_file import GGUFFile
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.values == fields
+    assert ours.data_offset == ref.data_offset and len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)
+        assert a.shape.tolist() == b.shape.tolist()
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data, equal_nan=True), a.name
+
+
+def test_direct_parser_reads_what_gguf_reader_reads(synthetic, tmp_path):
+    for arch in ("llama", "qwen2"):
+        _same_as_gguf_reader(synthetic[arch][0])
+    # a big-endian file with a non-default alignment
+    p = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(p), "llama", endianess=gguf.GGUFEndian.BIG)
+    _add_common_metadata(w, "llama")
+    w.add_custom_alignment(64)
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_tensor("output_norm.weight", np.arange(HIDDEN, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.arange(HIDDEN, dtype=np.float16))
+    _finish(w)
+    _same_as_gguf_reader(p)
+
+
 def test_tensors_are_lazy_and_repeatable(synthetic):
     model = load_gguf(synthetic["llama"][0])
     it = model.tensors()
@@ -543,6 +574,10 @@ def test_smollm2_config_matches_transformers(smollm2, transformers_reference):
     assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]) == (576, 9, 3)
     assert c["num_hidden_layers"] == 30 and c["rope_theta"] == 100000.0 and c["tie_word_embeddings"] is True
     assert c["rope_scaling"] is None
+
+
+def test_direct_parser_reads_smollm2_as_gguf_reader_does(smollm2):
+    _same_as_gguf_reader(smollm2[0])
 
 
 @pytest.mark.slow
