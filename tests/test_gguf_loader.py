@@ -507,55 +507,11 @@ def smollm2():
     return path, load_gguf(path)
 
 
-class _NameMapOnly:
-    """Just what transformers' ``get_gguf_hf_weights_map`` reads from ``model_to_load``.
-
-    Passing the real (meta) model works too, but that function rebuilds gguf's whole tensor
-    name map once per submodule while recursing (~400 times for this model, ~30 s on 2 cores).
-    The top-level state-dict names already cover every tensor, so no children are exposed.
-    """
-
-    def __init__(self, model):
-        self.config = model.config
-        self._names = dict.fromkeys(model.state_dict())
-
-    def state_dict(self):
-        return self._names
-
-    def named_children(self):
-        return iter(())
-
-
 @pytest.fixture(scope="module")
-def transformers_reference(smollm2):
-    """transformers' own GGUF parse, dequantize and un-permute of the same file.
-
-    ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` refuses to run without
-    ``accelerate`` (not a pdserve test dependency). For llama GGUFs it hands the file to
-    ``GgufHfQuantizer.get_state_dict``, which -- llama is not in transformers' newer packed-GGUF
-    arch list -- calls ``modeling_gguf_pytorch_utils.load_gguf_checkpoint``; we call that same
-    function directly. It needs a model only to map GGUF names to HF names; a meta-device
-    LlamaForCausalLM gives the names. The returned config dict is transformers' own parse of the
-    file's metadata, turned into a real LlamaConfig with ``AutoConfig.for_model``.
-    """
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path, model = smollm2
-    c = model.config
-    names_cfg = transformers.LlamaConfig(
-        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"], vocab_size=c["vocab_size"],
-    )
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(names_cfg)
-    parsed = load_gguf_checkpoint(
-        path, return_tensors=True, model_to_load=_NameMapOnly(skeleton), torch_dtype=torch.float32
-    )
-    cfg_dict = dict(parsed["config"])
-    cfg = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    return cfg, parsed["tensors"]
+def transformers_reference(smollm2, hf_smollm2_reference):
+    """transformers' own GGUF parse, dequantize and un-permute of the same file (conftest's
+    session-wide hf_smollm2_reference: test_smollm2's HF model is built from the same)."""
+    return hf_smollm2_reference
 
 
 @pytest.mark.slow
@@ -574,10 +530,6 @@ def test_smollm2_config_matches_transformers(smollm2, transformers_reference):
     assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]) == (576, 9, 3)
     assert c["num_hidden_layers"] == 30 and c["rope_theta"] == 100000.0 and c["tie_word_embeddings"] is True
     assert c["rope_scaling"] is None
-
-
-def test_direct_parser_reads_smollm2_as_gguf_reader_does(smollm2):
-    _same_as_gguf_reader(smollm2[0])
 
 
 @pytest.mark.slow

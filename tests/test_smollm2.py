@@ -1,8 +1,7 @@
-"""The embedded SmolLM2-135M-Instruct GGUF end to end, against HF transformers loading the same
-file with gguf_file= (it dequantizes and un-permutes on its own): logits, greedy generation,
-batch invariance under chunked prefill and preemption, stop strings, chat."""
-import os
-
+"""The embedded SmolLM2-135M-Instruct GGUF end to end, against HF transformers' model with the
+weights transformers' own GGUF loader reads from the same file (it dequantizes and un-permutes on
+its own; conftest.hf_smollm2): logits, greedy generation, batch invariance under chunked prefill
+and preemption, stop strings, chat."""
 import pytest
 import torch
 
@@ -10,7 +9,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.loader.default_model import default_gguf_path  # noqa: E402
 
 from .utils import paged_logits  # noqa: E402
 
@@ -19,11 +17,10 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "In 1969, 3 astronauts
 
 
 @pytest.fixture(scope="module")
-def hf():
-    path = default_gguf_path()
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return m.eval()
+def hf(hf_smollm2):
+    """transformers' model with transformers' own dequantized weights of the same file
+    (conftest: built once per run, shared with test_gguf_loader's tensor comparison)."""
+    return hf_smollm2
 
 
 @pytest.fixture(scope="module")
