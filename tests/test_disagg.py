@@ -592,3 +592,23 @@ def test_restarts_stop_after_the_budget(tmp_path):
                 router.step(timeout_s=0.2)
         assert [h.state for h in router.health()] == ["failed"]
     assert_processes_gone(gone)
+
+
+# ---- deployment plan: CPU workers share the cores ---------------------------------------------
+def test_cpu_workers_get_an_equal_share_of_the_cores():
+    from pdserve.routing import plan_workers
+    from pdserve.worker.worker import WorkerAddresses, WorkerConfig
+    cores = len(os.sched_getaffinity(0))
+    base = EngineConfig(**ENGINE)
+    # one worker of one rank: torch's own default, as an LLM in this process would have
+    assert [s.cpu_threads for s in plan_workers(base, collocated=1)] == [None]
+    # 1P1D: two ranks on this host; a TP-2 prefill worker and a decode worker: three ranks
+    assert [s.cpu_threads for s in plan_workers(base, 1, 1)] == [max(1, cores // 2)] * 2
+    specs = plan_workers(base, 1, 1, prefill_tp=2)
+    assert [s.config.tensor_parallel_size for s in specs] == [2, 1]
+    assert [s.cpu_threads for s in specs] == [max(1, cores // 3)] * 2
+    assert [s.cpu_threads for s in plan_workers(base, 2, 2)] == [max(1, cores // 4)] * 4
+    addrs = WorkerAddresses("ipc://a", "ipc://b", (), "tcp://127.0.0.1:1")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="cpu_threads"):
+            WorkerConfig(base, addrs, os.getpid(), cpu_threads=bad)

@@ -377,6 +377,37 @@ def test_gguf_metadata_helper(synthetic):
     assert gguf_metadata(r, "no.such.key", 7) == 7
 
 
+def _same_as_gguf_reader(path) -> None:
+    """GGUFFile (the loader's direct parser) reads what gguf.GGUFReader reads: every metadata
+    value, every tensor's name, type, dims, size, offset and data view."""
+    from pdserve.loader.gguf_file import GGUFFile
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.values == fields
+    assert ours.data_offset == ref.data_offset and len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)
+        assert a.shape.tolist() == b.shape.tolist()
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data, equal_nan=True), a.name
+
+
+def test_direct_parser_reads_what_gguf_reader_reads(synthetic, tmp_path):
+    for arch in ("llama", "qwen2"):
+        _same_as_gguf_reader(synthetic[arch][0])
+    # a big-endian file with a non-default alignment
+    p = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(p), "llama", endianess=gguf.GGUFEndian.BIG)
+    _add_common_metadata(w, "llama")
+    w.add_custom_alignment(64)
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_tensor("output_norm.weight", np.arange(HIDDEN, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.arange(HIDDEN, dtype=np.float16))
+    _finish(w)
+    _same_as_gguf_reader(p)
+
+
 def test_tensors_are_lazy_and_repeatable(synthetic):
     model = load_gguf(synthetic["llama"][0])
     it = model.tensors()
@@ -476,55 +507,11 @@ def smollm2():
     return path, load_gguf(path)
 
 
-class _NameMapOnly:
-    """Just what transformers' ``get_gguf_hf_weights_map`` reads from ``model_to_load``.
-
-    Passing the real (meta) model works too, but that function rebuilds gguf's whole tensor
-    name map once per submodule while recursing (~400 times for this model, ~30 s on 2 cores).
-    The top-level state-dict names already cover every tensor, so no children are exposed.
-    """
-
-    def __init__(self, model):
-        self.config = model.config
-        self._names = dict.fromkeys(model.state_dict())
-
-    def state_dict(self):
-        return self._names
-
-    def named_children(self):
-        return iter(())
-
-
 @pytest.fixture(scope="module")
-def transformers_reference(smollm2):
-    """transformers' own GGUF parse, dequantize and un-permute of the same file.
-
-    ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` refuses to run without
-    ``accelerate`` (not a pdserve test dependency). For llama GGUFs it hands the file to
-    ``GgufHfQuantizer.get_state_dict``, which -- llama is not in transformers' newer packed-GGUF
-    arch list -- calls ``modeling_gguf_pytorch_utils.load_gguf_checkpoint``; we call that same
-    function directly. It needs a model only to map GGUF names to HF names; a meta-device
-    LlamaForCausalLM gives the names. The returned config dict is transformers' own parse of the
-    file's metadata, turned into a real LlamaConfig with ``AutoConfig.for_model``.
-    """
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path, model = smollm2
-    c = model.config
-    names_cfg = transformers.LlamaConfig(
-        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"], vocab_size=c["vocab_size"],
-    )
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(names_cfg)
-    parsed = load_gguf_checkpoint(
-        path, return_tensors=True, model_to_load=_NameMapOnly(skeleton), torch_dtype=torch.float32
-    )
-    cfg_dict = dict(parsed["config"])
-    cfg = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    return cfg, parsed["tensors"]
+def transformers_reference(smollm2, hf_smollm2_reference):
+    """transformers' own GGUF parse, dequantize and un-permute of the same file (conftest's
+    session-wide hf_smollm2_reference: test_smollm2's HF model is built from the same)."""
+    return hf_smollm2_reference
 
 
 @pytest.mark.slow

@@ -1,8 +1,7 @@
-"""The embedded SmolLM2-135M-Instruct GGUF end to end, against HF transformers loading the same
-file with gguf_file= (it dequantizes and un-permutes on its own): logits, greedy generation,
-batch invariance under chunked prefill and preemption, stop strings, chat."""
-import os
-
+"""The embedded SmolLM2-135M-Instruct GGUF end to end, against HF transformers' model with the
+weights transformers' own GGUF loader reads from the same file (it dequantizes and un-permutes on
+its own; conftest.hf_smollm2): logits, greedy generation, batch invariance under chunked prefill
+and preemption, stop strings, chat."""
 import pytest
 import torch
 
@@ -10,7 +9,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.loader.default_model import default_gguf_path  # noqa: E402
 
 from .utils import paged_logits  # noqa: E402
 
@@ -19,11 +17,10 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "In 1969, 3 astronauts
 
 
 @pytest.fixture(scope="module")
-def hf():
-    path = default_gguf_path()
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return m.eval()
+def hf(hf_smollm2):
+    """transformers' model with transformers' own dequantized weights of the same file
+    (conftest: built once per run, shared with test_gguf_loader's tensor comparison)."""
+    return hf_smollm2
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +59,9 @@ def test_greedy_matches_hf_generate(hf, llm):
 def test_batch_invariance_with_chunked_prefill_and_preemption(llm):
     prompts = [f"Question {i}: tell me about {topic}." for i, topic in enumerate(
         ["the sea", "mountains", "cats", "rivers", "the moon", "bread", "trains"])]
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # 12 tokens: each sequence then needs 3 of the small pool's 12 blocks of 8 (7 need 21), so
+    # the batch still preempts (asserted below) and decodes after its recompute
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     small = LLM(num_kv_blocks=12, block_size=8, max_num_batched_tokens=16, max_model_len=96)
     outs = small.generate(prompts, sp, use_tqdm=False)

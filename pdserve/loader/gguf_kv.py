@@ -64,6 +64,7 @@ class GGUFMetadata:
         import numpy as np
 
         self.values: dict[str, Any] = {}
+        self.types: dict[str, int] = {}  # key -> its GGUF value type
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             if buf[:4] != b"GGUF":
                 raise ValueError(f"{str(path)!r} is not a GGUF file")
@@ -72,7 +73,8 @@ class GGUFMetadata:
             (version,) = struct.unpack_from(end + "I", buf, 4)
             if version < 2:
                 raise ValueError(f"GGUF version {version} is not supported")
-            _, kv_count = struct.unpack_from(end + "QQ", buf, 8)
+            self.version, self.byte_order = version, end
+            self.tensor_count, kv_count = struct.unpack_from(end + "QQ", buf, 8)
             pos = 24
             u64 = struct.Struct(end + "Q")
             u32 = struct.Struct(end + "I")
@@ -115,3 +117,5 @@ class GGUFMetadata:
                 (vtype,) = u32.unpack_from(buf, pos)
                 value, pos = read_value(vtype, pos + 4)
                 self.values[key] = value
+                self.types[key] = vtype
+            self.kv_end = pos  # where the tensor infos start

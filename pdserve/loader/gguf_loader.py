@@ -1,11 +1,10 @@
 """Read Llama / Qwen2 GGUF files into Hugging-Face-named float32 tensors.
 
-``load_gguf(path)`` parses the file with ``gguf.GGUFReader`` (memory-mapped, so
-opening is cheap apart from the Python-level metadata parse) and returns a
-``GGUFModel`` holding
+``load_gguf(path)`` parses the file with ``GGUFFile`` (gguf_file.py: the metadata read
+directly, the tensors memory-mapped) and returns a ``GGUFModel`` holding
 
 * ``config``  -- a dict shaped like a Hugging Face ``config.json``;
-* ``reader``  -- the ``gguf.GGUFReader``, so the tokenizer code can read the
+* ``reader``  -- the ``GGUFFile``, so the tokenizer code can read the
   ``tokenizer.*`` metadata without parsing the file again;
 * ``tensors()`` -- a generator of ``(hf_name, float32 tensor)`` pairs that
   dequantizes one tensor at a time, in file order.
@@ -46,6 +45,8 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as _QT
+
+from .gguf_file import GGUFFile
 
 __all__ = [
     "GGUFModel",
@@ -109,12 +110,9 @@ _BIAS_ALLOWED = frozenset({"attn_q", "attn_k", "attn_v", "attn_output"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def gguf_metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """The Python value of metadata field ``key``: str, int, float, bool or list; ``default`` if absent."""
-    f = reader.fields.get(key)
-    if f is None or not f.types:
-        return default
-    return f.contents()
+    return reader.values.get(key, default)
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,7 @@ class GGUFModel:
     """A parsed GGUF file: HF-style ``config``, the open ``reader`` and lazy ``tensors()``."""
 
     config: dict
-    reader: gguf.GGUFReader = field(repr=False)
+    reader: GGUFFile = field(repr=False)
     _entries: tuple[_Entry, ...] = field(default=(), repr=False)
 
     def tensor_names(self) -> list[str]:
@@ -150,7 +148,7 @@ class GGUFModel:
             yield e.hf_name, torch.from_numpy(arr)
 
 
-def _dequantize(rt: Any, reader: gguf.GGUFReader) -> np.ndarray:
+def _dequantize(rt: Any, reader: GGUFFile) -> np.ndarray:
     qtype = _QT(int(rt.tensor_type))
     if qtype not in SUPPORTED_GGUF_TYPES:  # load_gguf already checked; keep the guard local too
         raise ValueError(_unsupported_type_message(rt.name, qtype))
@@ -198,14 +196,14 @@ def _hf_name(gguf_name: str, n_layers: int) -> tuple[str, str | None] | None:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}", part
 
 
-def _open_reader(path: str) -> gguf.GGUFReader:
+def _open_reader(path: str) -> GGUFFile:
     if not os.path.exists(path):
         raise ValueError(f"model file {path} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"model file {path} is a directory, expected a .gguf file")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/KeyError/... on bad input
+        reader = GGUFFile(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/struct.error/... on bad input
         raise ValueError(
             f"model file {path} is not a valid GGUF file (wrong magic, unsupported version, "
             f"or truncated/corrupt): {type(e).__name__}: {e}"
@@ -217,7 +215,7 @@ def _open_reader(path: str) -> gguf.GGUFReader:
     return reader
 
 
-def _required_int(reader: gguf.GGUFReader, key: str, path: str) -> int:
+def _required_int(reader: GGUFFile, key: str, path: str) -> int:
     v = gguf_metadata(reader, key)
     if v is None:
         raise ValueError(f"model file {path} lacks required GGUF metadata {key!r}")
@@ -226,7 +224,7 @@ def _required_int(reader: gguf.GGUFReader, key: str, path: str) -> int:
     return int(v)
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
     rtype = gguf_metadata(reader, f"{arch}.rope.scaling.type")
     factor = gguf_metadata(reader, f"{arch}.rope.scaling.factor")
     orig = gguf_metadata(reader, f"{arch}.rope.scaling.original_context_length")
@@ -246,7 +244,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
     return out
 
 
-def _build_config(reader: gguf.GGUFReader, arch: str, path: str, names: set[str]) -> dict:
+def _build_config(reader: GGUFFile, arch: str, path: str, names: set[str]) -> dict:
     hidden = _required_int(reader, f"{arch}.embedding_length", path)
     n_layers = _required_int(reader, f"{arch}.block_count", path)
     n_heads = _required_int(reader, f"{arch}.attention.head_count", path)
@@ -271,9 +269,9 @@ def _build_config(reader: gguf.GGUFReader, arch: str, path: str, names: set[str]
 
     vocab = gguf_metadata(reader, f"{arch}.vocab_size")
     if vocab is None:
-        tok = reader.fields.get("tokenizer.ggml.tokens")
-        if tok is not None:
-            vocab = len(tok.data)  # count without decoding every token string
+        tok = reader.values.get("tokenizer.ggml.tokens")
+        if isinstance(tok, list):
+            vocab = len(tok)
     if vocab is None:
         emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
         if emb is None:
@@ -311,8 +309,8 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     an architecture other than llama/qwen2, split (multi-file) GGUFs, and any mapped
     tensor whose type is not in ``SUPPORTED_GGUF_TYPES``.
 
-    Parsing takes seconds (gguf's reader is pure Python), so the last few opened files are
-    kept: resolving a model's config and then loading its weights parse the file once.
+    Parsing a 50k-token vocabulary takes a fraction of a second, and the last few opened
+    files are kept: resolving a model's config and then loading its weights parse it once.
     """
     path = os.path.abspath(os.fspath(path))
     try:

@@ -61,8 +61,8 @@ class Router:
         self.restart = restart if restart is not None else RestartPolicy()
         self.startup_timeout_s = startup_timeout_s
         with ThreadPoolExecutor(len(specs)) as pool:
-            futures = [pool.submit(EngineClient, s.config, startup_timeout_s, s.name)
-                       for s in specs]
+            futures = [pool.submit(EngineClient, s.config, startup_timeout_s, s.name,
+                                   s.cpu_threads) for s in specs]
             clients, error = [], None
             for f in futures:
                 try:

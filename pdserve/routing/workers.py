@@ -9,6 +9,7 @@ worker slot's restart state, reported by health():
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -43,13 +44,18 @@ class WorkerSpec:
     name: str
     role: str                     # prefill | decode | collocated
     config: EngineConfig
+    # CPU: torch threads of each of its ranks (None: the worker's own default, see worker_main)
+    cpu_threads: int | None = None
 
 
 def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocated: int = 0,
                  prefill_tp: int | None = None, decode_tp: int | None = None,
                  collocated_tp: int | None = None, kv_connector: str = "shared") -> list[WorkerSpec]:
     """Worker specs for a deployment: each its own TP group; on CUDA consecutive GPUs from the
-    base device (prefill workers first, then decode, then collocated)."""
+    base device (prefill workers first, then decode, then collocated). On CPU the ranks of all
+    the workers share the host's cores: each gets an equal share of threads (torch's default,
+    one thread per core in every rank, oversubscribes the cores as soon as two workers run,
+    and their OpenMP threads then spin waiting for descheduled peers)."""
     for name, v in (("prefill", prefill), ("decode", decode), ("collocated", collocated)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"number of {name} workers must be a non-negative integer, got {v!r}")
@@ -59,6 +65,11 @@ def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocat
         raise ValueError("prefill and decode workers come together (--prefill N --decode M)")
     specs = []
     dev = base.torch_device
+    ranks = sum(n * (t or base.tensor_parallel_size) for n, t in
+                ((prefill, prefill_tp), (decode, decode_tp), (collocated, collocated_tp)))
+    cpu_threads = None
+    if dev.type == "cpu" and ranks > 1:
+        cpu_threads = max(1, len(os.sched_getaffinity(0)) // ranks)
     next_gpu = dev.index or 0
     for role, count, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp),
                             ("collocated", collocated, collocated_tp)):
@@ -71,7 +82,7 @@ def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocat
             cfg = dataclasses.replace(
                 base, device=device, tensor_parallel_size=tp, distributed_executor_backend="mp",
                 kv_connector=kv_connector if role != "collocated" else None)
-            specs.append(WorkerSpec(f"{role}-{i}", role, cfg))
+            specs.append(WorkerSpec(f"{role}-{i}", role, cfg, cpu_threads))
     return specs
 
 
@@ -100,7 +111,7 @@ class Starting:
 
     def _run(self, spec: WorkerSpec, name: str, timeout_s: float) -> None:
         try:
-            client = EngineClient(spec.config, timeout_s, name)
+            client = EngineClient(spec.config, timeout_s, name, spec.cpu_threads)
         except BaseException as e:  # noqa: BLE001 - the router reads it as a failed attempt
             self.error = e
         else:

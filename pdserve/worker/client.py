@@ -103,7 +103,9 @@ def _cleanup(ctx: zmq.Context, procs: list[_Rank], tmpdir: str) -> None:
 
 class EngineClient:
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0,
-                 name: str = "worker"):
+                 name: str = "worker", cpu_threads: int | None = None):
+        """cpu_threads: on CPU, torch threads per rank (None: the worker's default); a router
+        running several workers on one host gives each its share of the cores."""
         source = resolve_source(config.model)
         tp = config.tensor_parallel_size
         ModelConfig.from_hf(source.hf_config).check_tensor_parallel(tp)
@@ -127,7 +129,8 @@ class EngineClient:
         self._outputs.bind(addrs.outputs)
         config_path = os.path.join(self._tmp, "worker-config.pickle")
         with open(config_path, "wb") as f:
-            pickle.dump(WorkerConfig(config, addrs, os.getpid(), self._tmp, name), f)
+            pickle.dump(WorkerConfig(config, addrs, os.getpid(), self._tmp, name,
+                                     cpu_threads=cpu_threads), f)
         self._procs: list[_Rank] = []
         self._finalizer = weakref.finalize(self, _cleanup, self._ctx, self._procs, self._tmp)
         for r in range(tp):

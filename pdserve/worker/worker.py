@@ -37,7 +37,7 @@ from typing import Callable
 import msgspec
 import zmq
 
-from ..checks import check_number
+from ..checks import check_int, check_number
 from ..config import EngineConfig
 from ..kv_layout import kv_bytes_per_token
 from .output_delta import DeltaEncoder
@@ -209,10 +209,13 @@ class WorkerConfig:
     # (longer: a router may be busy with another worker for seconds, e.g. a restart's KV join)
     send_timeout_s: float = 5.0
     client_timeout_s: float = 60.0
+    # CPU: torch threads per rank; None: the host's cores split among this worker's ranks
+    cpu_threads: int | None = None
 
     def __post_init__(self):
         for name in ("send_timeout_s", "client_timeout_s"):
             check_number(name, getattr(self, name))
+        check_int("cpu_threads", self.cpu_threads, allow_none=True)
 
 
 def worker_main(wc: WorkerConfig, rank: int) -> None:
@@ -229,6 +232,8 @@ def worker_main(wc: WorkerConfig, rank: int) -> None:
     device = cfg.torch_device
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif wc.cpu_threads is not None:  # several workers on this host (the router's share)
+        torch.set_num_threads(wc.cpu_threads)
     elif tp > 1:
         # CPU ranks share the cores: oversubscribed threads turn every collective into a wait
         # for a descheduled peer.
