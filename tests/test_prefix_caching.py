@@ -145,3 +145,24 @@ def test_embedded_model_shared_system_prompt():
     assert res[True][0] == res[False][0]
     assert res[True][1] == res[True][2] and min(res[True][1]) > 20   # the shared system prompt
     assert res[False][1] == [0, 0]
+
+
+def test_pd_producer_reuses_its_held_prompts(tmp_path):
+    """A prefill worker caches the prompts it holds for consumers: the second hand-off of a
+    prompt computes one token there, and both hand-offs decode the same tokens."""
+    from pdserve.config import EngineConfig
+    from pdserve.worker.llm_engine import LLMEngine
+
+    from .test_disagg import ENGINE, GREEDY, LLAMA_8Q_2KV, _folder, _handoff
+    cfg = EngineConfig(model=_folder(tmp_path, LLAMA_8Q_2KV), kv_connector="shared", **ENGINE)
+    P, D = LLMEngine(cfg), LLMEngine(cfg)
+    D.connect_kv([P.kv_export("p")])
+    prompt = list(range(30, 57))                                  # 27 tokens: ends mid-block
+    first_p, first_d, _ = _handoff(P, D, prompt, GREEDY, "a")
+    again_p, again_d, _ = _handoff(P, D, prompt, GREEDY, "b")
+    assert first_p.num_cached_tokens == 0
+    assert again_p.num_cached_tokens == len(prompt) - 1
+    assert again_d.outputs[0].token_ids == first_d.outputs[0].token_ids
+    for e in (P, D):
+        e.check_integrity()
+        assert e.kv.num_free_blocks() == e.kv.pool.num_blocks

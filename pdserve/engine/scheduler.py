@@ -145,7 +145,8 @@ class Scheduler:
             was_running = r.status is RequestStatus.RUNNING
             r.status = status
             if r.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
-                held = self.kv_coordinator.hold(r.request_id, self.kv.detach(r.request_id), now)
+                held = self.kv_coordinator.hold(
+                    r.request_id, self.kv.detach(r.request_id, self._computed(r)), now)
             else:   # (a loading sequence's blocks hold no KV yet: nothing to cache)
                 self.kv.free(r.request_id, self._computed(r) if was_running else ())
             del self.requests[r.request_id]
