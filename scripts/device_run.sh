@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -101,6 +101,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            done;;
     latency-peer) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 --steps 30 \
            --generate-tokens 256 --peer hf-static --output "$OUT/latency-peer.json" 2>&1 | grep -v Warn | tail -8;;
+    prefix) python3 -m pdserve bench prefix --model qwen2.5-1.5b --load-format dummy --output "$OUT/prefix-h200.json" 2>&1 | grep -v Warn | tail -8;;
     *) echo "unknown stage $stage";;
   esac
 done
