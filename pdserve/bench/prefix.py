@@ -40,14 +40,11 @@ def _llm(args, cache: bool):
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
 
 
-def _close(llm, device) -> None:
+def _release(llm) -> None:
+    """Free the CUDA graphs before the engine goes (the caller drops its last reference)."""
     runner = getattr(llm.llm_engine, "runner", None)
     if runner is not None:
         runner.release()
-    del llm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _timed(llm, prompts, max_tokens: int, device) -> tuple[float, list]:
@@ -127,7 +124,11 @@ def run(args) -> dict[str, Any]:
             r["zero_reuse"] = case_zero_reuse(llm, args, vocab, device)
         results[side] = r
         print(f"[bench prefix] cache {side}: {r}", flush=True)
-        _close(llm, device)
+        _release(llm)
+        del llm          # (the engine's KV pool and weights go with the last reference)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     on, off = results["on"], results["off"]
     summary = {}
     if "system" in on:
