@@ -52,19 +52,24 @@ class Match:
     node: Node              # the deepest matched node (lock / unlock it)
 
 
-def _common(a: Sequence[int], a0: int, b: Sequence[int]) -> int:
-    """Length of the common prefix of a[a0:] and b."""
-    n = min(len(a) - a0, len(b))
-    if a[a0:a0 + n] == b[:n]:
-        return n
-    lo, hi = 0, n          # a[a0:a0+lo] == b[:lo], a[a0:a0+hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[a0:a0 + mid] == b[:mid]:
-            lo = mid
+def _common(a: list[int], a0: int, b: list[int], limit: int) -> int:
+    """Length of the common prefix of a[a0:] and b[:limit]. Compares slices (C loops), growing
+    them while they match and shrinking them around a mismatch, so a long match costs about one
+    pass and a mismatch a few short compares."""
+    n = min(len(a) - a0, len(b), limit)
+    i, m = 0, 64
+    while i < n:
+        m = min(m, n - i)
+        if a[a0 + i:a0 + i + m] == b[i:i + m]:
+            i += m
+            m *= 4
+        elif m > 8:
+            m //= 8
         else:
-            hi = mid
-    return lo
+            while a[a0 + i] == b[i]:     # (a mismatch lies within these m)
+                i += 1
+            return i
+    return n
 
 
 class PrefixCache:
@@ -88,7 +93,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common(tokens, pos, child.tokens[:limit - pos])
+            n = _common(tokens, pos, child.tokens, limit - pos)
             # the child's blocks from the first index that is not already final in `blocks`
             first = child.start // bs
             del blocks[first:]
@@ -127,7 +132,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common(tokens, pos, child.tokens)
+            n = _common(tokens, pos, child.tokens, len(child.tokens))
             child.last_use = self._clock
             if n < len(child.tokens):
                 if pos + n == len(tokens):   # ends inside this edge: nothing new to keep
