@@ -24,6 +24,7 @@ used first.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -79,6 +80,12 @@ class PrefixCache:
         self.root = Node([], 0, [])
         self._clock = 0
         self.num_cached_blocks = 0          # (node, block) listings = the tree's references
+        # Eviction candidates, least recently used first: (last_use, seq, node), pushed whenever
+        # a node may have become an unlocked leaf or was used; an entry is checked when popped
+        # (still attached, a leaf, unlocked, not used since) and skipped otherwise.
+        self._lru: list[tuple[int, int, Node]] = []
+        self._seq = itertools.count()
+        self._num_nodes = 0
 
     # ---- matching -----------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
@@ -102,6 +109,7 @@ class PrefixCache:
             node, pos = child, pos + n
             if n < len(child.tokens):
                 break
+        self._offer(node)
         return Match(pos, blocks, node)
 
     def lock(self, node: Node) -> None:
@@ -110,11 +118,13 @@ class PrefixCache:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
+        deepest = node
         while node is not None:
             if node.lock <= 0:
                 raise RuntimeError("prefix cache: unlock of an unlocked node")
             node.lock -= 1
             node = node.parent
+        self._offer(deepest)
 
     # ---- insertion ----------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], table: Sequence[int]) -> int:
@@ -136,10 +146,14 @@ class PrefixCache:
             child.last_use = self._clock
             if n < len(child.tokens):
                 if pos + n == len(tokens):   # ends inside this edge: nothing new to keep
+                    self._offer(child)
                     return 0
+                lower = child
                 child = self._split(child, n)
+                self._offer(lower)            # (used just now: its queued entry is stale)
             node, pos = child, pos + n
         if pos == len(tokens):
+            self._offer(node)
             return 0
         first, last = pos // bs, (len(tokens) - 1) // bs
         new = table[first:last + 1]
@@ -147,6 +161,8 @@ class PrefixCache:
         self.num_cached_blocks += len(new)
         leaf = Node(list(tokens[pos:]), pos, list(new), parent=node, last_use=self._clock)
         node.children[tokens[pos]] = leaf
+        self._num_nodes += 1
+        self._offer(leaf)
         return len(tokens) - pos
 
     def _split(self, node: Node, n: int) -> Node:
@@ -159,6 +175,7 @@ class PrefixCache:
         upper = Node(node.tokens[:n], node.start, upper_blocks, parent=node.parent,
                      lock=node.lock, last_use=node.last_use)
         node.parent.children[node.tokens[0]] = upper
+        self._num_nodes += 1
         shared = len(upper_blocks) + len(lower_blocks) - len(node.blocks)   # 1 if cut is mid-block
         if shared:
             self.pool.incref(node.blocks[cut // bs - first: (cut - 1) // bs - first + 1])
@@ -168,30 +185,43 @@ class PrefixCache:
         return upper
 
     # ---- eviction -----------------------------------------------------------------------
+    def _offer(self, node: Node) -> None:
+        if node is not self.root and not node.children and node.lock == 0:
+            heapq.heappush(self._lru, (node.last_use, next(self._seq), node))
+            if len(self._lru) > 4 * self._num_nodes + 64:   # mostly stale: rebuild
+                self._lru = [(n.last_use, next(self._seq), n) for n in self.evictable_leaves()]
+                heapq.heapify(self._lru)
+
+    def _evictable(self, node: Node, last_use: int) -> bool:
+        parent = node.parent
+        return (parent is not None and parent.children.get(node.tokens[0]) is node
+                and not node.children and node.lock == 0 and node.last_use == last_use)
+
     def evictable_leaves(self) -> Iterator[Node]:
         return (n for n in self.nodes() if not n.children and n.lock == 0 and n is not self.root)
 
     def evict(self, num_blocks: int) -> int:
         """Drop least recently used unlocked leaves until num_blocks blocks went back to the
         pool's free list (or nothing is left to drop). Returns the blocks freed."""
-        heap = [(n.last_use, id(n), n) for n in self.evictable_leaves()]
-        heapq.heapify(heap)
         freed = 0
-        while heap and freed < num_blocks:
-            _, _, leaf = heapq.heappop(heap)
+        while self._lru and freed < num_blocks:
+            last_use, _, leaf = heapq.heappop(self._lru)
+            if not self._evictable(leaf, last_use):
+                continue
+            parent = leaf.parent
             before = self.pool.num_free_blocks
             self._remove(leaf)
             freed += self.pool.num_free_blocks - before
-            parent = leaf.parent
-            if parent is not self.root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.last_use, id(parent), parent))
+            self._offer(parent)
         return freed
 
     def _remove(self, leaf: Node) -> None:
         del leaf.parent.children[leaf.tokens[0]]
         self.pool.release(reversed(leaf.blocks))
         self.num_cached_blocks -= len(leaf.blocks)
+        self._num_nodes -= 1
         leaf.blocks = []
+        leaf.parent = None
 
     def reset(self) -> int:
         """Drop every unlocked node (all of them when no request uses the cache); returns the
@@ -236,3 +266,6 @@ class PrefixCache:
                 assert len(c.blocks) == (c.end - 1) // bs - c.start // bs + 1, "block count"
             assert n.lock >= sum(c.lock for c in n.children.values()), "lock below children's"
         assert listed == self.num_cached_blocks, "cached block count"
+        assert sum(1 for _ in self.nodes()) == self._num_nodes + 1, "node count"
+        queued = {id(n) for u, _, n in self._lru if self._evictable(n, u)}
+        assert all(id(n) in queued for n in self.evictable_leaves()), "an evictable leaf not queued"
