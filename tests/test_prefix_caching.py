@@ -166,3 +166,41 @@ def test_pd_producer_reuses_its_held_prompts(tmp_path):
     for e in (P, D):
         e.check_integrity()
         assert e.kv.num_free_blocks() == e.kv.pool.num_blocks
+
+
+def test_pd_consumer_pulls_only_the_blocks_it_lacks(tmp_path):
+    """A decode worker that cached a conversation's earlier turn pulls only the new blocks of
+    the next turn's prompt: the whole blocks it has stay, the rest (from the block where the
+    cached part ends) come from the producer, and the decoded tokens equal a collocated run."""
+    from pdserve.config import EngineConfig
+    from pdserve.worker.llm_engine import LLMEngine
+
+    from pdserve.protocol import AddRequest
+
+    from .test_disagg import ENGINE, GREEDY, LLAMA_8Q_2KV, _folder, _handoff, _run
+    cfg = EngineConfig(model=_folder(tmp_path, LLAMA_8Q_2KV), kv_connector="shared", **ENGINE)
+    P, D = LLMEngine(cfg), LLMEngine(cfg)
+    D.connect_kv([P.kv_export("p")])
+    turn1 = list(range(30, 49))                                   # 19 tokens
+    _, out1, _ = _handoff(P, D, turn1, GREEDY, "t1")
+    # D now caches turn1 + its outputs but the last: 19 + 11 = 30 positions (7 whole blocks of 4)
+    turn2 = turn1 + list(out1.outputs[0].token_ids) + [5, 6, 7]
+    ref = _run(P, [AddRequest("ref", {"prompt_token_ids": turn2}, GREEDY)])["ref"]
+    sched_loads = []
+    orig = D.kv_coordinator.take_work
+
+    def spy():
+        w = orig()
+        if w is not None:
+            sched_loads.extend(w.loads)
+        return w
+    D.kv_coordinator.take_work = spy
+    first, out2, computed = _handoff(P, D, turn2, GREEDY, "t2")
+    assert out2.outputs[0].token_ids == ref.outputs[0].token_ids
+    (load,) = [ld for ld in sched_loads if ld.request_id.startswith("t2")]
+    cached_blocks = (len(turn1) + len(out1.outputs[0].token_ids) - 1) // 4     # 7
+    assert len(load.src_block_ids) == -(-len(turn2) // 4) - cached_blocks
+    assert out2.num_cached_tokens == cached_blocks * 4
+    for e in (P, D):
+        e.check_integrity()
+        assert e.kv.num_free_blocks() == e.kv.pool.num_blocks

@@ -41,21 +41,26 @@ class KVCacheManager:
         self.prefix_queries = 0                 # tokens looked up in the cache (metrics)
         self.prefix_hits = 0                    # of them, found
 
-    def match_prefix(self, request_id: str, tokens: list[int], limit: int) -> int:
+    def match_prefix(self, request_id: str, tokens: list[int], limit: int,
+                     whole_blocks: bool = False) -> int:
         """A request without blocks: start its table with the blocks of the longest cached
-        prefix of tokens[:limit] (shared, copied on write). Returns the matched length."""
+        prefix of tokens[:limit] (shared, copied on write). Returns the matched length.
+        whole_blocks: only the fully matched blocks (the length rounded down to a block), for a
+        table whose remaining blocks are written whole (a P/D consumer pulling the rest)."""
         if self.prefix_cache is None or request_id in self.block_tables:
             return 0
         m = self.prefix_cache.match(tokens, limit)
+        n = m.num_tokens - m.num_tokens % self.block_size if whole_blocks else m.num_tokens
         self.prefix_queries += len(tokens)
-        self.prefix_hits += m.num_tokens
-        if m.num_tokens == 0:
+        self.prefix_hits += n
+        if n == 0:
             return 0
-        self.pool.incref(m.blocks)
-        self.block_tables[request_id] = list(m.blocks)
+        blocks = m.blocks[: self.blocks_for(n)]
+        self.pool.incref(blocks)
+        self.block_tables[request_id] = list(blocks)
         self.prefix_cache.lock(m.node)
         self._locked[request_id] = m.node
-        return m.num_tokens
+        return n
 
     def _make_room(self, n: int) -> bool:
         """At least n free blocks, evicting cached ones if needed."""

@@ -15,7 +15,8 @@ rank) only ever sees the per-step KVStepWork this builds.
 The Scheduler calls (and nothing else; all of it is P/D):
     admit(req, source)             queue a sequence whose first source.num_tokens are remote
     num_loading                    sequences that hold a seq slot while their KV arrives
-    start_loads(kv, free_slots)    allocate blocks for waiting sequences, queue their loads
+    start_loads(kv, free_slots)    allocate blocks for waiting sequences (reusing the whole
+                                   blocks of their prompt this worker cached), queue their loads
     drop(req)                      a WAITING_FOR_KV / LOADING_KV sequence leaves for good
     hold(rid, table, now)          keep a finished hold_kv sequence's blocks for a consumer
     finish_loads(done)             resolve ended loads: [(request, ok)] for the scheduler to place
@@ -84,15 +85,25 @@ class KVCoordinator:
         """Oldest first, while loads may start, sequence slots last and the pool has the blocks."""
         while self.waiting and len(self.loading) < self.max_loads and free_slots > 0:
             req = self.waiting[0]
-            source = self.sources[req.request_id]
-            if kv.allocate_slots(req.request_id, 0, source.num_tokens) is None:
+            rid, source = req.request_id, self.sources[req.request_id]
+            # Whole blocks of the prompt this worker has cached are not pulled; the last block
+            # always is (a load moves at least one block). Two-sided: the producer sends its
+            # whole table, so the consumer receives it whole.
+            bs = kv.block_size
+            kept = 0 if self.two_sided else kv.match_prefix(
+                rid, req.prompt_token_ids, (source.num_tokens - 1) // bs * bs, whole_blocks=True)
+            if kv.allocate_slots(rid, kept, source.num_tokens - kept) is None:
+                kv.free(rid)
                 break
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = kept
             self.waiting.popleft()
             free_slots -= 1
             req.status = RequestStatus.LOADING_KV
-            self.loading[req.request_id] = req
-            self._work.loads.append(KVLoad(req.request_id, source.worker, source.block_ids,
-                                           list(kv.block_tables[req.request_id])))
+            self.loading[rid] = req
+            k = kept // bs
+            self._work.loads.append(KVLoad(rid, source.worker, source.block_ids[k:],
+                                           kv.block_tables[rid][k:]))
 
     def drop(self, req: Request) -> None:
         """`req` (WAITING_FOR_KV or LOADING_KV) leaves; the scheduler frees its blocks."""
