@@ -415,7 +415,8 @@ def test_cli_help():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     for opt in ("--request-rate", "--burstiness", "--max-concurrency", "--goodput",
-                "--dataset-name", "--random-prefix-len", "--plot", "--metric-percentiles"):
+                "--dataset-name", "--random-prefix-len", "--plot", "--metric-percentiles",
+                "--multi-turn-conversations", "--multi-turn-system-len", "multi-turn"):
         assert opt in r.stdout
 
 
@@ -468,7 +469,8 @@ def test_multi_turn_waits_for_answers_and_carries_them(server):
             assert log["cached_tokens"] == want_cached == r.cached_tokens
             if k:  # sent only after the previous answer's last byte
                 assert log["recv"] >= logged[k - 1]["done"]
-                assert r.start >= results[i * turns + k - 1].start + results[i * turns + k - 1].latency
+                prev = results[i * turns + k - 1]
+                assert r.start >= prev.start + prev.latency
             assert 40 - 2 <= r.ttft * 1e3 <= 40 + TOL_MS
     # rate inf: every conversation starts at once, so all first turns arrive before any second one
     assert max(logs[where[i, 0]]["recv"] for i in range(n_conv)) < \

@@ -69,9 +69,11 @@ def test_per_turn_and_cached_tokens_by_hand():
     assert t0["mean_input_tokens"] == 11 and t0["cached_tokens"] == 4
     assert t0["cached_token_fraction"] == pytest.approx(4 / 12)
     assert (t1["completed"], t1["failed"], t1["cached_tokens"]) == (1, 1, 10)
-    assert t1["mean_ttft_ms"] == pytest.approx(300) and t1["cached_token_fraction"] == pytest.approx(1 / 3)
+    assert t1["mean_ttft_ms"] == pytest.approx(300)
+    assert t1["cached_token_fraction"] == pytest.approx(1 / 3)
     # no turns, no cached counts: none of these fields
-    plain = compute_metrics([RequestResult(5, 2, success=True, output_len=2, ttft=0.1, latency=0.2)], 1.0)
+    plain = compute_metrics(
+        [RequestResult(5, 2, success=True, output_len=2, ttft=0.1, latency=0.2)], 1.0)
     assert not {"per_turn", "total_cached_tokens", "cached_tokens", "turn_ids"} & set(plain)
 
 

@@ -279,7 +279,8 @@ class History:
 
     def __init__(self, system: str, chat: bool):
         self.chat = chat
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.messages: list[dict[str, str]] = \
+            [{"role": "system", "content": system}] if system else []
         self.text = system + "\n\n" if system else ""
 
     def next_request(self, message: str, output_len: int) -> SampleRequest:

@@ -54,8 +54,8 @@ def format_per_turn(run: dict[str, Any]) -> str:
     run, TTFT and tokens by turn index; "" when neither applies."""
     lines = []
     if run.get("total_cached_tokens") is not None:
-        lines.append(f"rate {run['request_rate']}: cached prompt tokens {run['total_cached_tokens']}"
-                     f" of {run['total_input_tokens']} ({100 * run['cached_token_fraction']:.1f}%"
+        lines.append(f"rate {run['request_rate']}: cached prompt tokens "
+                     f"{run['total_cached_tokens']} of {run['total_input_tokens']} ({100 * run['cached_token_fraction']:.1f}%"
                      f" of the prompt tokens of the {run['cached_tokens_reported']} requests that "
                      "reported them)")
     if run.get("per_turn"):

@@ -9,8 +9,8 @@ request_goodput (requests meeting every SLO per second, see slo.py), mean/median
 of TTFT, TPOT, ITL and e2e latency in ms, and per-request lists (ttfts, itls in seconds; null
 for a failed request). When the server reports usage.prompt_tokens_details.cached_tokens: their
 total and share of the prompt tokens. When the requests are turns of conversations (multi-turn):
-per-turn aggregates (per_turn_metrics). Percentiles interpolate linearly between order statistics (numpy's
-default, as vLLM's benchmark reports them)."""
+per-turn aggregates (per_turn_metrics). Percentiles interpolate linearly between order
+statistics (numpy's default, as vLLM's benchmark reports them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
