@@ -500,6 +500,17 @@ def test_multi_turn_waits_for_answers_and_carries_them(server):
     assert m["per_turn"][1]["mean_input_tokens"] < m["per_turn"][2]["mean_input_tokens"]
 
 
+def test_multi_turn_starts_follow_the_schedule(server):
+    n, rate, seed = 8, 25.0, 5
+    convs = wl.multi_turn_conversations(n, 2, 4, 2, seed=seed)
+    t = bs.Target(server, extra_body={"ttft_ms": 10, "itl_ms": 2})
+    results, _ = _run(t, convs, rate, runner=bs.run_multi_turn, seed=seed)
+    want = wl.arrival_times(n, rate, 1.0, seed)
+    first = np.array([r.start for r in results if r.turn == 0])
+    assert np.all(first >= want - 1e-3) and np.all(first <= want + TOL_MS / 1e3), first - want
+    assert all(r.success for r in results)
+
+
 def test_multi_turn_failed_turn_ends_its_conversation(server):
     convs = [wl.Conversation("", ["hello there", "fail now", "never sent"], [3, 3, 3], [2, 2, 2]),
              wl.Conversation("", ["one", "two", "three"], [2, 2, 2], [1, 1, 1])]
