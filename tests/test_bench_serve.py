@@ -38,13 +38,17 @@ ITL_TOL_MS = 10.0  # on a mean or median ITL / TPOT
 
 # ---- the synthetic server ----------------------------------------------------------------------
 # A Starlette app under uvicorn in a process of its own (like a real server: no GIL shared with the
-# client). A text prompt's first word picks the behaviour: slowfirst (TTFT 300 ms), slowdecode
-# (ITL 60 ms), fail (HTTP 500), midfail (an error chunk after 2 chunks), nousage (no usage chunk),
-# double (2 tokens per chunk); anything else, and token-id prompts: normal (TTFT 100 ms, ITL 20
-# ms). ttft_ms / itl_ms in the body override the delays. GET /received lists the bodies seen
-# since the last DELETE /received.
+# client). A text prompt's (chat: the last message's) first word picks the behaviour: slowfirst
+# (TTFT 300 ms), slowdecode (ITL 60 ms), fail (HTTP 500), midfail (an error chunk after 2
+# chunks), nousage (no usage chunk), double (2 tokens per chunk); anything else, and token-id
+# prompts: normal (TTFT 100 ms, ITL 20 ms). ttft_ms / itl_ms in the body override the delays. GET /received lists the bodies seen
+# since the last DELETE /received, GET /answered what was done with them (wall-clock receive and
+# [DONE] times, the answer's text, cached_tokens). Text answers are distinct words (request r's
+# chunk i: " a<r>x<i>"). cached_tokens models a naive prefix cache: the word count of the longest
+# earlier prompt (since the last DELETE) that the prompt starts with; a chat prompt is its
+# messages' contents joined by newlines.
 SERVER_SRC = r"""
-import asyncio, json, math, sys
+import asyncio, json, math, sys, time
 import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -52,6 +56,8 @@ from starlette.routing import Route
 
 TTFT_MS, ITL_MS, SLOW_TTFT_MS, SLOW_ITL_MS = (float(x) for x in sys.argv[2:6])
 RECEIVED = []
+ANSWERED = []
+PROMPTS = []
 
 
 def sse(obj):
@@ -59,9 +65,18 @@ def sse(obj):
 
 
 async def handle(request, chat):
+    t_recv = time.time()
     body = await request.json()
+    rid = len(RECEIVED)
     RECEIVED.append(body)
-    prompt = body["messages"][0]["content"] if chat else body["prompt"]
+    prompt = body["messages"][-1]["content"] if chat else body["prompt"]  # the last message
+    flat = "\n".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+    cached = max((len(p.split()) if isinstance(p, str) else len(p) for p in PROMPTS
+                  if type(p) is type(flat) and len(p) <= len(flat) and flat[:len(p)] == p),
+                 default=0)
+    PROMPTS.append(flat)
+    log = {"recv": t_recv, "cached_tokens": cached, "text": ""}
+    ANSWERED.append(log)
     word = prompt.split()[0] if isinstance(prompt, str) and prompt.split() else ""
     if word == "fail":
         return JSONResponse({"error": {"message": "synthetic failure", "type": "server_error",
@@ -75,9 +90,8 @@ async def handle(request, chat):
         itl = SLOW_ITL_MS / 1e3
     per_chunk = 2 if word == "double" else 1
     n_chunks = math.ceil(n / per_chunk)
-    text = "" if isinstance(prompt, list) else " tok"  # no tokenizer: empty text
-    usage = {"prompt_tokens": len(prompt) if isinstance(prompt, list) else len(prompt.split()),
-             "completion_tokens": n}
+    usage = {"prompt_tokens": len(flat) if isinstance(flat, list) else len(flat.split()),
+             "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def gen():
         if chat:  # the role announcement comes at once; it is not a token
@@ -90,6 +104,8 @@ async def handle(request, chat):
             if word == "midfail" and i == 2:
                 yield sse({"error": {"message": "engine died", "code": 500}})
                 return
+            text = "" if isinstance(prompt, list) else f" a{rid}x{i}"  # token ids: no tokenizer
+            log["text"] += text
             if chat:
                 choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
             else:
@@ -100,6 +116,7 @@ async def handle(request, chat):
             yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
         if word != "nousage" and body.get("stream_options", {}).get("include_usage"):
             yield sse({"id": "x", "choices": [], "usage": usage})
+        log["done"] = time.time()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(gen(), media_type="text/event-stream")
@@ -116,13 +133,20 @@ async def chat(request):
 async def received(request):
     if request.method == "DELETE":
         RECEIVED.clear()
+        ANSWERED.clear()
+        PROMPTS.clear()
         return Response(status_code=204)
     return JSONResponse(RECEIVED)
 
 
+async def answered(request):
+    return JSONResponse(ANSWERED)
+
+
 app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                         Route("/v1/chat/completions", chat, methods=["POST"]),
-                        Route("/received", received, methods=["GET", "DELETE"])])
+                        Route("/received", received, methods=["GET", "DELETE"]),
+                        Route("/answered", answered, methods=["GET"])])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", lifespan="off")
 """
 
@@ -172,8 +196,8 @@ def _clear_received(base: str) -> None:
     httpx.delete(base + "/received", timeout=5)
 
 
-def _run(target, requests, rate=math.inf, **kw):
-    return asyncio.run(bs.run_benchmark(target, requests, rate, **kw))
+def _run(target, requests, rate=math.inf, runner=None, **kw):
+    return asyncio.run((runner or bs.run_benchmark)(target, requests, rate, **kw))
 
 
 def _reqs(words: list[str], out_len: int) -> list[SampleRequest]:
@@ -391,5 +415,171 @@ def test_cli_help():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     for opt in ("--request-rate", "--burstiness", "--max-concurrency", "--goodput",
-                "--dataset-name", "--random-prefix-len", "--plot", "--metric-percentiles"):
+                "--dataset-name", "--random-prefix-len", "--plot", "--metric-percentiles",
+                "--multi-turn-conversations", "--multi-turn-system-len", "multi-turn"):
         assert opt in r.stdout
+
+
+# ---- multi-turn conversations ------------------------------------------------------------------
+def _answered(base: str) -> list[dict]:
+    return httpx.get(base + "/answered", timeout=5).json()
+
+
+def _expected_completion_prompt(system: str, users: list[str], answers: list[str]) -> str:
+    """What turn len(users)-1's prompt must be, written out from the format the module docstring
+    states, with the answers the server logged."""
+    text = system + "\n\n" if system else ""
+    for j, u in enumerate(users):
+        text += f"User: {u}\nAssistant:"
+        if j < len(answers):
+            text += answers[j] + "\n"
+    return text
+
+
+def test_multi_turn_waits_for_answers_and_carries_them(server):
+    n_conv, turns = 3, 3
+    convs = wl.multi_turn_conversations(n_conv, turns, 6, 3, 0.0, 5, 49152, seed=1)
+    t = bs.Target(server, extra_body={"ttft_ms": 40, "itl_ms": 5})
+    _clear_received(server)
+    results, duration = _run(t, convs, runner=bs.run_multi_turn)
+    bodies, logs = _received(server), _answered(server)
+    assert len(bodies) == len(logs) == n_conv * turns
+    assert [(r.conversation, r.turn) for r in results] == \
+        [(i, k) for i in range(n_conv) for k in range(turns)]
+    assert all(r.success for r in results), [r.error for r in results]
+    # which server log entry is which (conversation, turn): the prompt ends with that turn's message
+    where = {}
+    for idx, b in enumerate(bodies):
+        hits = [(i, k) for i, c in enumerate(convs) for k, u in enumerate(c.user_messages)
+                if b["prompt"].endswith(f"User: {u}\nAssistant:")]
+        assert len(hits) == 1, b["prompt"]
+        where[hits[0]] = idx
+    for i, c in enumerate(convs):
+        logged = [logs[where[i, k]] for k in range(turns)]
+        for k in range(turns):
+            r, body, log = results[i * turns + k], bodies[where[i, k]], logged[k]
+            # the prompt: the system prompt, the earlier messages and the server's answers verbatim
+            assert body["prompt"] == _expected_completion_prompt(
+                c.system, c.user_messages[:k + 1], [x["text"] for x in logged[:k]])
+            assert body["max_tokens"] == c.output_lens[k]
+            assert r.generated_text == log["text"]
+            assert r.prompt_len == len(body["prompt"].split())  # the server's prompt_tokens
+            # the naive prefix cache: turn k reuses all of turn k-1's prompt, turn 0 nothing
+            want_cached = len(bodies[where[i, k - 1]]["prompt"].split()) if k else 0
+            assert log["cached_tokens"] == want_cached == r.cached_tokens
+            if k:  # sent only after the previous answer's last byte
+                assert log["recv"] >= logged[k - 1]["done"]
+                prev = results[i * turns + k - 1]
+                assert r.start >= prev.start + prev.latency
+            assert 40 - 2 <= r.ttft * 1e3 <= 40 + TOL_MS
+    # rate inf: every conversation starts at once, so all first turns arrive before any second one
+    assert max(logs[where[i, 0]]["recv"] for i in range(n_conv)) < \
+        min(logs[where[i, 1]]["recv"] for i in range(n_conv))
+
+    m = compute_metrics(results, duration)
+    total_prompt = sum(len(b["prompt"].split()) for b in bodies)
+    total_cached = sum(x["cached_tokens"] for x in logs)
+    assert total_cached > 0
+    assert m["total_input_tokens"] == total_prompt and m["total_cached_tokens"] == total_cached
+    assert m["cached_token_fraction"] == pytest.approx(total_cached / total_prompt)
+    assert m["cached_tokens_reported"] == n_conv * turns
+    assert m["conversation_ids"] == [i for i in range(n_conv) for _ in range(turns)]
+    assert m["turn_ids"] == [k for _ in range(n_conv) for k in range(turns)]
+    assert [p["turn"] for p in m["per_turn"]] == list(range(turns))
+    for k, p in enumerate(m["per_turn"]):
+        ttfts = [results[i * turns + k].ttft * 1e3 for i in range(n_conv)]
+        prompts = [len(bodies[where[i, k]]["prompt"].split()) for i in range(n_conv)]
+        cached = sum(logs[where[i, k]]["cached_tokens"] for i in range(n_conv))
+        assert p["completed"] == n_conv and p["failed"] == 0
+        assert p["mean_ttft_ms"] == pytest.approx(sum(ttfts) / n_conv)
+        assert p["median_ttft_ms"] == pytest.approx(sorted(ttfts)[n_conv // 2])
+        assert p["mean_input_tokens"] == pytest.approx(sum(prompts) / n_conv)
+        assert p["cached_tokens"] == cached
+        assert p["cached_token_fraction"] == pytest.approx(cached / sum(prompts))
+    assert m["per_turn"][0]["cached_tokens"] == 0
+    assert m["per_turn"][1]["mean_input_tokens"] < m["per_turn"][2]["mean_input_tokens"]
+
+
+def test_multi_turn_starts_follow_the_schedule(server):
+    n, rate, seed = 8, 25.0, 5
+    convs = wl.multi_turn_conversations(n, 2, 4, 2, seed=seed)
+    t = bs.Target(server, extra_body={"ttft_ms": 10, "itl_ms": 2})
+    results, _ = _run(t, convs, rate, runner=bs.run_multi_turn, seed=seed)
+    want = wl.arrival_times(n, rate, 1.0, seed)
+    first = np.array([r.start for r in results if r.turn == 0])
+    assert np.all(first >= want - 1e-3) and np.all(first <= want + TOL_MS / 1e3), first - want
+    assert all(r.success for r in results)
+
+
+def test_multi_turn_failed_turn_ends_its_conversation(server):
+    convs = [wl.Conversation("", ["hello there", "fail now", "never sent"], [3, 3, 3], [2, 2, 2]),
+             wl.Conversation("", ["one", "two", "three"], [2, 2, 2], [1, 1, 1])]
+    t = bs.Target(server, "/v1/chat/completions", extra_body={"ttft_ms": 10, "itl_ms": 2})
+    _clear_received(server)
+    results, duration = _run(t, convs, runner=bs.run_multi_turn)
+    assert len(_received(server)) == 5  # the third turn of the first conversation is not sent
+    assert [r.success for r in results] == [True, False, False, True, True, True]
+    assert results[1].error == "HTTP 500: synthetic failure"
+    assert results[2].error == "not sent: turn 1 of this conversation failed"
+    m = compute_metrics(results, duration)
+    assert m["completed"] == 4 and m["failed"] == 2
+    assert [(p["completed"], p["failed"]) for p in m["per_turn"]] == [(2, 0), (1, 1), (1, 1)]
+
+
+def test_main_multi_turn_chat(server, tmp_path, capsys):
+    out = tmp_path / "mt.json"
+    _clear_received(server)
+    rc = bs.main(["--base-url", server, "--endpoint", "/v1/chat/completions",
+                  "--dataset-name", "multi-turn", "--multi-turn-conversations", "2",
+                  "--multi-turn-turns", "3", "--multi-turn-user-len", "5",
+                  "--multi-turn-output-len", "2", "--multi-turn-range-ratio", "0.4",
+                  "--multi-turn-system-len", "4", "--max-concurrency", "1", "--seed", "2",
+                  "--request-rate", "100", "--extra-body", '{"ttft_ms": 15, "itl_ms": 3}',
+                  "--result-file", str(out), "--disable-tqdm"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    bodies, logs = _received(server), _answered(server)
+    assert len(bodies) == 1 + 6  # the preflight (turn 0 of conversation 0), then 2 x 3 turns
+    convs = wl.multi_turn_conversations(2, 3, 5, 2, 0.4, 4, 32000, seed=2)
+    assert bodies[0]["messages"] == [{"role": "system", "content": convs[0].system},
+                                     {"role": "user", "content": convs[0].user_messages[0]}]
+    answers: dict[int, list[str]] = {0: [], 1: []}
+    for body, log in zip(bodies[1:], logs[1:]):
+        msgs = body["messages"]
+        i = next(i for i, c in enumerate(convs) if msgs[-1]["content"] in c.user_messages)
+        k = len(answers[i])
+        c = convs[i]
+        want = [{"role": "system", "content": c.system}]
+        for j in range(k):
+            want += [{"role": "user", "content": c.user_messages[j]},
+                     {"role": "assistant", "content": answers[i][j]}]
+        want.append({"role": "user", "content": c.user_messages[k]})
+        assert msgs == want and body["max_tokens"] == c.output_lens[k]
+        answers[i].append(log["text"])
+    # --max-concurrency 1: one request in flight at a time
+    for a, b in zip(logs, logs[1:]):
+        assert b["recv"] >= a["done"]
+    assert res["completed"] == 6 and res["num_prompts"] == 6
+    assert res["num_conversations"] == 2 and res["turns"] == 3
+    assert res["total_cached_tokens"] == sum(x["cached_tokens"] for x in logs[1:])
+    assert res["total_cached_tokens"] > 0  # the preflight cached turn 0 of conversation 0 at least
+    assert len(res["per_turn"]) == 3 and res["turn_ids"] == [0, 1, 2, 0, 1, 2]
+    printed = capsys.readouterr().out
+    assert "cached prompt tokens" in printed and "TTFT mean" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--multi-turn-turns", "0"], "need >= 1 conversation and >= 1 turn"),
+    (["--multi-turn-conversations", "0"], "need >= 1 conversation and >= 1 turn"),
+    (["--multi-turn-user-len", "0"], "need user and output len >= 1"),
+    (["--multi-turn-output-len", "-3"], "need user and output len >= 1"),
+    (["--multi-turn-system-len", "-1"], "system len >= 0"),
+    (["--multi-turn-range-ratio", "1.5"], "range ratio must be in [0, 1)"),
+    (["--token-ids"], "multi-turn sends text"),
+])
+def test_multi_turn_bad_arguments(tmp_path, capsys, args, message):
+    rc = bs.main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--dataset-name", "multi-turn",
+                  "--result-file", str(tmp_path / "x.json"), *args])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

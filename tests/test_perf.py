@@ -50,6 +50,50 @@ def test_compute_metrics_exact_numbers():
 
 
 # ---- arrivals ----------------------------------------------------------------------------------
+def test_per_turn_and_cached_tokens_by_hand():
+    # two conversations x two turns; conversation 1's turn 1 failed; conversation 0's turn 0
+    # reported no cached count
+    spec = [(0, 0, True, 0.1, 10, None), (0, 1, True, 0.3, 30, 10),
+            (1, 0, True, 0.2, 12, 4), (1, 1, False, 0.0, 0, None)]
+    rs = [RequestResult(n_in, 2, success=ok, output_len=2 if ok else 0, ttft=ttft, latency=1.0,
+                        cached_tokens=cached, conversation=c, turn=t)
+          for c, t, ok, ttft, n_in, cached in spec]
+    m = compute_metrics(rs, 2.0)
+    assert m["total_cached_tokens"] == 14 and m["cached_tokens_reported"] == 2
+    assert m["cached_token_fraction"] == pytest.approx(14 / 42)  # of the 30 + 12 that reported
+    assert m["cached_tokens"] == [None, 10, 4, None]
+    assert m["conversation_ids"] == [0, 0, 1, 1] and m["turn_ids"] == [0, 1, 0, 1]
+    t0, t1 = m["per_turn"]
+    assert (t0["turn"], t0["completed"], t0["failed"]) == (0, 2, 0)
+    assert t0["mean_ttft_ms"] == pytest.approx(150) and t0["median_ttft_ms"] == pytest.approx(150)
+    assert t0["mean_input_tokens"] == 11 and t0["cached_tokens"] == 4
+    assert t0["cached_token_fraction"] == pytest.approx(4 / 12)
+    assert (t1["completed"], t1["failed"], t1["cached_tokens"]) == (1, 1, 10)
+    assert t1["mean_ttft_ms"] == pytest.approx(300)
+    assert t1["cached_token_fraction"] == pytest.approx(1 / 3)
+    # no turns, no cached counts: none of these fields
+    plain = compute_metrics(
+        [RequestResult(5, 2, success=True, output_len=2, ttft=0.1, latency=0.2)], 1.0)
+    assert not {"per_turn", "total_cached_tokens", "cached_tokens", "turn_ids"} & set(plain)
+
+
+def test_multi_turn_conversations_lengths():
+    convs = wl.multi_turn_conversations(20, 4, 10, 6, 0.5, 7, 100, seed=3)
+    assert len(convs) == 20 and len({c.system for c in convs}) == 1
+    assert len(convs[0].system.split()) == 7
+    for c in convs:
+        assert len(c.user_messages) == len(c.output_lens) == len(c.user_lens) == 4
+        assert [len(u.split()) for u in c.user_messages] == c.user_lens
+        assert all(5 <= n <= 15 for n in c.user_lens) and all(3 <= n <= 9 for n in c.output_lens)
+    assert len({n for c in convs for n in c.user_lens}) > 3  # the range is used
+    again = wl.multi_turn_conversations(20, 4, 10, 6, 0.5, 7, 100, seed=3)
+    assert [c.user_messages for c in again] == [c.user_messages for c in convs]
+    assert wl.multi_turn_conversations(1, 1, 3, 1)[0].system == ""
+    for bad in [(0, 1, 3, 1), (1, 0, 3, 1), (1, 1, 0, 1), (1, 1, 3, 0)]:
+        with pytest.raises(ValueError, match="multi-turn"):
+            wl.multi_turn_conversations(*bad)
+
+
 def test_arrival_times_are_poisson_with_the_right_mean():
     n, rate = 20001, 4.0
     t = wl.arrival_times(n, rate, 1.0, seed=0)

@@ -14,8 +14,9 @@ same model, config and prompts; random token ids, so a dummy model measures spee
 3. zero reuse: `--random-prompts` random prompts of 100–`--random-max-len` tokens, `--random-output` tokens
    each: throughput, cache on vs off (what the cache costs when nothing matches).
 
-Offline (LLM.generate), not through the server: case 2's serving form (TTFT SLO, arrival
-process) needs the serving benchmark's multi-turn dataset.
+Offline (LLM.generate), not through the server: case 2's serving form (TTFT per turn, arrival
+process, cached tokens as the server reports them) is `pdserve bench serve --dataset-name
+multi-turn`.
 """
 from __future__ import annotations
 

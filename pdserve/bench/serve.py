@@ -20,6 +20,18 @@ to last completion), completed, failed, token totals, request/output/total-token
 request_goodput (requests meeting every --goodput SLO per second), mean/median/std/percentiles
 of TTFT, TPOT, ITL and e2e latency in ms, and per-request lists (ttfts, itls in seconds; null for
 a failed request). The table, the JSON form and the plots are in serve_report.py.
+
+Multi-turn (--dataset-name multi-turn): --multi-turn-conversations chats of --multi-turn-turns
+turns. A conversation's start follows the --request-rate schedule; its turn k+1 is sent once the
+answer to turn k has been read to the end, and carries the conversation so far: the system prompt
+(if any), every earlier user message and the server's actual answers, then the new message. On
+the chat endpoint that is a messages list; on /v1/completions the same history as one text,
+"User: ...\nAssistant:" per turn with each answer appended verbatim, so every turn's prompt
+starts with the previous turn's prompt and answer (what a prefix cache can reuse). A failed turn
+ends its conversation; the turns after it count as failed ("not sent"). --max-concurrency caps
+requests in flight (a conversation gives up its slot between turns). The report adds per-turn
+aggregates (per_turn: TTFT by turn index, prompt and cached tokens) and, when the server sends
+usage.prompt_tokens_details.cached_tokens (any dataset), their total and share of prompt tokens.
 """
 from __future__ import annotations
 
@@ -41,10 +53,12 @@ import numpy as np
 
 from ..perf.metrics import RequestResult, compute_metrics
 from ..perf.slo import parse_goodput
-from ..perf.workload import (SampleRequest, arrival_times, load_sharegpt,
-                             prefix_repetition_requests, random_requests)
+from ..perf.workload import (Conversation, SampleRequest, approx_tokens, arrival_times,
+                             load_sharegpt, multi_turn_conversations, prefix_repetition_requests,
+                             random_requests)
 from .common import git_info, hardware_info, write_result
-from .serve_report import format_table, import_pyplot, jsonable, plot_runs, rate_label
+from .serve_report import (format_per_turn, format_table, import_pyplot, jsonable, plot_runs,
+                           rate_label)
 
 
 # ---- one request -------------------------------------------------------------------------------
@@ -75,7 +89,9 @@ class Target:
         body: dict[str, Any] = {}
         if self.model:
             body["model"] = self.model
-        if self.chat:
+        if self.chat and req.messages is not None:
+            body["messages"] = req.messages
+        elif self.chat:
             if not isinstance(req.prompt, str):
                 raise ValueError("the chat endpoint needs text prompts (use --no-token-ids)")
             body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -126,6 +142,7 @@ async def send_request(session: aiohttp.ClientSession, target: Target, req: Samp
     arrivals: list[float] = []
     usage: dict[str, Any] | None = None
     chat = target.chat
+    pieces: list[str] = []  # the answer's text
     try:
         payload = target.payload(req, max_tokens)
         st = time.perf_counter()
@@ -162,6 +179,10 @@ async def send_request(session: aiohttp.ClientSession, target: Target, req: Samp
                     choices = chunk.get("choices")
                     if choices and _is_content(choices[0], chat):
                         arrivals.append(now)
+                        c = choices[0]
+                        piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                        if isinstance(piece, str):
+                            pieces.append(piece)
                 if done:
                     break
     except aiohttp.ClientConnectorError as e:
@@ -186,6 +207,11 @@ async def send_request(session: aiohttp.ClientSession, target: Target, req: Samp
     n_in = usage.get("prompt_tokens") if usage else None
     if isinstance(n_in, int) and n_in > 0:
         res.prompt_len = n_in
+    details = usage.get("prompt_tokens_details") if usage else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and cached >= 0:
+        res.cached_tokens = cached
+    res.generated_text = "".join(pieces)
     return res
 
 
@@ -246,6 +272,92 @@ async def _send_all(target: Target, requests: list[SampleRequest], offsets: np.n
     return results, duration
 
 
+# ---- multi-turn conversations ------------------------------------------------------------------
+class History:
+    """A conversation so far, as the next request to send: `next_request(message, n_out)` adds
+    the user's message, `add_answer(text)` the server's reply to it."""
+
+    def __init__(self, system: str, chat: bool):
+        self.chat = chat
+        self.messages: list[dict[str, str]] = \
+            [{"role": "system", "content": system}] if system else []
+        self.text = system + "\n\n" if system else ""
+
+    def next_request(self, message: str, output_len: int) -> SampleRequest:
+        self.messages.append({"role": "user", "content": message})
+        self.text += f"User: {message}\nAssistant:"
+        return SampleRequest(self.text, approx_tokens(self.text), output_len,
+                             messages=list(self.messages) if self.chat else None)
+
+    def add_answer(self, answer: str) -> None:
+        self.messages.append({"role": "assistant", "content": answer})
+        self.text += answer + "\n"
+
+
+def first_turn(conv: Conversation, chat: bool) -> SampleRequest:
+    return History(conv.system, chat).next_request(conv.user_messages[0], conv.output_lens[0])
+
+
+async def run_multi_turn(target: Target, convs: list[Conversation], rate: float,
+                         burstiness: float = 1.0, max_concurrency: int | None = None,
+                         seed: int = 0, disable_tqdm: bool = True,
+                         desc: str | None = None) -> tuple[list[RequestResult], float]:
+    """Play `convs`: conversation i starts at arrival_times(rate, burstiness, seed)[i], each turn
+    after the previous answer (see the module docstring). Returns one result per turn,
+    conversation by conversation (conversation i's turn k at i * turns + k for equal turn
+    counts), and the duration from the first send to the last completion (s)."""
+    offsets = arrival_times(len(convs), rate, burstiness, seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    gc.collect()  # as in run_benchmark
+    gc.freeze()
+    try:
+        return await _play_all(target, convs, offsets, sem, max_concurrency, disable_tqdm, desc)
+    finally:
+        gc.unfreeze()
+
+
+async def _play_all(target: Target, convs: list[Conversation], offsets: np.ndarray,
+                    sem: asyncio.Semaphore | None, max_concurrency: int | None,
+                    disable_tqdm: bool, desc: str | None) -> tuple[list[RequestResult], float]:
+    from tqdm import tqdm
+    pbar = tqdm(total=sum(len(c.user_messages) for c in convs), disable=disable_tqdm, desc=desc,
+                file=sys.stderr)
+    async with _client(target, max_concurrency) as client:
+        t0 = time.perf_counter()
+
+        async def play(i: int, conv: Conversation, off: float) -> list[RequestResult]:
+            while (delay := t0 + off - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            hist = History(conv.system, target.chat)
+            out: list[RequestResult] = []
+            for k, (msg, n_out) in enumerate(zip(conv.user_messages, conv.output_lens)):
+                req = hist.next_request(msg, n_out)
+                if sem is None:
+                    r = await send_request(client, target, req, t0)
+                else:
+                    async with sem:
+                        r = await send_request(client, target, req, t0)
+                r.conversation, r.turn = i, k
+                out.append(r)
+                pbar.update(1)
+                if not r.success:
+                    for j in range(k + 1, len(conv.user_messages)):
+                        out.append(RequestResult(
+                            0, conv.output_lens[j], start=r.start, conversation=i, turn=j,
+                            error=f"not sent: turn {k} of this conversation failed"))
+                        pbar.update(1)
+                    break
+                hist.add_answer(r.generated_text)
+            return out
+
+        tasks = [asyncio.create_task(play(i, c, float(off)))
+                 for i, (c, off) in enumerate(zip(convs, offsets))]
+        per_conv = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    pbar.close()
+    return [r for rs in per_conv for r in rs], duration
+
+
 async def preflight(target: Target, req: SampleRequest, wait_s: float = 0.0) -> RequestResult:
     """One short request before the run (not counted): checks the endpoint answers and warms it
     up; connection errors are retried for up to wait_s seconds."""
@@ -280,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ready-check-timeout", type=float, default=0.0,
                    help="keep retrying the test request's connection this many seconds")
     g = p.add_argument_group("load")
-    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--num-prompts", type=int, default=1000,
+                   help="requests (multi-turn: ignored, conversations x turns)")
     g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests per second, one or more (a sweep); inf = all at once")
     g.add_argument("--burstiness", type=float, default=1.0,
@@ -296,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "prefix-repetition"])
+                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn"])
     g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
     g.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=None,
                    help="random/prefix-repetition: send token-id prompts (default: yes for "
@@ -314,6 +427,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--multi-turn-conversations", type=int, default=64,
+                   help="multi-turn: conversations (their starts follow --request-rate)")
+    g.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns each")
+    g.add_argument("--multi-turn-user-len", type=int, default=128,
+                   help="multi-turn: tokens (words) of each new user message")
+    g.add_argument("--multi-turn-output-len", type=int, default=128,
+                   help="multi-turn: answer tokens asked for per turn")
+    g.add_argument("--multi-turn-range-ratio", type=float, default=0.0,
+                   help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--multi-turn-system-len", type=int, default=0,
+                   help="multi-turn: tokens (words) of a system prompt shared by all conversations")
     g = p.add_argument_group("output")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
@@ -344,6 +468,16 @@ def build_requests(a: argparse.Namespace, chat: bool) -> list[SampleRequest]:
         raise ValueError("--dataset-name sharegpt needs --dataset-path (make one with "
                          "python -m pdserve.bench.datasets make-sharegpt OUT.json)")
     return load_sharegpt(a.dataset_path, a.num_prompts, a.seed, a.sharegpt_output_len)
+
+
+def build_conversations(a: argparse.Namespace) -> list[Conversation]:
+    if a.token_ids:
+        raise ValueError("--dataset-name multi-turn sends text (the history holds the server's "
+                         "answers); drop --token-ids")
+    return multi_turn_conversations(a.multi_turn_conversations, a.multi_turn_turns,
+                                    a.multi_turn_user_len, a.multi_turn_output_len,
+                                    a.multi_turn_range_ratio, a.multi_turn_system_len,
+                                    a.vocab_size, a.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,8 +517,14 @@ def main(argv: list[str] | None = None) -> int:
         base_url = "http://" + base_url
     target = Target(base_url, a.endpoint, a.model, a.api_key or os.environ.get("OPENAI_API_KEY"),
                     a.temperature, a.ignore_eos, extra, a.request_timeout or None)
+    multi = a.dataset_name == "multi-turn"
+    convs: list[Conversation] = []
     try:
-        requests = build_requests(a, target.chat)
+        if multi:
+            convs = build_conversations(a)
+            requests = [first_turn(convs[0], target.chat)]  # for the preflight
+        else:
+            requests = build_requests(a, target.chat)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -400,24 +540,41 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
 
-    n_in = sum(r.prompt_len for r in requests)
-    n_out = sum(r.expected_output_len for r in requests)
-    print(f"pdserve bench serve: {len(requests)} {a.dataset_name} requests ({n_in} prompt / "
-          f"{n_out} output tokens) to {target.url}; rates "
-          f"{', '.join(rate_label(x) for x in a.request_rate)} req/s, burstiness {a.burstiness:g}"
-          f", max concurrency {a.max_concurrency or 'unlimited'}", flush=True)
+    if multi:
+        n_req = sum(len(c.user_messages) for c in convs)
+        n_out = sum(sum(c.output_lens) for c in convs)
+        what = (f"{len(convs)} conversations x {a.multi_turn_turns} turns ({n_req} requests, "
+                f"{n_out} output tokens, prompts growing with the answers; "
+                f"{'messages' if target.chat else 'concatenated text'})")
+        rate_of = "conversation starts/s"
+    else:
+        n_req = len(requests)
+        n_in = sum(r.prompt_len for r in requests)
+        n_out = sum(r.expected_output_len for r in requests)
+        what = f"{n_req} {a.dataset_name} requests ({n_in} prompt / {n_out} output tokens)"
+        rate_of = "req/s"
+    print(f"pdserve bench serve: {what} to {target.url}; rates "
+          f"{', '.join(rate_label(x) for x in a.request_rate)} {rate_of}, burstiness "
+          f"{a.burstiness:g}, max concurrency {a.max_concurrency or 'unlimited'}", flush=True)
     runs = []
     for rate in a.request_rate:
-        results, duration = asyncio.run(run_benchmark(
-            target, requests, rate, a.burstiness, a.max_concurrency, a.seed, a.disable_tqdm,
-            desc=f"rate {rate_label(rate)}"))
+        if multi:
+            results, duration = asyncio.run(run_multi_turn(
+                target, convs, rate, a.burstiness, a.max_concurrency, a.seed, a.disable_tqdm,
+                desc=f"rate {rate_label(rate)}"))
+        else:
+            results, duration = asyncio.run(run_benchmark(
+                target, requests, rate, a.burstiness, a.max_concurrency, a.seed, a.disable_tqdm,
+                desc=f"rate {rate_label(rate)}"))
         m = compute_metrics(results, duration, percentiles, slos)
         run = {"request_rate": rate_label(rate), "burstiness": a.burstiness,
-               "max_concurrency": a.max_concurrency, "num_prompts": len(requests), **m}
+               "max_concurrency": a.max_concurrency, "num_prompts": n_req, **m}
+        if multi:
+            run.update(num_conversations=len(convs), turns=a.multi_turn_turns)
         runs.append(run)
         if m["failed"]:
             first = next(e for e in m["errors"] if e)
-            print(f"rate {rate_label(rate)}: {m['failed']} of {len(requests)} requests failed; "
+            print(f"rate {rate_label(rate)}: {m['failed']} of {n_req} requests failed; "
                   f"first error: {first}", file=sys.stderr, flush=True)
 
     payload: dict[str, Any] = {
@@ -432,6 +589,10 @@ def main(argv: list[str] | None = None) -> int:
     out = a.result_file or \
         f"bench/results/serve-{host}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     print(format_table(runs, percentiles))
+    for run in runs:
+        extra = format_per_turn(run)
+        if extra:
+            print(extra)
     print("wrote", write_result(out, jsonable(payload)))
     if a.plot:
         print("plot", plot_runs(runs, a.plot, percentiles))

@@ -49,6 +49,29 @@ def format_table(runs: list[dict[str, Any]], percentiles: list[float]) -> str:
     return "\n".join(lines)
 
 
+def format_per_turn(run: dict[str, Any]) -> str:
+    """A run's prefix-cache line (when the server reported cached tokens) and, for a multi-turn
+    run, TTFT and tokens by turn index; "" when neither applies."""
+    lines = []
+    if run.get("total_cached_tokens") is not None:
+        lines.append(f"rate {run['request_rate']}: cached prompt tokens "
+                     f"{run['total_cached_tokens']} of {run['total_input_tokens']} ({100 * run['cached_token_fraction']:.1f}%"
+                     f" of the prompt tokens of the {run['cached_tokens_reported']} requests that "
+                     "reported them)")
+    if run.get("per_turn"):
+        def f(v, w, d=1):
+            return f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        lines.append(f"{'turn':>6} {'done':>5} {'fail':>5} {'TTFT mean':>10} {'median':>8} "
+                     f"{'prompt tok':>10} {'cached tok':>10} {'cached %':>8}")
+        for t in run["per_turn"]:
+            frac = t["cached_token_fraction"]
+            lines.append(f"{t['turn']:>6} {t['completed']:>5} {t['failed']:>5} "
+                         f"{f(t['mean_ttft_ms'], 10)} {f(t['median_ttft_ms'], 8)} "
+                         f"{f(t['mean_input_tokens'], 10)} {f(t['cached_tokens'], 10, 0)} "
+                         f"{f(None if frac is None else 100 * frac, 8)}")
+    return "\n".join(lines)
+
+
 def import_pyplot():
     try:
         import matplotlib

@@ -7,8 +7,10 @@ client's clock, a simulated clock). compute_metrics summarises a run with vLLM's
 names: duration, completed, failed, token totals, request/output/total-token throughput,
 request_goodput (requests meeting every SLO per second, see slo.py), mean/median/std/percentiles
 of TTFT, TPOT, ITL and e2e latency in ms, and per-request lists (ttfts, itls in seconds; null
-for a failed request). Percentiles interpolate linearly between order statistics (numpy's
-default, as vLLM's benchmark reports them)."""
+for a failed request). When the server reports usage.prompt_tokens_details.cached_tokens: their
+total and share of the prompt tokens. When the requests are turns of conversations (multi-turn):
+per-turn aggregates (per_turn_metrics). Percentiles interpolate linearly between order
+statistics (numpy's default, as vLLM's benchmark reports them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,6 +36,10 @@ class RequestResult:
     start: float = 0.0                 # s since the run started
     error: str = ""
     connect_error: bool = False        # the target could not be reached at all
+    generated_text: str = ""           # the answer's text, as streamed
+    cached_tokens: int | None = None   # usage.prompt_tokens_details.cached_tokens, if reported
+    conversation: int | None = None    # multi-turn: which conversation and turn (from 0)
+    turn: int | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -62,6 +68,32 @@ def latency_stats(values_s: list[float], name: str,
     return out
 
 
+def per_turn_metrics(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """One entry per turn index (results with a turn), in order: completed, failed, mean and
+    median TTFT (ms), mean prompt tokens, cached tokens (sum over the completed turns that
+    reported them; None when none did) and their share of those turns' prompt tokens."""
+    by_turn: dict[int, list[RequestResult]] = {}
+    for r in results:
+        if r.turn is not None:
+            by_turn.setdefault(r.turn, []).append(r)
+    out = []
+    for t in sorted(by_turn):
+        rs = by_turn[t]
+        ok = [r for r in rs if r.success]
+        ttfts = np.asarray([r.ttft for r in ok]) * 1e3
+        rep = [r for r in ok if r.cached_tokens is not None]
+        cached = sum(r.cached_tokens for r in rep) if rep else None
+        rep_in = sum(r.prompt_len for r in rep)
+        out.append({
+            "turn": t, "completed": len(ok), "failed": len(rs) - len(ok),
+            "mean_ttft_ms": float(ttfts.mean()) if ok else None,
+            "median_ttft_ms": float(np.median(ttfts)) if ok else None,
+            "mean_input_tokens": float(np.mean([r.prompt_len for r in ok])) if ok else None,
+            "cached_tokens": cached,
+            "cached_token_fraction": cached / rep_in if rep and rep_in else None})
+    return out
+
+
 def compute_metrics(results: list[RequestResult], duration: float,
                     percentiles: list[float] = (50, 90, 99),
                     goodput: dict[str, float] | None = None) -> dict[str, Any]:
@@ -87,6 +119,17 @@ def compute_metrics(results: list[RequestResult], duration: float,
               "e2el": [r.latency for r in ok]}
     for name in METRICS:
         m.update(latency_stats(values[name], name, list(percentiles)))
+    reported = [r for r in ok if r.cached_tokens is not None]
+    if reported:  # the share is of the prompt tokens of the requests that reported a count
+        cached = sum(r.cached_tokens for r in reported)
+        rep_in = sum(r.prompt_len for r in reported)
+        m["total_cached_tokens"] = cached
+        m["cached_token_fraction"] = cached / rep_in if rep_in else 0.0
+        m["cached_tokens_reported"] = len(reported)
+    if any(r.turn is not None for r in results):
+        m["per_turn"] = per_turn_metrics(results)
+        m["conversation_ids"] = [r.conversation for r in results]
+        m["turn_ids"] = [r.turn for r in results]
     m.update(
         input_lens=[r.prompt_len for r in results],
         output_lens=[r.output_len if r.success else 0 for r in results],
@@ -96,4 +139,6 @@ def compute_metrics(results: list[RequestResult], duration: float,
         itls=[r.itl if r.success else [] for r in results],
         start_times=[r.start for r in results],
         errors=[r.error for r in results])
+    if reported:
+        m["cached_tokens"] = [r.cached_tokens if r.success else None for r in results]
     return m

@@ -13,6 +13,9 @@ tokens to ask for):
                        ShareGPT-format JSON file (lengths in approximate tokens, see approx_tokens)
     prefix-repetition  a few long prefixes, each shared by many requests with their own suffix
 
+and `multi_turn_conversations` yields Conversations (an optional system prompt shared by all,
+then one new user message per turn) for a client that sends turn k+1 after turn k's answer.
+
 Token-id prompts suit servers without a tokenizer (dummy weights). With token_ids=False the ids
 become words from a small list of common English words (about one token each for a BPE
 tokenizer), so the lengths are approximate on the server's side.
@@ -56,6 +59,18 @@ class SampleRequest:
     prompt_len: int           # tokens (exact for token-id prompts, approximate for text)
     expected_output_len: int  # the request's max_tokens
     group: int | None = None  # prefix-repetition: which prefix this request shares
+    # chat: the whole message list to send (multi-turn); None sends prompt as one user message
+    messages: list[dict[str, str]] | None = None
+
+
+@dataclass
+class Conversation:
+    """A multi-turn chat to play against a server: the user's messages, one per turn, and the
+    answer length to ask for after each; the answers come from the server while it is played."""
+    system: str                # "" for none
+    user_messages: list[str]
+    output_lens: list[int]
+    user_lens: list[int]       # tokens of each user message (one word per token)
 
 
 def ids_to_text(ids: list[int]) -> str:
@@ -120,6 +135,32 @@ def prefix_repetition_requests(num: int, num_prefixes: int, prefix_len: int, suf
         out.append(SampleRequest(ids if token_ids else ids_to_text(ids), len(ids), output_len, g))
     order = rng.permutation(num)
     return [out[i] for i in order]
+
+
+def multi_turn_conversations(num: int, turns: int, user_len: int, output_len: int,
+                             range_ratio: float = 0.0, system_len: int = 0,
+                             vocab_size: int = 32000, seed: int = 0) -> list[Conversation]:
+    """`num` conversations of `turns` turns: each user message is random words (one per token,
+    ids_to_text), its length uniform in length_range(user_len, range_ratio), each answer's length
+    likewise around output_len; a system prompt of `system_len` words is shared by all of them.
+    Text only: later turns carry the server's answers, which are text."""
+    if num < 1 or turns < 1:
+        raise ValueError(f"multi-turn: need >= 1 conversation and >= 1 turn, got {num} "
+                         f"conversations x {turns} turns")
+    if user_len < 1 or output_len < 1 or system_len < 0 or vocab_size < 1:
+        raise ValueError("multi-turn: need user and output len >= 1, system len >= 0, "
+                         "vocab size >= 1")
+    rng = np.random.default_rng([seed, 0x3D7])
+    u_lo, u_hi = length_range(user_len, range_ratio)
+    o_lo, o_hi = length_range(output_len, range_ratio)
+    system = ids_to_text(rng.integers(0, vocab_size, size=system_len).tolist())
+    out = []
+    for _ in range(num):
+        u_lens = rng.integers(u_lo, u_hi + 1, size=turns).tolist()
+        o_lens = rng.integers(o_lo, o_hi + 1, size=turns).tolist()
+        msgs = [ids_to_text(rng.integers(0, vocab_size, size=n).tolist()) for n in u_lens]
+        out.append(Conversation(system, msgs, o_lens, u_lens))
+    return out
 
 
 def sharegpt_pairs(data: list[dict[str, Any]]) -> list[tuple[str, str]]:
