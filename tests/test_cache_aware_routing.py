@@ -5,9 +5,13 @@ Expectations come from independent sources: a naive model of the index (a dict o
 prefix with the tick of its last insert, evicting one token at a time from the least recently
 inserted leaf), hand-computed cases, and the placement rule as the policies' docstring states it
 (close = load - min <= 4 or load <= 1.5 * min; the longest match of >= 64 tokens wins)."""
+import os
 import random
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pdserve.protocol import AddRequest
 from pdserve.routing import (DisaggPolicy, PrefixIndex, RoundRobinPolicy, RouteRequest,
@@ -47,29 +51,53 @@ class NaiveIndex:
         return sorted(list(p) for p in self.held if p not in extended)
 
 
-def _seq(rng, alphabet=3):
-    return [rng.randrange(alphabet) for _ in range(rng.randrange(1, 13))]
+class IndexMachine(RuleBasedStateMachine):
+    """Inserts (often an earlier sequence's prefix plus a tail, over a 3-token alphabet: many
+    shared prefixes, splits and trims), queries and drops on two workers, against one
+    NaiveIndex per worker."""
+
+    @initialize(budget=st.sampled_from([3, 7, 20, 1000]))
+    def setup(self, budget):
+        self.budget = budget
+        self.index = PrefixIndex(budget)
+        self.naive = {w: NaiveIndex(budget) for w in ("w0", "w1")}
+        self.known = [[]]
+
+    def _seq(self, data):
+        base = data.draw(st.sampled_from(self.known))
+        base = base[:data.draw(st.integers(0, len(base)))]
+        return base + data.draw(st.lists(st.integers(0, 2), max_size=8))
+
+    @rule(w=st.sampled_from(["w0", "w1"]), data=st.data())
+    def insert(self, w, data):
+        seq = self._seq(data)
+        self.index.insert(w, seq)
+        self.naive[w].insert(seq)
+        self.known.append(seq)
+
+    @rule(data=st.data())
+    def match(self, data):
+        seq = self._seq(data)
+        for w, naive in self.naive.items():
+            assert self.index.match(w, seq) == naive.match(seq), (w, seq)
+
+    @rule(w=st.sampled_from(["w0", "w1"]))
+    def drop(self, w):
+        self.index.drop(w)
+        self.naive[w] = NaiveIndex(self.budget)
+
+    @invariant()
+    def agrees(self):
+        self.index.check_integrity()
+        for w, naive in self.naive.items():
+            assert self.index.entries(w) == naive.entries(), w
+            assert self.index.num_tokens(w) == len(naive.held) <= self.budget
 
 
-@pytest.mark.parametrize("budget", [1000, 20, 7])
-def test_index_agrees_with_a_naive_model(budget):
-    """Random inserts and queries over a 3-token alphabet (many shared prefixes and splits),
-    two workers: matches, held entries and token counts equal the naive model's."""
-    rng = random.Random(budget)
-    index = PrefixIndex(budget)
-    naive = {w: NaiveIndex(budget) for w in ("w0", "w1")}
-    for step in range(400):
-        w = rng.choice(["w0", "w1"])
-        s = _seq(rng)
-        if rng.random() < 0.5:
-            index.insert(w, s)
-            naive[w].insert(s)
-        for v in naive:
-            assert index.match(v, s) == naive[v].match(s), (step, v, s)
-        if step % 20 == 0:
-            for v in naive:
-                assert index.entries(v) == naive[v].entries(), (step, v)
-                assert index.num_tokens(v) == len(naive[v].held) <= budget
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(
+    max_examples=int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60")), stateful_step_count=40,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def t(letters):
@@ -92,6 +120,7 @@ def test_index_hand_computed_lru_trims():
     # a sequence longer than the budget keeps its first `budget` tokens, alone
     index.insert("w", list(range(15)))
     assert index.entries("w") == [list(range(10))] and index.match("w", t("abcd")) == 0
+    index.check_integrity()
 
 
 def test_index_queries_do_not_refresh_entries():
@@ -138,6 +167,7 @@ def test_index_stays_bounded_over_many_inserts():
         seq = system + [rng.randrange(50000) for _ in range(rng.randrange(50, 400))]
         index.insert("w", seq)
         assert index.num_tokens("w") <= 5000 and index.match("w", seq) == len(seq)
+    index.check_integrity()
     tree = index._trees["w"]
     assert len(tree.heap) <= 2 * tree.nodes + 64 + 1
 
@@ -212,6 +242,7 @@ def test_policies_keep_their_paths_and_place_prefill_by_cache():
 # ---- through the router core ----------------------------------------------------------------
 def _add(dep, rid, prompt):
     assert dep.add(rid, prompt=prompt) is None
+    dep.core.prefix.check_integrity()
     return dep.core.routes[rid].path
 
 

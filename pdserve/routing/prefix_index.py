@@ -198,6 +198,27 @@ class PrefixIndex:
         """Forget every worker's entries (their caches were reset)."""
         self._trees.clear()
 
+    def check_integrity(self) -> None:
+        """Every tree's invariants (AssertionError): counts, links, edges keyed by their first
+        token, no empty edge, the budget, and a live heap entry for every leaf."""
+        for worker, tree in self._trees.items():
+            tokens = nodes = 0
+            live = {id(n) for tick, _, n in tree.heap if n.tick == tick}
+            stack = [tree.root]
+            while stack:
+                node = stack.pop()
+                for first, child in node.children.items():
+                    assert child.parent is node and len(child.key) > 0, worker
+                    assert child.key[0] == first, (worker, first, child.key[0])
+                    assert child.tick <= node.tick or node is tree.root, worker
+                    tokens += len(child.key)
+                    nodes += 1
+                    stack.append(child)
+                if not node.children and node is not tree.root:
+                    assert id(node) in live, (worker, "a leaf without a heap entry")
+            assert (tokens, nodes) == (tree.tokens, tree.nodes), (worker, tokens, nodes)
+            assert tree.tokens <= self.budget(worker), worker
+
     # ---- internals --------------------------------------------------------------------------
     def _push(self, tree: _Tree, leaf: _Node) -> None:
         heapq.heappush(tree.heap, (leaf.tick, next(self._seq), leaf))

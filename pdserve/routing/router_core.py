@@ -14,8 +14,9 @@ back what the workers answer; a simulator or a test can drive it the same way wi
                                         (D's loads_done: Release P's held KV)
 
 Events (methods): add, accepted (a Send's answer), output, loads_done, abort, flush_handoffs,
-worker_died, worker_up, observe (stats and step records), reset_prefix_index. Each returns the actions to carry out,
-in order (actions.py: Send, Abort, Release, SendKV, DropPeer, Deliver, Reject).
+worker_died, worker_up, observe (stats and step records), reset_prefix_index (the workers'
+caches were reset). Each returns the actions to carry out, in order (actions.py: Send, Abort,
+Release, SendKV, DropPeer, Deliver, Reject); observe and reset_prefix_index return nothing.
 
 Faults: a worker that dies leaves routing; its requests that have not produced a token are
 placed again (RouterStats.rerouted), the others fail ("worker W died: ..."). A hand-off whose
