@@ -2,6 +2,7 @@
 
     policies.py     RoutingPolicy (contract in its docstring) and the registry; the P/D
                     eligibility rule (disaggregable)
+    prefix_index.py PrefixIndex: the router's per-worker guess at the workers' prefix caches
     router_core.py  the pure core: request stages, hand-offs, held KV, faults (events in,
                     actions out)
     client.py       EngineProtocol / WorkerClient: what front ends and the router drive
@@ -15,6 +16,7 @@ from .client import EngineProtocol, WorkerClient
 from .policies import (POLICIES, ROLES, CollocatedPolicy, DisaggPolicy, Path, PathKind,
                        RoundRobinPolicy, RouteRequest, RoutingPolicy, StepSummary, WorkerView,
                        disaggregable, make_policy)
+from .prefix_index import PrefixIndex
 from .router_core import RouterCore, RouterStats, Stage, Unavailable
 
 _SHELL = {"Router": "router", "WorkerSpec": "workers", "plan_workers": "workers",
@@ -23,7 +25,7 @@ _SHELL = {"Router": "router", "WorkerSpec": "workers", "plan_workers": "workers"
 __all__ = ["EngineProtocol", "WorkerClient", "POLICIES", "ROLES", "CollocatedPolicy",
            "DisaggPolicy", "Path", "PathKind", "RoundRobinPolicy", "RouteRequest",
            "RoutingPolicy", "StepSummary", "WorkerView", "disaggregable", "make_policy",
-           "RouterCore", "RouterStats", "Stage", "Unavailable", *_SHELL]
+           "PrefixIndex", "RouterCore", "RouterStats", "Stage", "Unavailable", *_SHELL]
 
 
 def __getattr__(name: str):

@@ -7,6 +7,23 @@
 A policy is pure: it reads what it is given and keeps no reference to it. The constraint every
 policy obeys (and the router core enforces, falling back to a whole-request path) is the P/D
 eligibility rule, `disaggregable(params)`, stated once here.
+
+Placement within a role (RoutingPolicy.place): the worker that will compute the prompt (the
+collocated worker, or the prefill worker of a disaggregated path) is chosen cache-aware, as
+SGLang's router does. Each WorkerView carries `cached`: how much of this request's prompt the
+router's prefix index (prefix_index.py) believes that worker holds. Among the workers whose load
+is close to the least loaded one's, the longest match wins (ties: the least loaded); a match
+shorter than min_cached_tokens counts as none, and with no match anywhere the choice is exactly
+least_loaded. A decode worker receiving a hand-off is always the least loaded (it pulls the
+whole prompt's KV whatever it has cached).
+
+    close(w) = w.load - min_load <= balance_abs  or  w.load <= min_load * balance_rel
+
+SGLang's gateway calls loads imbalanced when both the absolute and the relative gap exceed their
+thresholds (defaults 64 requests and 1.5); this is the same rule, per worker. The load is what
+least_loaded reads: the requests the router has on the worker (running and waiting there, or
+bound for it). Our default absolute gap is smaller, 4 requests, because a worker's batch here is
+often a few requests and a prefill worker serves its queue in order.
 """
 from __future__ import annotations
 
@@ -20,6 +37,12 @@ from ..protocol import StepRecord, kv_transfer_unsupported
 from ..sampling_params import SamplingParams
 
 ROLES = ("prefill", "decode", "collocated")
+
+BALANCE_ABS_THRESHOLD = 4     # requests: at most this many more than the least loaded is close
+BALANCE_REL_THRESHOLD = 1.5   # or at most this many times the least loaded's load
+# A match shorter than this is worth nothing to place on: that many tokens of prefill cost about
+# one weight-bound forward, i.e. as much as a decode step of the batch they would join.
+MIN_CACHED_TOKENS = 64
 
 
 def disaggregable(params: SamplingParams) -> bool:
@@ -72,6 +95,7 @@ class WorkerView:
     outstanding: int              # requests the router has on it now (and bound for it)
     kv_usage: float               # fraction of its KV pool in use (as of its last report)
     steps: StepSummary | None = None  # its recent steps (None before its first report)
+    cached: int = 0               # tokens of the request being placed that it likely has cached
 
 
 @dataclass(frozen=True)
@@ -98,8 +122,24 @@ class RoutingPolicy(abc.ABC):
         collocated(workers));
       - None only when no worker of any role is live;
       - it may keep state of its own (a turn counter) but never mutates what it is given.
-    The helpers below are the building blocks the registered policies share."""
+    The helpers below are the building blocks the registered policies share; the thresholds of
+    the cache-aware choice (place) are arguments, their defaults the module's constants."""
     name = ""
+    balance_abs = BALANCE_ABS_THRESHOLD
+    balance_rel = BALANCE_REL_THRESHOLD
+    min_cached_tokens = MIN_CACHED_TOKENS
+
+    def __init__(self, balance_abs: int = BALANCE_ABS_THRESHOLD,
+                 balance_rel: float = BALANCE_REL_THRESHOLD,
+                 min_cached_tokens: int = MIN_CACHED_TOKENS):
+        for what, v in (("balance_abs", balance_abs), ("min_cached_tokens", min_cached_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+        if (not isinstance(balance_rel, (int, float)) or isinstance(balance_rel, bool)
+                or not balance_rel >= 1 or balance_rel == float("inf")):
+            raise ValueError(f"balance_rel must be a finite number >= 1, got {balance_rel!r}")
+        self.balance_abs, self.balance_rel = balance_abs, float(balance_rel)
+        self.min_cached_tokens = min_cached_tokens
 
     @abc.abstractmethod
     def choose(self, req: RouteRequest, workers: list[WorkerView]) -> Path | None:
@@ -110,19 +150,38 @@ class RoutingPolicy(abc.ABC):
         cands = [w for w in workers if w.role == role]
         return min(cands, key=lambda w: (w.outstanding, w.kv_usage), default=None)
 
+    def place(self, workers: list[WorkerView], role: str) -> WorkerView | None:
+        """The worker of `role` to compute a prompt on: among those whose load is close to the
+        least loaded one's (module docstring), the one with the longest cached match of at
+        least min_cached_tokens; ties, and no such match, go to the least loaded."""
+        least = self.least_loaded(workers, role)
+        if least is None:
+            return None
+        lo = least.outstanding
+
+        def close(w: WorkerView) -> bool:
+            return w.outstanding - lo <= self.balance_abs or w.outstanding <= lo * self.balance_rel
+
+        def gain(w: WorkerView) -> int:
+            return w.cached if w.cached >= self.min_cached_tokens else 0
+
+        cands = [w for w in workers if w.role == role and close(w)]
+        return min(cands, key=lambda w: (-gain(w), w.outstanding, w.kv_usage))
+
     def collocated(self, workers: list[WorkerView]) -> Path | None:
         """A whole request on one worker: a collocated one, else a decode worker, else (no
-        decode worker left) a prefill worker, which runs it as any engine would."""
-        w = (self.least_loaded(workers, "collocated") or self.least_loaded(workers, "decode")
-             or self.least_loaded(workers, "prefill"))
+        decode worker left) a prefill worker, which runs it as any engine would; within the
+        role, place()'s choice."""
+        w = (self.place(workers, "collocated") or self.place(workers, "decode")
+             or self.place(workers, "prefill"))
         return None if w is None else Path(PathKind.COLLOCATED, w.name)
 
     def disagg(self, workers: list[WorkerView], req: RouteRequest | None = None) -> Path | None:
-        """The least-loaded prefill and decode workers; None without both, or when req (if
-        given) may not be disaggregated."""
+        """place()'s prefill worker and the least-loaded decode worker; None without both, or
+        when req (if given) may not be disaggregated."""
         if req is not None and not req.disaggregable:
             return None
-        p, d = self.least_loaded(workers, "prefill"), self.least_loaded(workers, "decode")
+        p, d = self.place(workers, "prefill"), self.least_loaded(workers, "decode")
         return None if p is None or d is None else Path(PathKind.DISAGG, d.name, p.name)
 
 
@@ -146,7 +205,8 @@ class RoundRobinPolicy(RoutingPolicy):
     collocated path."""
     name = "round-robin"
 
-    def __init__(self):
+    def __init__(self, **thresholds):
+        super().__init__(**thresholds)
         self._turn = itertools.count()
 
     def choose(self, req, workers):

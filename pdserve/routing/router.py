@@ -38,6 +38,7 @@ from ..worker.client import EngineClient, EngineDeadError
 from . import actions as act
 from .router_core import RouterCore, RouterStats
 from .policies import ROLES, RoutingPolicy, make_policy
+from .prefix_index import PREFIX_INDEX_TOKENS
 from .workers import RestartPolicy, Starting, Worker, WorkerHealth, WorkerSpec
 
 
@@ -79,8 +80,12 @@ class Router:
         self.max_model_len = min(c.max_model_len for c in clients)
         self.num_kv_blocks = min(c.num_kv_blocks for c in clients)
         self.info = first.info
+        # the prefix index keeps no more per worker than its pool can cache (none: caching off)
+        prefix_tokens = {s.name: min(PREFIX_INDEX_TOKENS, c.num_kv_blocks * s.config.block_size)
+                         if s.config.enable_prefix_caching else 0 for s, c in zip(specs, clients)}
         self.core = RouterCore([(s.name, s.role, c.name) for s, c in zip(specs, clients)],
-                                  policy, self.max_model_len, describe=self._summary)
+                                  policy, self.max_model_len, describe=self._summary,
+                                  prefix_tokens=prefix_tokens)
         self.workers = {s.name: Worker(s, c, self.core.workers[s.name])
                         for s, c in zip(specs, clients)}
         self._store = None
@@ -428,7 +433,9 @@ class Router:
         return min(s.num_kv_blocks - s.num_kv_blocks_used for s in self.check_workers().values())
 
     def reset_prefix_cache(self) -> int:
-        """Every live worker drops its cached prefixes no request uses; the blocks freed."""
+        """Every live worker drops its cached prefixes no request uses; the blocks freed. The
+        router's prefix index forgets every worker's entries."""
+        self.core.reset_prefix_index()
         return sum(w.client.reset_prefix_cache() for w in self.workers.values() if w.alive)
 
     @property

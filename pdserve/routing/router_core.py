@@ -14,14 +14,21 @@ back what the workers answer; a simulator or a test can drive it the same way wi
                                         (D's loads_done: Release P's held KV)
 
 Events (methods): add, accepted (a Send's answer), output, loads_done, abort, flush_handoffs,
-worker_died, worker_up, observe (stats and step records). Each returns the actions to carry out,
-in order (actions.py: Send, Abort, Release, SendKV, DropPeer, Deliver, Reject).
+worker_died, worker_up, observe (stats and step records), reset_prefix_index (the workers'
+caches were reset). Each returns the actions to carry out, in order (actions.py: Send, Abort,
+Release, SendKV, DropPeer, Deliver, Reject); observe and reset_prefix_index return nothing.
 
 Faults: a worker that dies leaves routing; its requests that have not produced a token are
 placed again (RouterStats.rerouted), the others fail ("worker W died: ..."). A hand-off whose
 decode worker died goes to another decode worker with the KV still held, else (none left) runs
 whole elsewhere with its KV recomputed; a hand-off whose prefill worker died (or restarted: a
 new KV name) travels without KV and is recomputed (RouterStats.recomputed).
+
+Prefix index (prefix_index.py): what each worker likely has cached, for the policy's cache-aware
+placement (WorkerView.cached). A request's prompt is inserted for the worker that computes it
+when it is placed (the collocated or prefill worker), and a finished sequence's prompt and
+output tokens for the worker it finished on (its engine caches them when it frees the request).
+A worker that dies or comes back has its entries dropped; reset_prefix_index drops them all.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -39,6 +46,7 @@ from ..protocol import AddRequest, KVLoadDone, KVSend, StepRecord, WorkerStats
 from .actions import Abort, Action, Deliver, DropPeer, Reject, Release, Send, SendKV
 from .policies import (Path, PathKind, RouteRequest, RoutingPolicy, StepSummary, WorkerView,
                        disaggregable, make_policy)
+from .prefix_index import PREFIX_INDEX_TOKENS, PrefixIndex
 
 STEP_RECORDS_KEPT = 1024   # per worker: the router's ring of its recent steps
 STEP_SUMMARY_WINDOW = 64   # the newest records a WorkerView summarises
@@ -109,10 +117,20 @@ class _Batch:
 
 class RouterCore:
     def __init__(self, workers: Iterable[tuple[str, str, str]], policy: str | RoutingPolicy,
-                 max_model_len: int, describe: Callable[[], str] | None = None):
+                 max_model_len: int, describe: Callable[[], str] | None = None,
+                 prefix_tokens: int | Mapping[str, int] = PREFIX_INDEX_TOKENS):
         """workers: (name, role, kv_name) of each; describe(): the deployment's state in a few
-        words, for Unavailable errors (default: each worker up or down)."""
+        words, for Unavailable errors (default: each worker up or down); prefix_tokens: the
+        prefix index's budget per worker, one for all or each worker's (0: not tracked, e.g.
+        prefix caching off there)."""
         self.workers = {n: WorkerSlot(n, role, kv) for n, role, kv in workers}
+        if isinstance(prefix_tokens, Mapping):
+            unknown = set(prefix_tokens) - set(self.workers)
+            if unknown:
+                raise ValueError(f"prefix_tokens names unknown workers {sorted(unknown)}")
+            self.prefix = PrefixIndex(PREFIX_INDEX_TOKENS, prefix_tokens)
+        else:
+            self.prefix = PrefixIndex(prefix_tokens)
         self.policy = make_policy(policy)
         self.max_model_len = max_model_len
         self.describe = describe or (lambda: ", ".join(
@@ -134,9 +152,13 @@ class RouterCore:
         self._ids = itertools.count()
 
     # ---- queries ----------------------------------------------------------------------------
-    def live(self) -> list[WorkerView]:
+    def live(self, prompt: Sequence[int] | None = None) -> list[WorkerView]:
+        """The live workers' views; with prompt, each says how much of it the worker likely has
+        cached (the prefix index's match)."""
         return [WorkerView(w.name, w.role, w.outstanding + self.bound.get(w.name, 0),
-                           w.kv_usage, w.summary) for w in self.workers.values() if w.alive]
+                           w.kv_usage, w.summary,
+                           self.prefix.match(w.name, prompt) if prompt else 0)
+                for w in self.workers.values() if w.alive]
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.routes or any(
@@ -192,6 +214,9 @@ class RouterCore:
         if out.finished:
             del self.routes[out.request_id]
             w.outstanding -= 1
+            if len(out.outputs) == 1:  # its engine keeps the computed tokens (not the last)
+                self.prefix.insert(worker, [*route.req.prompt["prompt_token_ids"],
+                                            *out.outputs[0].token_ids[:-1]])
         route.produced = True
         return [Deliver(out)]
 
@@ -261,6 +286,7 @@ class RouterCore:
             return []
         w.alive = False
         w.outstanding = 0
+        self.prefix.drop(worker)
         actions: list[Action] = []
         if self.two_sided:  # its pairs are aborted now, not after a send times out
             actions += [DropPeer(o.name, w.kv_name) for o in self.workers.values()
@@ -301,7 +327,12 @@ class RouterCore:
         """worker is back (restarted, its KV peers connected) under a new KV name."""
         w = self.workers[worker]
         w.alive, w.outstanding, w.kv_name = True, 0, kv_name
+        self.prefix.drop(worker)   # a new incarnation starts with an empty cache
         return []
+
+    def reset_prefix_index(self) -> None:
+        """The workers' prefix caches were reset: forget what the index guessed of them."""
+        self.prefix.clear()
 
     def observe(self, worker: str, stats: WorkerStats | None = None,
                 steps: Iterable[StepRecord] = ()) -> None:
@@ -327,8 +358,8 @@ class RouterCore:
         actions: list[Action] = []
         batches: dict[str, list[tuple[Route, AddRequest]]] = {}
         for route in routes:
-            live = self.live()
             req = route.req
+            live = self.live(req.prompt["prompt_token_ids"])
             path = self.policy.choose(RouteRequest(req.request_id, route.num_prompt_tokens,
                                                    req.params), live)
             if path is not None and path.kind == PathKind.DISAGG and not disaggregable(req.params):
@@ -350,6 +381,7 @@ class RouterCore:
             else:
                 route.stage, target, sent = Stage.COLLOCATED, path.worker, req
             batches.setdefault(target, []).append((route, sent))
+            self.prefix.insert(target, req.prompt["prompt_token_ids"])   # computed there
             # counted at once, so that the next request of this batch sees the load
             self.workers[target].outstanding += 1
             self._bind(route)
