@@ -220,20 +220,20 @@ def test_thresholds_are_policy_arguments():
             DisaggPolicy(**bad)
 
 
-def test_policies_keep_their_paths_and_place_prefill_by_cache():
-    """Disagg: the prefill worker by cache, the decode worker by load alone (it pulls the whole
-    prompt anyway); collocated: by cache; round-robin: still alternates the two paths."""
+def test_policies_keep_their_paths_and_place_by_cache():
+    """Disagg: the prefill and the decode worker by cache (a one-sided consumer pulls only what
+    it lacks); collocated: by cache; round-robin: still alternates the two paths."""
     views = (_views("prefill", (1, 0), (100, 0))
              + [WorkerView("d0", "decode", 1, 0.0, None, 100),
                 WorkerView("d1", "decode", 0, 0.0, None, 0),
                 WorkerView("c0", "collocated", 2, 0.0, None, 0),
                 WorkerView("c1", "collocated", 3, 0.0, None, 100)])
     req = RouteRequest("r", 100, SP)
-    assert make_policy("disagg").choose(req, views) == ("disagg", "d1", "w0")
+    assert make_policy("disagg").choose(req, views) == ("disagg", "d0", "w0")
     assert make_policy("collocated").choose(req, views) == ("collocated", "c1", None)
     rr = make_policy("round-robin")
     assert [rr.choose(req, views) for _ in range(3)] == [
-        ("disagg", "d1", "w0"), ("collocated", "c1", None), ("disagg", "d1", "w0")]
+        ("disagg", "d0", "w0"), ("collocated", "c1", None), ("disagg", "d0", "w0")]
     # no collocated worker: a whole request goes to a decode worker, by cache too
     whole = [v for v in views if v.role != "collocated"]
     assert make_policy("collocated").choose(req, whole) == ("collocated", "d0", None)
@@ -273,8 +273,9 @@ def test_core_records_a_finished_sequence_for_its_worker():
     assert dep.core.prefix.match("c1", turn2) == 0
 
 
-def test_core_disagg_places_prefill_by_cache_and_decode_by_load():
-    dep = Deployment({"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"})
+def test_core_disagg_places_prefill_by_cache_and_decode_by_its_history():
+    dep = Deployment({"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"},
+                     max_model_len=4096)
     assert _add(dep, "a", A) == ("disagg", "d0", "p0")
     assert _add(dep, "b", B) == ("disagg", "d1", "p1")
     # prefill loads 1 / 1, decode loads (bound) 1 / 1: B's prefix is on p1; d0 by load
@@ -282,6 +283,17 @@ def test_core_disagg_places_prefill_by_cache_and_decode_by_load():
     # the prompt is the prefill worker's, not the decode worker's
     assert dep.core.prefix.match("p1", B) == len(B)
     assert dep.core.prefix.match("d0", B) == dep.core.prefix.match("d1", B) == 0
+    # b's decode ends on d1 (hand-off from p1): d1 holds b's history, so b's next turn decodes
+    # there although d0 has the same load
+    dep.prefilled("p1", "b", token=7)
+    dep.flush()                                        # the hand-off reaches d1
+    dep.decoded("d1", "b", [7, 8, 9], finished=True)
+    assert dep.core.prefix.match("d1", B + [7, 8, 9]) == len(B) + 2
+    # two short unrelated prompts even the decode loads out (d0: a, b2; d1: c1, c2), so that
+    # least-loaded alone would take d0 (the first of equals)
+    assert [_add(dep, f"c{i}", [5000 + i, 1, 2]).worker for i in (1, 2)] == ["d1", "d1"]
+    assert dep.core.workers["d0"].outstanding == dep.core.workers["d1"].outstanding
+    assert _add(dep, "b-next", B + [7, 8, 9, 1]).worker == "d1"
 
 
 def test_a_dead_or_restarted_workers_entries_are_gone():

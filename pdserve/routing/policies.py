@@ -14,8 +14,9 @@ SGLang's router does. Each WorkerView carries `cached`: how much of this request
 router's prefix index (prefix_index.py) believes that worker holds. Among the workers whose load
 is close to the least loaded one's, the longest match wins (ties: the least loaded); a match
 shorter than min_cached_tokens counts as none, and with no match anywhere the choice is exactly
-least_loaded. A decode worker receiving a hand-off is always the least loaded (it pulls the
-whole prompt's KV whatever it has cached).
+least_loaded. A decode worker receiving a hand-off is chosen the same way: a one-sided
+connector pulls only the blocks it lacks (engine/kv_coordinator.py), and the worker that
+decoded a conversation's last turn holds its history.
 
     close(w) = w.load - min_load <= balance_abs  or  w.load <= min_load * balance_rel
 
@@ -177,11 +178,11 @@ class RoutingPolicy(abc.ABC):
         return None if w is None else Path(PathKind.COLLOCATED, w.name)
 
     def disagg(self, workers: list[WorkerView], req: RouteRequest | None = None) -> Path | None:
-        """place()'s prefill worker and the least-loaded decode worker; None without both, or
-        when req (if given) may not be disaggregated."""
+        """place()'s prefill and decode workers; None without both, or when req (if given) may
+        not be disaggregated."""
         if req is not None and not req.disaggregable:
             return None
-        p, d = self.place(workers, "prefill"), self.least_loaded(workers, "decode")
+        p, d = self.place(workers, "prefill"), self.place(workers, "decode")
         return None if p is None or d is None else Path(PathKind.DISAGG, d.name, p.name)
 
 
