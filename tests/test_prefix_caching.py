@@ -204,3 +204,21 @@ def test_pd_consumer_pulls_only_the_blocks_it_lacks(tmp_path):
     for e in (P, D):
         e.check_integrity()
         assert e.kv.num_free_blocks() == e.kv.pool.num_blocks
+
+
+def test_prompt_logprobs_bypass_the_cache(model_dir):
+    """A request that asks for its prompt's logprobs computes every prompt position (no cached
+    prefix): the logprobs exist for all of them and equal a cache-off engine's."""
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = SYSTEM + [9, 9]
+    res = {}
+    for cache in (True, False):
+        llm = make_llm(model_dir, cache)
+        llm.generate(ids(prompt), plain, use_tqdm=False)              # now cached (cache on)
+        out = llm.generate(ids(prompt), sp, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        assert out.prompt_logprobs[0] is None and all(e is not None for e in out.prompt_logprobs[1:])
+        res[cache] = [{t: round(v.logprob, 4) for t, v in e.items()} for e in out.prompt_logprobs[1:]]
+        llm.llm_engine.check_integrity()
+    assert res[True] == res[False]

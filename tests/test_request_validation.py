@@ -233,6 +233,7 @@ def test_openai_roles_accepted(server):
 def test_numbers_json_schema_allows(server):
     """An integral float is an integer to JSON Schema (and to the schema the server publishes);
     an int is a number."""
+    assert _post(server, "/reset_prefix_cache", {}).status_code == 200   # (cached_tokens: 0)
     r = _post(server, "/v1/completions", {"prompt": [1, 2, 3.0], "max_tokens": 2.0,
                                           "temperature": 0, "top_p": 1, "seed": 7.0,
                                           "ignore_eos": True})

@@ -225,12 +225,14 @@ class Scheduler:
             req = self.waiting[0]
             if self._num_seq_slots_used() + 1 + len(req.siblings) > self.max_num_seqs:
                 break
-            if req.num_computed_tokens == 0:   # new or preempted: start from a cached prefix
-                # (at least one token left to compute: the step must produce its logits)
+            # New or preempted: start from a cached prefix (at least one token left to compute:
+            # the step must produce its logits), unless the prompt's own logprobs are asked for
+            # (every prompt position must then go through the forward).
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 req.num_computed_tokens = self.kv.match_prefix(
                     req.request_id, req.token_slice(0, req.num_tokens), req.num_tokens - 1)
-                if req.num_cached_tokens is None:
-                    req.num_cached_tokens = req.num_computed_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = req.num_computed_tokens
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
