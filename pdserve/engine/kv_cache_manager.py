@@ -137,11 +137,11 @@ class KVCacheManager:
         """Take a request's table out of the manager with its blocks still allocated: the caller
         owns them now (P/D: kept for a consumer) and gives them back with release(). `tokens`
         as for free(): the prefix cache keeps them too (the blocks are read-only from here)."""
-        self._unlock(request_id)
-        table = self.block_tables.pop(request_id, [])
+        table = self.block_tables.get(request_id, [])
         if table and tokens and self.prefix_cache is not None:
-            self.prefix_cache.insert(tokens, table)
-        return table
+            self.prefix_cache.insert(tokens, table)   # (first: if it raises, nothing moved)
+        self._unlock(request_id)
+        return self.block_tables.pop(request_id, [])
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix no request uses; returns the blocks freed."""

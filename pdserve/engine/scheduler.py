@@ -231,14 +231,14 @@ class Scheduler:
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 req.num_computed_tokens = self.kv.match_prefix(
                     req.request_id, req.token_slice(0, req.num_tokens), req.num_tokens - 1)
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = req.num_computed_tokens
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
                 self.kv.free(req.request_id)   # (the matched prefix: matched again next time)
                 req.num_computed_tokens = 0
                 break
+            if req.num_cached_tokens is None:   # (what its first admission found cached)
+                req.num_cached_tokens = req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
