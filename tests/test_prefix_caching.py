@@ -7,14 +7,7 @@ pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 
-from .utils import save_tiny_hf_model  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "qwen2"
-    save_tiny_hf_model(d, "qwen2")
-    return str(d)
+from .test_engine import model_dir  # noqa: E402,F401  (the tiny random Qwen2: a fixture)
 
 
 def make_llm(model_dir, cache: bool, **kw):
