@@ -33,6 +33,31 @@ def test_pool_refcounts():
         BlockPool(0)
 
 
+def test_pool_counts_blocks_only_the_cache_holds():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)                # a request holds a and b
+    pool.incref([a, b], cached=True)       # the cache lists both
+    assert pool.num_cache_only == 0        # the request still uses them
+    pool.release([a])                      # the request lets a go: only the cache has it
+    assert pool.num_cache_only == 1 and pool.num_free_blocks == 2
+    pool.incref([a])                       # a new request matches a
+    assert pool.num_cache_only == 0
+    pool.incref([a], cached=True)          # a second cache listing (a split mid-block)
+    pool.release([a])                      # the request goes: two cache refs, nobody else
+    assert pool.num_cache_only == 1 and pool.ref_counts[a] == 2
+    pool.release([a], cached=True)
+    assert pool.num_cache_only == 1
+    pool.release([a], cached=True)         # evicted: free, not cache-only
+    assert pool.num_cache_only == 0 and pool.num_free_blocks == 3
+    pool.check_integrity([[b]], [[b]])
+    with pytest.raises(AssertionError):    # the cache's reference counted as a request's
+        pool.check_integrity([[b], [b]])
+    pool.release([b], cached=True)         # the cache drops b: the request still holds it
+    assert pool.ref_counts[b] == 1 and pool.num_cache_only == 0
+    with pytest.raises(RuntimeError):      # a cached release of a block the cache does not hold
+        pool.release([b], cached=True)
+
+
 def test_allocate_slots_grows_table_by_block():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     assert kv.allocate_slots("a", 0, 5) == []

@@ -41,7 +41,7 @@ def cached(pc: PrefixCache, tokens, limit=None):
 
 def check(pool: BlockPool, pc: PrefixCache, tables=()):
     pc.check_integrity()
-    pool.check_integrity([*tables, *pc.holders()])
+    pool.check_integrity(tables, pc.holders())
 
 
 def insert_released(pool, pc, tokens, table):

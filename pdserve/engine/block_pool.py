@@ -1,7 +1,13 @@
 """BlockPool: owns the KV-cache block ids, their reference counts and the free list.
 
 Pure Python, no torch. The free list is ordered (least recently freed first) and supports O(1)
-removal of any block, which the prefix cache (roadmap) will use for LRU eviction.
+removal of any block.
+
+A block's count is split by holder kind: `cache_refs[b]` of its `ref_counts[b]` references are
+the prefix cache's (incref / release with cached=True). A block whose references are all the
+cache's is *cache-only*: no request uses it, and evicting it gives it back. The pool keeps the
+number of those (num_cache_only) as the counts change, so the engine's free-block figure costs
+O(1) per step.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ class BlockPool:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
+        self.cache_refs = [0] * num_blocks      # of ref_counts, the prefix cache's references
+        self.num_cache_only = 0                 # blocks with 0 < ref_counts == cache_refs
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
     @property
@@ -38,25 +46,46 @@ class BlockPool:
             self.ref_counts[b] = 1
         return ids
 
-    def incref(self, ids: Iterable[int]) -> None:
+    def incref(self, ids: Iterable[int], cached: bool = False) -> None:
+        """One more reference to each (allocated) block; cached: the prefix cache's."""
+        rc, cc = self.ref_counts, self.cache_refs
         for b in ids:
-            if self.ref_counts[b] == 0:
+            c = rc[b]
+            if c == 0:
                 raise RuntimeError(f"incref of free block {b}")
-            self.ref_counts[b] += 1
+            was = c == cc[b]
+            rc[b] = c + 1
+            if cached:
+                cc[b] += 1
+            self.num_cache_only += (rc[b] == cc[b]) - was
 
-    def release(self, ids: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero return to the free list."""
+    def release(self, ids: Iterable[int], cached: bool = False) -> None:
+        """Drop one reference to each block (cached: one of the prefix cache's); blocks reaching
+        zero return to the free list."""
+        rc, cc = self.ref_counts, self.cache_refs
         for b in ids:
-            if self.ref_counts[b] <= 0:
-                raise RuntimeError(f"release of free block {b}")
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
+            c = rc[b]
+            if c <= 0 or (cached and cc[b] <= 0):
+                raise RuntimeError(f"release of free block {b}" if c <= 0
+                                   else f"cached release of block {b}, which the cache does not hold")
+            was = c == cc[b]
+            rc[b] = c - 1
+            if cached:
+                cc[b] -= 1
+            if rc[b] == 0:
                 self._free[b] = None
+                self.num_cache_only -= was
+            else:
+                self.num_cache_only += (rc[b] == cc[b]) - was
 
-    def check_integrity(self, holders: Iterable[Sequence[int]]) -> None:
-        """free + used = total, and every used block's ref count equals the number of holders
-        (block tables) that list it. Raises AssertionError on the first violation."""
-        held = Counter(b for table in holders for b in table)
+    def check_integrity(self, holders: Iterable[Sequence[int]],
+                        cached: Iterable[Sequence[int]] = ()) -> None:
+        """free + used = total; every used block's ref count equals the number of holders
+        (block tables) and cached holders (prefix-cache nodes) that list it, its cache_refs the
+        cached ones; num_cache_only counts the blocks only the cache holds. Raises
+        AssertionError on the first violation."""
+        in_cache = Counter(b for table in cached for b in table)
+        held = Counter(b for table in holders for b in table) + in_cache
         free = set(self._free)
         assert len(free) == len(self._free)
         assert len(free) + sum(1 for c in self.ref_counts if c > 0) == self.num_blocks, \
@@ -64,3 +93,7 @@ class BlockPool:
         for b, c in enumerate(self.ref_counts):
             assert (c == 0) == (b in free), f"block {b}: ref count {c} but free={b in free}"
             assert c == held.get(b, 0), f"block {b}: ref count {c}, held by {held.get(b, 0)} tables"
+            assert self.cache_refs[b] == in_cache.get(b, 0), \
+                f"block {b}: {self.cache_refs[b]} cache references, the cache lists it {in_cache.get(b, 0)} times"
+        only = sum(1 for b, c in enumerate(self.ref_counts) if c > 0 and c == self.cache_refs[b])
+        assert self.num_cache_only == only, f"num_cache_only {self.num_cache_only}, counted {only}"

@@ -158,18 +158,17 @@ class KVCacheManager:
 
     def num_free_blocks(self) -> int:
         """Blocks no request holds: the pool's free list plus cached blocks only the prefix
-        cache lists (evicted on demand)."""
-        free = self.pool.num_free_blocks
-        return free if self.prefix_cache is None else free + self.prefix_cache.num_evictable_blocks()
+        cache lists (evicted on demand). O(1)."""
+        return self.pool.num_free_blocks + self.pool.num_cache_only
 
     def check_integrity(self, detached: list[list[int]] = ()) -> None:
         """Every allocated block is referenced exactly as often as the live tables, the
         detached ones the caller still owns and the prefix cache's nodes name it; the cache's
         structure holds and its locks are the live requests' matches."""
-        cached = []
+        cached: list[list[int]] = []
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity()
             cached = self.prefix_cache.holders()
             assert self.prefix_cache.root.lock == len(self._locked), "cache locks vs requests"
         assert set(self._locked) <= set(self.block_tables), "a lock without a table"
-        self.pool.check_integrity([*self.block_tables.values(), *detached, *cached])
+        self.pool.check_integrity([*self.block_tables.values(), *detached], cached)

@@ -157,7 +157,7 @@ class PrefixCache:
             return 0
         first, last = pos // bs, (len(tokens) - 1) // bs
         new = table[first:last + 1]
-        self.pool.incref(new)
+        self.pool.incref(new, cached=True)
         self.num_cached_blocks += len(new)
         leaf = Node(list(tokens[pos:]), pos, list(new), parent=node, last_use=self._clock)
         node.children[tokens[pos]] = leaf
@@ -178,7 +178,7 @@ class PrefixCache:
         self._num_nodes += 1
         shared = len(upper_blocks) + len(lower_blocks) - len(node.blocks)   # 1 if cut is mid-block
         if shared:
-            self.pool.incref(node.blocks[cut // bs - first: (cut - 1) // bs - first + 1])
+            self.pool.incref(node.blocks[cut // bs - first: (cut - 1) // bs - first + 1], cached=True)
             self.num_cached_blocks += shared
         node.tokens, node.start, node.blocks, node.parent = node.tokens[n:], cut, lower_blocks, upper
         upper.children[node.tokens[0]] = node
@@ -217,7 +217,7 @@ class PrefixCache:
 
     def _remove(self, leaf: Node) -> None:
         del leaf.parent.children[leaf.tokens[0]]
-        self.pool.release(reversed(leaf.blocks))
+        self.pool.release(reversed(leaf.blocks), cached=True)
         self.num_cached_blocks -= len(leaf.blocks)
         self._num_nodes -= 1
         leaf.blocks = []
@@ -242,12 +242,8 @@ class PrefixCache:
 
     def num_evictable_blocks(self) -> int:
         """Blocks only the tree holds (no request lists them): what eviction can give back once
-        their nodes are unlocked."""
-        listed: dict[int, int] = {}
-        for n in self.nodes():
-            for b in n.blocks:
-                listed[b] = listed.get(b, 0) + 1
-        return sum(1 for b, c in listed.items() if self.pool.ref_counts[b] == c)
+        their nodes are unlocked. O(1): the pool keeps the count (BlockPool.num_cache_only)."""
+        return self.pool.num_cache_only
 
     def num_cached_tokens(self) -> int:
         return sum(len(n.tokens) for n in self.nodes())

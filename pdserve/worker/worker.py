@@ -52,10 +52,6 @@ _PULL_WAIT_S = 2e-4
 # Step records (StepRecord) travel with the outputs; with no output to carry them, they go on
 # their own once this many have piled up, or when the engine goes idle.
 _STEP_RECORDS_BATCH = 64
-# The free-block count scans every block the prefix cache lists (engine/kv_cache_manager.py
-# num_free_blocks); the stats sent with each step's outputs refresh it at most this often
-# (integrity reports always count it afresh).
-_FREE_BLOCKS_MAX_AGE_S = 0.25
 
 
 class ClientGone(Exception):
@@ -306,7 +302,6 @@ class _Driver:
         self.decoder = msgspec.msgpack.Decoder(m.ToWorker)
         self.encoder = msgspec.msgpack.Encoder()
         self.draining = False
-        self._free_blocks, self._free_at = 0, float("-inf")
         self.deltas = DeltaEncoder()   # outputs travel as deltas (output_delta.py)
 
     def _broadcast(self, sched) -> None:
@@ -361,7 +356,7 @@ class _Driver:
                 if outs or loads or len(records) >= _STEP_RECORDS_BATCH or (
                         records and not eng.has_work()):
                     outs = [self.deltas.encode(o) for o in outs]
-                    self._send(m.Outputs(outs, self._stats(exact=False), loads, records))
+                    self._send(m.Outputs(outs, self._stats(), loads, records))
                     records = []
                 if eng.only_transfers_in_flight():
                     time.sleep(_PULL_WAIT_S)
@@ -372,16 +367,11 @@ class _Driver:
                 last_expiry = time.monotonic()
                 eng.expire_held_kv(last_expiry)
 
-    def _stats(self, exact: bool = True):
-        """exact=False (the stats riding on every step's outputs): the free-block count, which
-        scans the prefix cache's blocks, is recomputed at most every _FREE_BLOCKS_MAX_AGE_S."""
+    def _stats(self):
         eng, sched = self.engine, self.engine.scheduler
         conn = eng.runner.connector
-        now = time.monotonic()
-        if exact or now - self._free_at > _FREE_BLOCKS_MAX_AGE_S:
-            self._free_blocks, self._free_at = eng.kv.num_free_blocks(), now
         return self.m.WorkerStats(len(sched.running), len(sched.waiting),
-                                  eng.num_kv_blocks - self._free_blocks, eng.num_kv_blocks,
+                                  eng.num_kv_blocks - eng.kv.num_free_blocks(), eng.num_kv_blocks,
                                   sched.num_preemptions,
                                   0 if conn is None else conn.num_peers(),
                                   0 if conn is None else conn.num_broken(),
