@@ -5,8 +5,8 @@ followed by 250 tokens of its own, plus one long conversation of 3072 tokens. Th
 4k-token prompt (median and p90 over --iterations; each prompt a fresh list of fresh int objects,
 as a parsed request would be):
 
-  tree     PrefixCache.match(prompt, len - 1) + PrefixCache.insert(prompt, table), the two tree
-           walks a request costs (admission and finish); the table is built and the tree is
+  tree     PrefixCache.match(prompt, len - 1) + PrefixCache.insert(prompt, table, known=match),
+           what a request costs the tree (admission, and finish resuming from the match); the table is built and the tree is
            trimmed back to its starting size with evict() between iterations, untimed. Cases:
              hit      the whole prompt is cached (the same 4096 tokens again)
              partial  the long conversation (3072 tokens) + 1024 new tokens
@@ -121,7 +121,7 @@ def bench_tree(args, case: str, profile: cProfile.Profile | None) -> dict:
         if profile is not None:
             profile.enable()
         t2 = time.perf_counter()
-        pc.insert(prompt, table)
+        pc.insert(prompt, table, known=(m.node, m.num_tokens))   # as a request's free does
         t3 = time.perf_counter()
         if profile is not None:
             profile.disable()

@@ -201,6 +201,43 @@ def test_inner_node_goes_after_its_children():
     check(pool, pc)
 
 
+class Reads(list):
+    """A token list that records which positions are read."""
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.positions = set()
+
+    def __getitem__(self, i):
+        self.positions.update(range(len(self))[i] if isinstance(i, slice) else [i % len(self)])
+        return super().__getitem__(i)
+
+
+def test_insert_resumes_from_a_match_across_later_splits():
+    """insert(known=(node, n)) skips the n matched tokens, also after the matched edge was split
+    above n (the walk climbs to the part holding n) or exactly at n."""
+    for cut_at in (3, 6):                            # a split above the match point, then at it
+        pool, pc = tree()
+        insert_released(pool, pc, A, pool.allocate(3))          # edge 1..10
+        prompt = A[:6] + [50, 51, 52]                            # diverges after 6 tokens
+        m = pc.match(prompt)
+        assert m.num_tokens == 6
+        pc.lock(m.node)
+        other = A[:cut_at] + [90]                                # splits the edge at cut_at
+        insert_released(pool, pc, other, pool.allocate(len(other) // BS + 1))
+        table = m.blocks[:1] + pool.allocate(2)                  # block 1 copied on write
+        pool.incref(m.blocks[:1])
+        read = Reads(prompt)
+        assert pc.insert(read, table, known=(m.node, m.num_tokens)) == 3
+        # the matched 6 are not compared again: at most one of them is read (a child's key)
+        assert len({p for p in read.positions if p < 6}) <= 1, sorted(read.positions)
+        pool.release(table)
+        pc.unlock(m.node)
+        check(pool, pc)
+        for seq in (A, other, prompt):                           # all three fully cached
+            assert cached(pc, seq)[0] == len(seq)
+        assert pc.num_cached_tokens() == 10 + 1 + 3              # A, the 90 branch, 50 51 52
+
+
 def test_locked_nodes_are_never_evicted():
     pool, pc, (x, y, z) = _three_leaves()
     mx = pc.match(x[:2])                                       # mid-edge: locks X's node

@@ -49,34 +49,45 @@ class BlockPool:
     def incref(self, ids: Iterable[int], cached: bool = False) -> None:
         """One more reference to each (allocated) block; cached: the prefix cache's."""
         rc, cc = self.ref_counts, self.cache_refs
+        if cached:     # (a block stays cache-only or not: both counts grow)
+            for b in ids:
+                if rc[b] == 0:
+                    raise RuntimeError(f"incref of free block {b}")
+                rc[b] += 1
+                cc[b] += 1
+            return
         for b in ids:
             c = rc[b]
             if c == 0:
                 raise RuntimeError(f"incref of free block {b}")
-            was = c == cc[b]
+            if c == cc[b]:             # was cache-only: a request uses it now
+                self.num_cache_only -= 1
             rc[b] = c + 1
-            if cached:
-                cc[b] += 1
-            self.num_cache_only += (rc[b] == cc[b]) - was
 
     def release(self, ids: Iterable[int], cached: bool = False) -> None:
         """Drop one reference to each block (cached: one of the prefix cache's); blocks reaching
         zero return to the free list."""
-        rc, cc = self.ref_counts, self.cache_refs
+        rc, cc, free = self.ref_counts, self.cache_refs, self._free
+        if cached:
+            for b in ids:
+                if cc[b] <= 0:
+                    raise RuntimeError(f"cached release of block {b}, which the cache does not hold")
+                rc[b] -= 1
+                cc[b] -= 1
+                if rc[b] == 0:         # it was cache-only (1 == 1): now free
+                    free[b] = None
+                    self.num_cache_only -= 1
+            return
         for b in ids:
             c = rc[b]
-            if c <= 0 or (cached and cc[b] <= 0):
-                raise RuntimeError(f"release of free block {b}" if c <= 0
-                                   else f"cached release of block {b}, which the cache does not hold")
-            was = c == cc[b]
-            rc[b] = c - 1
-            if cached:
-                cc[b] -= 1
-            if rc[b] == 0:
-                self._free[b] = None
-                self.num_cache_only -= was
-            else:
-                self.num_cache_only += (rc[b] == cc[b]) - was
+            if c <= cc[b]:
+                raise RuntimeError(f"release of free block {b}" if c <= 0 else
+                                   f"release of block {b}, which only the prefix cache holds")
+            rc[b] = c = c - 1
+            if c == 0:
+                free[b] = None
+            elif c == cc[b]:           # the last request let go: only the cache holds it
+                self.num_cache_only += 1
 
     def check_integrity(self, holders: Iterable[Sequence[int]],
                         cached: Iterable[Sequence[int]] = ()) -> None:

@@ -37,7 +37,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
-        self._locked: dict[str, Node] = {}     # request -> the cache node its prefix matched
+        # request -> (the cache node its prefix matched, the matched length): locked while the
+        # request lives; its insert at the end resumes from there (PrefixCache.insert's known)
+        self._locked: dict[str, tuple[Node, int]] = {}
         self.prefix_queries = 0                 # tokens looked up in the cache (metrics)
         self.prefix_hits = 0                    # of them, found
 
@@ -59,7 +61,7 @@ class KVCacheManager:
         self.pool.incref(blocks)
         self.block_tables[request_id] = list(blocks)
         self.prefix_cache.lock(m.node)
-        self._locked[request_id] = m.node
+        self._locked[request_id] = (m.node, m.num_tokens)
         return n
 
     def _make_room(self, n: int) -> bool:
@@ -119,19 +121,18 @@ class KVCacheManager:
         """Give back a request's blocks. `tokens`: the positions [0, len) whose KV its blocks
         hold (computed, or being computed by a step in flight), kept by the prefix cache."""
         table = self.block_tables.pop(request_id, None)
-        self._unlock(request_id)
-        if table:
-            try:
-                if tokens and self.prefix_cache is not None:
-                    self.prefix_cache.insert(tokens, table)
-            finally:   # (a bad `tokens` raises in insert: the blocks still go back)
-                # Release in reverse so the tail of a sequence is reused first.
+        try:
+            if table and tokens and self.prefix_cache is not None:
+                self.prefix_cache.insert(tokens, table, self._locked.get(request_id))
+        finally:   # (a bad `tokens` raises in insert: the blocks still go back)
+            self._unlock(request_id)
+            if table:   # in reverse, so the tail of a sequence is reused first
                 self.pool.release(reversed(table))
 
     def _unlock(self, request_id: str) -> None:
-        node = self._locked.pop(request_id, None)
-        if node is not None:
-            self.prefix_cache.unlock(node)
+        locked = self._locked.pop(request_id, None)
+        if locked is not None:
+            self.prefix_cache.unlock(locked[0])
 
     def detach(self, request_id: str, tokens: list[int] = ()) -> list[int]:
         """Take a request's table out of the manager with its blocks still allocated: the caller
@@ -139,7 +140,8 @@ class KVCacheManager:
         as for free(): the prefix cache keeps them too (the blocks are read-only from here)."""
         table = self.block_tables.get(request_id, [])
         if table and tokens and self.prefix_cache is not None:
-            self.prefix_cache.insert(tokens, table)   # (first: if it raises, nothing moved)
+            # (first: if it raises, nothing moved)
+            self.prefix_cache.insert(tokens, table, self._locked.get(request_id))
         self._unlock(request_id)
         return self.block_tables.pop(request_id, [])
 

@@ -53,21 +53,21 @@ class Match:
     node: Node              # the deepest matched node (lock / unlock it)
 
 
-def _common(a: list[int], a0: int, b: list[int], limit: int) -> int:
-    """Length of the common prefix of a[a0:] and b[:limit]. Compares slices (C loops), growing
-    them while they match and shrinking them around a mismatch, so a long match costs about one
-    pass and a mismatch a few short compares."""
-    n = min(len(a) - a0, len(b), limit)
+def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int:
+    """Length of the common prefix of a[a0:] and b[b0:b0 + limit]. Compares slices (C loops),
+    growing them while they match and shrinking them around a mismatch, so a long match costs
+    about one pass and a mismatch a few short compares."""
+    n = min(len(a) - a0, len(b) - b0, limit)
     i, m = 0, 64
     while i < n:
         m = min(m, n - i)
-        if a[a0 + i:a0 + i + m] == b[i:i + m]:
+        if a[a0 + i:a0 + i + m] == b[b0 + i:b0 + i + m]:
             i += m
             m *= 4
         elif m > 8:
             m //= 8
         else:
-            while a[a0 + i] == b[i]:     # (a mismatch lies within these m)
+            while a[a0 + i] == b[b0 + i]:     # (a mismatch lies within these m)
                 i += 1
             return i
     return n
@@ -127,22 +127,37 @@ class PrefixCache:
         self._offer(deepest)
 
     # ---- insertion ----------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], table: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], table: Sequence[int],
+               known: tuple[Node, int] | None = None) -> int:
         """Cache the KV of positions [0, len(tokens)), which live in `table` (a request's block
         table, at least ceil(len / bs) long). Positions the tree already has keep the tree's
-        blocks. Returns how many positions were new."""
+        blocks. Returns how many positions were new.
+
+        known = (node, n): tokens[:n] are known to be cached along the path to `node`, which is
+        still in the tree (a request's match at admission, locked since: Match.node and
+        Match.num_tokens). The walk resumes there instead of comparing those n tokens again;
+        an edge split since the match is followed up to the part that holds position n."""
         bs = self.block_size
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         if len(table) < -(-len(tokens) // bs):
             raise ValueError(f"prefix cache: {len(tokens)} tokens need {-(-len(tokens) // bs)} "
                              f"blocks, the table has {len(table)}")
         self._clock += 1
-        node, pos = self.root, 0
+        node, pos, done = self.root, 0, 0    # done: tokens of the next edge known to match
+        if known is not None:
+            at, n = known[0], min(known[1], len(tokens))
+            while at is not self.root and at.start >= n:
+                at = at.parent
+            if n == at.end:
+                node, pos = at, n
+            else:                             # n lies inside at's edge
+                node, pos, done = at.parent, at.start, n - at.start
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common(tokens, pos, child.tokens, len(child.tokens))
+            n = done + _common(tokens, pos + done, child.tokens, len(child.tokens) - done, done)
+            done = 0
             child.last_use = self._clock
             if n < len(child.tokens):
                 if pos + n == len(tokens):   # ends inside this edge: nothing new to keep
