@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -101,7 +101,33 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            done;;
     latency-peer) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 --steps 30 \
            --generate-tokens 256 --peer hf-static --output "$OUT/latency-peer.json" 2>&1 | grep -v Warn | tail -8;;
-    prefix) python3 -m pdserve bench prefix --model qwen2.5-1.5b --load-format dummy --output "$OUT/prefix-h200.json" 2>&1 | grep -v Warn | tail -8;;
+    prefix) for order in ${PREFIX_ORDERS:-on-first off-first}; do
+              python3 -m pdserve bench prefix --model qwen2.5-1.5b --load-format dummy --order $order \
+                --output "$OUT/prefix-h200-$order.json" 2>&1 | grep -v Warn | tail -8
+            done;;
+    serve-prefix) # issue 16 case 2 served: multi-turn chats through pdserve serve, prefix cache on vs
+           # off, the same conversations at each rate (the cache is reset before each rate). A dummy
+           # Qwen2.5-1.5B-shaped model with the embedded tokenizer (scripts/make_dummy_model_dir.py)
+           python3 scripts/make_dummy_model_dir.py qwen2.5-1.5b /tmp/qwen-text
+           for cache in ${PREFIX_SIDES:-on off}; do
+             flag=--enable-prefix-caching; [ $cache = off ] && flag=--no-enable-prefix-caching
+             python3 -m pdserve serve --model /tmp/qwen-text --load-format dummy --device cuda --port 8000 \
+               --gpu-memory-utilization 0.8 $flag > "$OUT/serve-prefix-$cache.log" 2>&1 &
+             pid=$!
+             for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             for shape in ${MT_SHAPES:-chat:128:128 long:1024:32}; do
+               IFS=: read name ulen olen <<< "$shape"
+               for rate in ${MT_RATES:-1 2 4 8 16 inf}; do
+                 curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
+                 python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --dataset-name multi-turn \
+                   --multi-turn-conversations 64 --multi-turn-turns 6 --multi-turn-user-len $ulen \
+                   --multi-turn-output-len $olen --request-rate $rate --goodput ttft:${MT_TTFT:-200} \
+                   --disable-tqdm --result-file "$OUT/serve-mt-$name-$cache-$rate.json" 2>&1 | tail -3
+               done
+             done
+             curl -s localhost:8000/metrics | grep -E "^pdserve:prefix_cache"
+             kill -TERM $pid; wait $pid
+           done;;
     *) echo "unknown stage $stage";;
   esac
 done
