@@ -30,7 +30,11 @@ def main(argv: list[str]) -> int:
     cfg = dict(PRESETS[preset], torch_dtype="bfloat16", vocab_size=tok.vocab_size,
                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-    tok.backend.save(str(out_dir / "tokenizer.json"))
+    backend = tok.backend
+    if backend.decoder is None:   # (the GGUF-built backend leaves decoding to pdserve's Tokenizer)
+        from tokenizers import decoders
+        backend.decoder = decoders.ByteLevel()
+    backend.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": tok.chat_template, "add_bos_token": tok.add_bos_token}, indent=1))
     print("wrote", out_dir)
