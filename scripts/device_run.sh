@@ -108,10 +108,11 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
     serve-prefix) # issue 16 case 2 served: multi-turn chats through pdserve serve, prefix cache on vs
            # off, the same conversations at each rate (the cache is reset before each rate). A dummy
            # Qwen2.5-1.5B-shaped model with the embedded tokenizer (scripts/make_dummy_model_dir.py)
-           python3 scripts/make_dummy_model_dir.py qwen2.5-1.5b /tmp/qwen-text
+           # (made here, carried as .qwen-text/ when the embedded GGUF is not installed on the device)
+           mdir=.qwen-text; [ -d $mdir ] || python3 scripts/make_dummy_model_dir.py qwen2.5-1.5b $mdir
            for cache in ${PREFIX_SIDES:-on off}; do
              flag=--enable-prefix-caching; [ $cache = off ] && flag=--no-enable-prefix-caching
-             python3 -m pdserve serve --model /tmp/qwen-text --load-format dummy --device cuda --port 8000 \
+             python3 -m pdserve serve --model $mdir --load-format dummy --device cuda --port 8000 \
                --gpu-memory-utilization 0.8 $flag > "$OUT/serve-prefix-$cache.log" 2>&1 &
              pid=$!
              for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
