@@ -157,6 +157,12 @@ def test_prior_strength_estimated_by_method_of_moments():
     assert p.prior_strength() == pytest.approx(6.0)
     assert p.predict(20) == pytest.approx(3 / 9 * 30 + 6 / 9 * 40)
     assert p.stats().prior_strength == pytest.approx(6.0)
+    # unequal buckets: [10, 30, 50] and [40, 60]: MSW = (800 + 200) / 3, MSB = 3 * 8^2 + 2 * 12^2
+    # = 480, n0 = 5 - 13/5 = 2.4, tau^2 = (480 - 1000/3) / 2.4: k = 60/11
+    q = LengthPredictor()
+    for prompt, out in [(20, 10), (20, 30), (20, 50), (100, 40), (100, 60)]:
+        q.observe(prompt, out)
+    assert q.prior_strength() == pytest.approx(60 / 11)
 
 
 def test_prior_strength_limits():
@@ -180,16 +186,17 @@ def test_prior_strength_tracks_the_windows_over_many_observations():
     # the incremental sums behind k agree with a from-scratch computation after the windows
     # have turned over many times (and past the periodic exact recomputation)
     rng = random.Random(7)
-    p = LengthPredictor(window=8)
+    p = LengthPredictor(window=64)
     windows: dict[int, list[int]] = {}
-    for _ in range(5000):
-        prompt = rng.choice([20, 100, 1000, 5000])
+    for _ in range(5000):       # 5000-token prompts are rare: that window never fills
+        prompt = rng.choices([20, 100, 1000, 5000], weights=[30, 30, 30, 0.3])[0]
         out = rng.randrange(0, 400) + (prompt // 20)
         p.observe(prompt, out)
         w = windows.setdefault(prompt, [])
         w.append(out)
-        del w[:-8]
+        del w[:-64]
     groups = list(windows.values())
+    assert 0 < min(map(len, groups)) < 64
     N = sum(map(len, groups))
     grand = sum(map(sum, groups)) / N
     msw = sum((x - sum(g) / len(g)) ** 2 for g in groups for x in g) / (N - len(groups))
