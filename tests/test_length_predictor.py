@@ -3,7 +3,11 @@ shrinkage weights, the empirical-Bayes prior strength, the cap (E[min(L, cap)]),
 samples, bounded windows, the prequential scores, argument checks; and its accuracy against the
 global mean on seeded synthetic workloads, with and without a dependence on the prompt."""
 import math
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -18,6 +22,23 @@ def ref_predict(bucket: list[int], glob: list[int], k: float, cap: int | None = 
         return m(glob)
     w = len(bucket) / (len(bucket) + k)
     return w * m(bucket) + (1 - w) * m(glob)
+
+
+def test_imports_without_torch_or_numpy():
+    code = textwrap.dedent("""
+        import sys
+        class Refuse:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "numpy", "zmq"):
+                    raise ImportError("forbidden import: " + name)
+        sys.meta_path.insert(0, Refuse())
+        from pdserve.routing.length_predictor import LengthPredictor
+        LengthPredictor().observe(10, 5)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr
 
 
 # ---- the scheme, by hand ---------------------------------------------------------------------
