@@ -135,7 +135,27 @@ def test_censored_samples_are_imputed_not_taken_at_face_value():
     assert p.predict(20, max_tokens=7) == pytest.approx(ref_predict(bucket, glob, 2, cap=7))
     # output == max_tokens counts as censored; below the cap it does not
     p.observe(20, 3, max_tokens=4)
-    assert p.stats().censored == 3 and p.stats().observations == 7
+    assert p.stats().censored == 3 and p.stats().observations == 7 and p.stats().scored == 7
+
+
+def test_caller_says_whether_a_request_was_cut():
+    p = LengthPredictor(prior_strength=0)
+    for out in (40, 60, 80):
+        p.observe(300, out)
+    # ended on EOS at exactly its max_tokens: taken at face value (and scored)
+    p.observe(300, 50, max_tokens=50, censored=False)
+    assert p.predict(300) == pytest.approx((40 + 60 + 80 + 50) / 4)
+    # aborted after 45 tokens, no cap: >= 45, imputed from the samples >= 45 (50, 60, 80), and
+    # not scored (what it generated is not what was predicted)
+    before = p.stats()
+    p.observe(300, 45, censored=True)
+    assert p.predict(300) == pytest.approx((40 + 60 + 80 + 50 + 63) / 5)
+    after = p.stats()
+    assert (after.observations, after.censored, after.scored) == (5, 1, before.scored)
+    assert after.mae == before.mae
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match="censored"):
+            p.observe(300, 5, censored=bad)
 
 
 def test_flood_of_cut_requests_does_not_drag_the_estimate_down():

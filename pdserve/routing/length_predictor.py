@@ -46,7 +46,9 @@ toward the global one (empirical Bayes):
   requests therefore leaves the estimates where they were instead of dragging them toward 1;
   every later prediction with a cap at or below the censoring point is still exact for that
   sample (min(stored, cap) = cap); the stored values never exceed the largest length observed
-  or the prior. The count is in stats().censored.
+  or the prior. The count is in stats().censored. The caller may say more (censored=True for a
+  request aborted or stopped by the context length, censored=False for one that ended on EOS at
+  exactly max_tokens); by default a request is censored exactly when output_len == max_tokens.
 - Before any observation every prediction is `default` (capped); the default of 256 tokens is a
   typical chat answer, and is what nanoPD starts from.
 - The estimate is a mean, not a median: the router sums predicted lengths into a decode cost, and
@@ -64,8 +66,9 @@ Scoring (for /metrics): observe() first scores the outcome against what predict(
 for that request just before learning it (the prequential error: each outcome scored by a model
 that has not seen it), and the same for the global-mean baseline, min(global mean, cap). The
 caller passes nothing more than the outcome; stats() reports both mean absolute errors. Since a
-prediction targets min(L, max_tokens), which is always what is observed, censored requests are
-scored exactly like the others.
+prediction targets min(L, max_tokens), requests cut at their max_tokens are scored like the others;
+one cut short of it (censored=True below the cap: an abort, the context length) is learned from
+but not scored, since its outcome is not what was predicted.
 """
 from __future__ import annotations
 
@@ -87,8 +90,9 @@ def _check_count(name: str, v, lo: int) -> None:
 
 class PredictorStats(NamedTuple):
     observations: int          # finished requests learned from
-    censored: int              # of them, stopped by their max_tokens
-    mae: float | None          # prequential mean absolute error of the predictor (None: no data)
+    censored: int              # of them, cut short (by their max_tokens, or as the caller said)
+    scored: int                # of them, scored (all but those cut short of their max_tokens)
+    mae: float | None          # prequential mean absolute error of the predictor (None: none)
     baseline_mae: float | None  # the same for the global-mean baseline
     prior_strength: float      # k in effect (estimated, or the fixed one)
     buckets: int               # buckets holding samples
@@ -143,9 +147,11 @@ class LengthPredictor:
     docstring: buckets, shrinkage, the cap, censoring, scoring).
 
     predict(prompt_len, max_tokens=None) -> float  expected tokens generated, <= max_tokens
-    observe(prompt_len, output_len, max_tokens=None) a finished request: output_len tokens, asked
-                                                   with max_tokens (output_len == max_tokens
-                                                   counts as stopped by the cap)
+    observe(prompt_len, output_len, max_tokens=None, censored=None)
+                                                   a finished request: output_len tokens, asked
+                                                   with max_tokens; censored: whether it was cut
+                                                   short of its natural end (None: exactly when
+                                                   output_len == max_tokens)
     baseline(max_tokens=None) -> float             the global-mean baseline's prediction
     stats() -> PredictorStats                      counts, prequential MAE of both, k
     Arguments are non-negative ints (max_tokens >= 1 or None); anything else is a ValueError."""
@@ -176,6 +182,7 @@ class LengthPredictor:
         self._buckets: dict[int, _Window] = {}
         self._observations = 0
         self._censored = 0
+        self._scored = 0
         self._abs_err = 0.0
         self._baseline_abs_err = 0.0
 
@@ -186,18 +193,26 @@ class LengthPredictor:
             _check_count("max_tokens", max_tokens, 1)
         return self._predict(prompt_len, max_tokens)
 
-    def observe(self, prompt_len: int, output_len: int, max_tokens: int | None = None) -> None:
+    def observe(self, prompt_len: int, output_len: int, max_tokens: int | None = None,
+                censored: bool | None = None) -> None:
         _check_count("prompt_len", prompt_len, 0)
         _check_count("output_len", output_len, 0)
         if max_tokens is not None:
             _check_count("max_tokens", max_tokens, 1)
             if output_len > max_tokens:
                 raise ValueError(f"output_len ({output_len}) exceeds max_tokens ({max_tokens})")
-        self._abs_err += abs(self._predict(prompt_len, max_tokens) - output_len)
-        self._baseline_abs_err += abs(self._baseline(max_tokens) - output_len)
+        if censored is not None and not isinstance(censored, bool):
+            raise ValueError(f"censored must be True, False or None, got {censored!r}")
+        at_cap = max_tokens is not None and output_len == max_tokens
+        if censored is None:
+            censored = at_cap
+        if not censored or at_cap:       # the outcome is min(L, max_tokens): score it
+            self._abs_err += abs(self._predict(prompt_len, max_tokens) - output_len)
+            self._baseline_abs_err += abs(self._baseline(max_tokens) - output_len)
+            self._scored += 1
         self._observations += 1
         value = output_len
-        if max_tokens is not None and output_len == max_tokens:
+        if censored:
             self._censored += 1
             value = self._impute(prompt_len, output_len)
         j = self._bucket(prompt_len)
@@ -232,8 +247,9 @@ class LengthPredictor:
         return self._k
 
     def stats(self) -> PredictorStats:
-        n = self._observations
-        return PredictorStats(n, self._censored, self._abs_err / n if n else None,
+        n = self._scored
+        return PredictorStats(self._observations, self._censored, n,
+                              self._abs_err / n if n else None,
                               self._baseline_abs_err / n if n else None, self.prior_strength(),
                               len(self._buckets))
 
