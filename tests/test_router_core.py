@@ -408,12 +408,13 @@ def test_workers_recent_steps_are_kept_and_summarised():
                      [_rec(T0, 5, 1, 10.0), _rec(T0 + 1, 0, 2, 20.0, 4.0)])
     view = next(w for w in dep.core.live() if w.name == "c0")
     assert view.kv_usage == 0.25
-    # 2 steps, (10 + 20) / 2 ms, gpu only where measured, (6 + 2) / 2 tokens, 30 ms / 8 tokens
-    assert view.steps == StepSummary(2, 15.0, 4.0, 4.0, 3.75, T0 + 1)
+    # 2 steps, (10 + 20) / 2 ms, gpu only where measured, (6 + 2) / 2 tokens, 30 ms / 8 tokens,
+    # (5 + 0) / 2 prompt tokens
+    assert view.steps == StepSummary(2, 15.0, 4.0, 4.0, 3.75, T0 + 1, 2.5)
     dep.core.observe("c0", steps=[_rec(T0 + 2 + i, 0, 1, 1.0) for i in range(100)])
     w = dep.core.workers["c0"]
     assert len(w.steps) == 102 and w.steps[-1].t == T0 + 101
-    assert w.summary == StepSummary(64, 1.0, None, 1.0, 1.0, T0 + 101)  # the newest 64
+    assert w.summary == StepSummary(64, 1.0, None, 1.0, 1.0, T0 + 101, 0.0)  # the newest 64
     assert StepSummary.of([_rec(T0, 0, 0, 2.0)]).wall_ms_per_token is None
 
 

@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 from ..protocol import StepRecord, kv_transfer_unsupported
 from ..sampling_params import SamplingParams
+from .cost_model import WorkerLoad
 
 ROLES = ("prefill", "decode", "collocated")
 
@@ -68,14 +69,15 @@ class Path(NamedTuple):
 class StepSummary(NamedTuple):
     """A worker's recent engine steps (its last StepRecords) in a few numbers: how many steps
     are summarised, their mean host time and device time (None when no step measured it),
-    tokens per step and host milliseconds per token, and the newest record's time (the
-    worker's clock)."""
+    tokens per step and host milliseconds per token, the newest record's time (the worker's
+    clock), and prompt tokens per step."""
     steps: int
     mean_wall_ms: float
     mean_gpu_ms: float | None
     tokens_per_step: float
     wall_ms_per_token: float | None   # None when the steps ran no token
     last_t: float
+    prefill_tokens_per_step: float = 0.0
 
     @classmethod
     def of(cls, records: list[StepRecord]) -> "StepSummary | None":
@@ -86,7 +88,8 @@ class StepSummary(NamedTuple):
         tokens = sum(r.num_prefill_tokens + r.num_decode_tokens for r in records)
         gpu = [r.gpu_ms for r in records if r.gpu_ms is not None]
         return cls(n, wall / n, sum(gpu) / len(gpu) if gpu else None, tokens / n,
-                   wall / tokens if tokens else None, records[-1].t)
+                   wall / tokens if tokens else None, records[-1].t,
+                   sum(r.num_prefill_tokens for r in records) / n)
 
 
 @dataclass
@@ -97,14 +100,16 @@ class WorkerView:
     kv_usage: float               # fraction of its KV pool in use (as of its last report)
     steps: StepSummary | None = None  # its recent steps (None before its first report)
     cached: int = 0               # tokens of the request being placed that it likely has cached
+    load: WorkerLoad | None = None  # its work in progress (only for a policy that wants_load)
 
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a policy sees of a request (the cost model will want more)."""
+    """What a policy sees of a request."""
     request_id: str
     num_prompt_tokens: int
     params: SamplingParams
+    predicted_output_tokens: float | None = None   # the router core's length predictor's guess
 
     @property
     def disaggregable(self) -> bool:
@@ -126,6 +131,8 @@ class RoutingPolicy(abc.ABC):
     The helpers below are the building blocks the registered policies share; the thresholds of
     the cache-aware choice (place) are arguments, their defaults the module's constants."""
     name = ""
+    wants_load = False            # True: the core fills WorkerView.load (costs a pass over routes)
+    cost = None                   # a policy with a cost model (adaptive.py) is fed observations
     balance_abs = BALANCE_ABS_THRESHOLD
     balance_rel = BALANCE_REL_THRESHOLD
     min_cached_tokens = MIN_CACHED_TOKENS
@@ -145,6 +152,12 @@ class RoutingPolicy(abc.ABC):
     @abc.abstractmethod
     def choose(self, req: RouteRequest, workers: list[WorkerView]) -> Path | None:
         ...
+
+    def observe_request(self, request_id: str, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """A request this policy placed finished, with these latencies (None: not measured)."""
+
+    def forget(self, request_id: str) -> None:
+        """A request this policy placed ended without an outcome to learn from."""
 
     @staticmethod
     def least_loaded(workers: list[WorkerView], role: str) -> WorkerView | None:
@@ -222,9 +235,16 @@ class RoundRobinPolicy(RoutingPolicy):
 POLICIES = {p.name: p for p in (CollocatedPolicy, DisaggPolicy, RoundRobinPolicy)}
 
 
-def make_policy(name: str | RoutingPolicy) -> RoutingPolicy:
+def make_policy(name: str | RoutingPolicy, **kwargs) -> RoutingPolicy:
+    """A policy by name (kwargs: its constructor's, e.g. the adaptive policy's cost model), or
+    the given instance."""
     if isinstance(name, RoutingPolicy):
         return name
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
-    return POLICIES[name]()
+    return POLICIES[name](**kwargs)
+
+
+from .adaptive import AdaptivePolicy  # noqa: E402  (it builds on the classes above)
+
+POLICIES[AdaptivePolicy.name] = AdaptivePolicy

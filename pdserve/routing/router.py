@@ -328,7 +328,7 @@ class Router:
     def _on_loads(self, d: Worker, results: list[RequestOutput]) -> None:
         events = d.client.take_kv_events()
         if events:
-            self._run(self.core.loads_done(events), results)
+            self._run(self.core.loads_done(events, d.name), results)
 
     # ---- faults and restarts ----------------------------------------------------------------
     def _worker_died(self, w: Worker, error: Exception, raise_if_none_left: bool = True) -> list:

@@ -29,6 +29,16 @@ placement (WorkerView.cached). A request's prompt is inserted for the worker tha
 when it is placed (the collocated or prefill worker), and a finished sequence's prompt and
 output tokens for the worker it finished on (its engine caches them when it frees the request).
 A worker that dies or comes back has its entries dropped; reset_prefix_index drops them all.
+
+Length prediction and load (for the adaptive policy, adaptive.py): every request gets a predicted
+output length when it arrives (LengthPredictor, learned from the requests that finish: observe
+at each finish, censored when it was aborted or cut by the context length). For a policy that
+wants_load, each WorkerView carries the worker's WorkerLoad, built from the routes: prompt tokens
+placed there and not computed yet (a route that produced no token there, less the worker's
+cached match at placement), and the sequences decoding there (a route past its first token, or
+handed off to it) with their contexts (prompt + tokens seen so far: streamed outputs count them,
+a final-only request counts as its first token) and predicted remaining outputs. A policy with a
+cost model is fed every step record, transfer and finished request's latencies.
 """
 from __future__ import annotations
 
@@ -44,6 +54,8 @@ import msgspec
 from ..outputs import CompletionOutput, RequestOutput
 from ..protocol import AddRequest, KVLoadDone, KVSend, StepRecord, WorkerStats
 from .actions import Abort, Action, Deliver, DropPeer, Reject, Release, Send, SendKV
+from .cost_model import WorkerLoad
+from .length_predictor import LengthPredictor
 from .policies import (Path, PathKind, RouteRequest, RoutingPolicy, StepSummary, WorkerView,
                        disaggregable, make_policy)
 from .prefix_index import PREFIX_INDEX_TOKENS, PrefixIndex
@@ -88,6 +100,9 @@ class Route:
     bound: bool = False           # disagg, before the hand-off: counted in RouterCore.bound
     admitted: bool = False        # accepted by a worker once (add_requests answered None)
     rerouted_from: str | None = None  # placed again after this worker died
+    predicted: float = 0.0        # output tokens the length predictor expects
+    cached: int = 0               # prompt tokens the computing worker was thought to hold
+    generated: int = 0            # output tokens seen so far (streamed outputs)
 
     @property
     def arrival(self) -> float:
@@ -132,6 +147,7 @@ class RouterCore:
         else:
             self.prefix = PrefixIndex(prefix_tokens)
         self.policy = make_policy(policy)
+        self.predictor = LengthPredictor()
         self.max_model_len = max_model_len
         self.describe = describe or (lambda: ", ".join(
             f"{w.name} {'up' if w.alive else 'down'}" for w in self.workers.values()))
@@ -152,13 +168,45 @@ class RouterCore:
         self._ids = itertools.count()
 
     # ---- queries ----------------------------------------------------------------------------
-    def live(self, prompt: Sequence[int] | None = None) -> list[WorkerView]:
+    def live(self, prompt: Sequence[int] | None = None,
+             loads: Mapping[str, WorkerLoad] | None = None) -> list[WorkerView]:
         """The live workers' views; with prompt, each says how much of it the worker likely has
-        cached (the prefix index's match)."""
+        cached (the prefix index's match); with loads (loads()), each carries its own."""
         return [WorkerView(w.name, w.role, w.outstanding + self.bound.get(w.name, 0),
                            w.kv_usage, w.summary,
-                           self.prefix.match(w.name, prompt) if prompt else 0)
+                           self.prefix.match(w.name, prompt) if prompt else 0,
+                           None if loads is None else loads.get(w.name, WorkerLoad()))
                 for w in self.workers.values() if w.alive]
+
+    def loads(self) -> dict[str, WorkerLoad]:
+        """Each worker's WorkerLoad from the routes the core holds (admitted, or sent and not
+        answered yet)."""
+        acc: dict[str, list] = {}   # worker -> [queued prefill, decodes, context, remaining]
+
+        def add(name: str, k: int, v: float) -> None:
+            acc.setdefault(name, [0, 0, 0, 0.0])[k] += v
+
+        pending = (it[0] for b in self._batches.values() if not b.handoff for it in b.items)
+        for r in itertools.chain(self.routes.values(), pending):
+            if r.path is None:
+                continue
+            prefilling = r.stage is Stage.PREFILL or (r.stage is Stage.COLLOCATED and not r.produced)
+            if prefilling:
+                name = r.path.prefill if r.stage is Stage.PREFILL else r.path.worker
+                add(name, 0, max(1, r.num_prompt_tokens - r.cached))
+            else:
+                seen = max(1, r.generated)
+                add(r.path.worker, 1, 1)
+                add(r.path.worker, 2, r.num_prompt_tokens + seen)
+                add(r.path.worker, 3, max(0.0, r.predicted - seen))
+        out = {}
+        for name, (q, b, ctx, rem) in acc.items():
+            s = self.workers[name].summary
+            out[name] = WorkerLoad(q, b, ctx, rem, s.prefill_tokens_per_step if s else 0.0)
+        for name, w in self.workers.items():
+            if name not in out and w.summary is not None:
+                out[name] = WorkerLoad(prefill_tokens_per_step=w.summary.prefill_tokens_per_step)
+        return out
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.routes or any(
@@ -211,23 +259,47 @@ class RouterCore:
                     o.logprobs = first.logprobs[:1] + o.logprobs
             out.metrics = {**out.metrics, "arrival": route.arrival,
                            "first_token": route.first.metrics.get("first_token", 0.0)}
+        route.produced = True
+        route.generated = max((len(o.token_ids) for o in out.outputs), default=0)
         if out.finished:
             del self.routes[out.request_id]
             w.outstanding -= 1
             if len(out.outputs) == 1:  # its engine keeps the computed tokens (not the last)
                 self.prefix.insert(worker, [*route.req.prompt["prompt_token_ids"],
                                             *out.outputs[0].token_ids[:-1]])
-        route.produced = True
+            self._learn(route, out)
+        elif route.req.final_only:    # (sent with partial outputs for a load-aware policy)
+            return []
         return [Deliver(out)]
 
-    def loads_done(self, events: list[KVLoadDone]) -> list[Action]:
-        """A decode worker's reports on its pulls: each releases the producer's held KV."""
+    def _learn(self, route: Route, out: RequestOutput) -> None:
+        """A finished request: its output length for the predictor (censored when it was
+        aborted or cut by the context length), its latencies for the policy."""
+        n, params = route.generated, route.req.params
+        reasons = {o.finish_reason for o in out.outputs}
+        censored = True if "abort" in reasons or (n < params.max_tokens and "length" in reasons) \
+            else None
+        if n >= 1 and out.error is None:
+            self.predictor.observe(route.num_prompt_tokens, min(n, params.max_tokens),
+                                   params.max_tokens, censored=censored)
+        m = out.metrics
+        arrival, first, done = m.get("arrival"), m.get("first_token"), m.get("finished")
+        ttft = (first - arrival) * 1e3 if arrival and first else None
+        tpot = (done - first) * 1e3 / (n - 1) if first and done and n > 1 else None
+        self.policy.observe_request(route.req.request_id, ttft, tpot)
+
+    def loads_done(self, events: list[KVLoadDone], worker: str | None = None) -> list[Action]:
+        """A decode worker's reports on its pulls: each releases the producer's held KV.
+        worker: the decode worker that reports them (for the policy's cost model)."""
         actions: list[Action] = []
+        cost = self.policy.cost
         for ev in events:
             if ev.ok:
                 self.stats.transfers += 1
                 self.stats.transfer_bytes += ev.nbytes
                 self.stats.transfer_seconds += ev.seconds
+                if cost is not None and worker is not None:
+                    cost.observe_transfer_bytes(worker, ev.nbytes, ev.seconds * 1e3)
             else:
                 self.stats.transfer_failures += 1
             self._release_held(ev.request_id, None, actions)
@@ -240,6 +312,7 @@ class RouterCore:
             route = self.routes.pop(rid, None)
             if route is None:
                 continue
+            self.policy.forget(rid)
             self._unbind(route)
             w = self.workers[route.path.prefill if route.stage is Stage.PREFILL
                              else route.path.worker]
@@ -341,6 +414,13 @@ class RouterCore:
         if stats is not None:
             w.kv_usage = stats.num_kv_blocks_used / max(1, stats.num_kv_blocks)
         steps = list(steps)
+        cost = self.policy.cost
+        if steps and cost is not None:
+            load = self.loads().get(worker, WorkerLoad())
+            per_seq = load.decode_context_tokens / load.decodes if load.decodes else 0.0
+            for r in steps:
+                cost.observe_step(worker, r.num_prefill_tokens, r.num_decode_seqs,
+                                  per_seq * r.num_decode_seqs, r.wall_ms)
         if steps:
             w.steps.extend(steps)
             window = itertools.islice(w.steps, max(0, len(w.steps) - STEP_SUMMARY_WINDOW), None)
@@ -357,11 +437,15 @@ class RouterCore:
         worker its share in one batch."""
         actions: list[Action] = []
         batches: dict[str, list[tuple[Route, AddRequest]]] = {}
+        wants_load = self.policy.wants_load
+        loads = self.loads() if wants_load else None
         for route in routes:
             req = route.req
-            live = self.live(req.prompt["prompt_token_ids"])
+            if not route.admitted:   # (a rerouted request keeps its first prediction)
+                route.predicted = self.predictor.predict(route.num_prompt_tokens, req.params.max_tokens)
+            live = self.live(req.prompt["prompt_token_ids"], loads)
             path = self.policy.choose(RouteRequest(req.request_id, route.num_prompt_tokens,
-                                                   req.params), live)
+                                                   req.params, route.predicted), live)
             if path is not None and path.kind == PathKind.DISAGG and not disaggregable(req.params):
                 path = self.policy.collocated(live) or path  # the policy's constraint, enforced
             if path is None:
@@ -379,7 +463,16 @@ class RouterCore:
                 first = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
                 sent = dataclasses.replace(req, params=first, final_only=True, kv_hold=True)
             else:
-                route.stage, target, sent = Stage.COLLOCATED, path.worker, req
+                route.stage, target = Stage.COLLOCATED, path.worker
+                # (a load-aware policy follows every request's progress; output() keeps a
+                # final-only request's partial outputs from the user)
+                sent = dataclasses.replace(req, final_only=False) if wants_load and req.final_only else req
+            route.cached = next((w.cached for w in live if w.name == target), 0)
+            route.produced, route.generated = False, 0
+            if wants_load:   # the next request of this batch sees this one queued there
+                cur = loads.get(target, WorkerLoad())
+                loads[target] = dataclasses.replace(cur, queued_prefill_tokens=(
+                    cur.queued_prefill_tokens + max(1, route.num_prompt_tokens - route.cached)))
             batches.setdefault(target, []).append((route, sent))
             self.prefix.insert(target, req.prompt["prompt_token_ids"])   # computed there
             # counted at once, so that the next request of this batch sees the load
@@ -410,6 +503,8 @@ class RouterCore:
                 actions.append(Release(p.name, [rid]))
             del self.routes[rid]
             self._unbind(route)
+            route.generated = len(o.token_ids)
+            self._learn(route, out)
             out.prompt = route.prompt
             actions.append(Deliver(out))
             return actions
@@ -421,8 +516,10 @@ class RouterCore:
                 False, dict(out.metrics))))
         source = msgspec.structs.replace(out.kv_transfer, worker=p.kv_name)
         route.stage = Stage.HANDOFF
-        self.handoffs.setdefault(route.path.worker, []).append(
-            (route, dataclasses.replace(route.req, kv_source=source), p.name))
+        sent = dataclasses.replace(route.req, kv_source=source)
+        if self.policy.wants_load and sent.final_only:   # (as in _place)
+            sent = dataclasses.replace(sent, final_only=False)
+        self.handoffs.setdefault(route.path.worker, []).append((route, sent, p.name))
         return actions
 
     def _redirect(self, dead: str, items: list, pending: dict, actions: list[Action]) -> None:
@@ -486,6 +583,7 @@ class RouterCore:
 
     def _fail(self, route: Route, why: str, actions: list[Action]) -> None:
         self.routes.pop(route.req.request_id, None)
+        self.policy.forget(route.req.request_id)
         self._unbind(route)
         self.stats.failed += 1
         if route.path is not None and route.path.kind == PathKind.DISAGG:
