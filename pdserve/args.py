@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from . import config as _config
 
@@ -80,7 +81,17 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--collocated-tp", type=int, default=None,
                    help="TP of each collocated worker (default -tp)")
     g.add_argument("--routing-policy", default=None, choices=list(POLICIES),
-                   help="default: disagg with prefill workers, else collocated")
+                   help="default: disagg with prefill workers, else collocated; adaptive: per "
+                        "request, the path a cost model predicts meets the SLOs (--cost-model)")
+    g.add_argument("--cost-model", default=None, metavar="FILE",
+                   help="adaptive: the profile `pdserve profile` wrote; default: a stored "
+                        "profile of this model and machine (PDSERVE_PROFILE_DIR, else "
+                        "~/.cache/pdserve/profiles), else one measured at start-up (--quick) "
+                        "and stored there")
+    g.add_argument("--slo-ttft-ms", type=float, default=500.0,
+                   help="adaptive: the time-to-first-token SLO a path must meet (ms)")
+    g.add_argument("--slo-tpot-ms", type=float, default=50.0,
+                   help="adaptive: the time-per-output-token SLO a path must meet (ms)")
     g.add_argument("--kv-connector", default="shared",
                    help="how KV moves between prefill and decode workers: a registered connector ("
                         + ", ".join(connector_names()) + "; pdserve/disagg/connectors/base.py "
@@ -109,7 +120,8 @@ class DeploymentArgs:
     """Workers behind a router: how many of each role, their TP sizes (None: the engine's
     tensor_parallel_size), the routing policy (None: "disagg" with prefill workers, else
     "collocated"), the KV connector of prefill and decode workers (None: the engine config's,
-    else "shared") and how dead workers are restarted. With no worker counted, one collocated
+    else "shared"), how dead workers are restarted, and the adaptive policy's cost model and
+    SLOs. With no worker counted, one collocated
     worker. Validated where it is used (plan_workers, RestartPolicy, EngineConfig)."""
     prefill: int = 0
     decode: int = 0
@@ -121,6 +133,9 @@ class DeploymentArgs:
     kv_connector: str | None = None
     worker_restarts: int = 3
     restart_backoff_s: float = 1.0
+    cost_model: Any = None          # adaptive: a profile file, a CostProfile or its dict
+    slo_ttft_ms: float = 500.0      # adaptive: the SLOs a path must meet
+    slo_tpot_ms: float = 50.0
 
     @property
     def policy(self) -> str:
@@ -137,4 +152,5 @@ class DeploymentArgs:
 def deployment_args(ns: argparse.Namespace) -> DeploymentArgs:
     return DeploymentArgs(ns.prefill, ns.decode, ns.collocated, ns.prefill_tp, ns.decode_tp,
                           ns.collocated_tp, ns.routing_policy, ns.kv_connector,
-                          ns.worker_restarts, ns.restart_backoff)
+                          ns.worker_restarts, ns.restart_backoff, ns.cost_model,
+                          ns.slo_ttft_ms, ns.slo_tpot_ms)

@@ -11,6 +11,10 @@ whichever it gets the same way.
 """
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 from .args import DeploymentArgs
 from .config import EngineConfig
 
@@ -33,4 +37,46 @@ def build(config: EngineConfig, deployment: DeploymentArgs | None = None,
     specs = plan_workers(config, *deployment.counts, deployment.prefill_tp,
                          deployment.decode_tp, deployment.collocated_tp,
                          deployment.kv_connector or config.kv_connector or "shared")
-    return Router(specs, deployment.policy, startup_timeout_s, restart)
+    policy = adaptive_policy(config, deployment) if deployment.policy == "adaptive" \
+        else deployment.policy
+    return Router(specs, policy, startup_timeout_s, restart)
+
+
+def profile_dir() -> str:
+    """Where profiles of this machine are kept for the adaptive policy to find."""
+    return os.environ.get("PDSERVE_PROFILE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pdserve", "profiles")
+
+
+def adaptive_policy(config: EngineConfig, deployment: DeploymentArgs, log=None):
+    """The adaptive routing policy with its cost model: the profile given (a file, a
+    CostProfile or its dict; checked to be of this model and machine), else the stored one
+    for this model and machine (profile_dir()), else one measured now with `pdserve profile
+    --quick`'s row set on this configuration (and stored). Says which on stderr (or log)."""
+    from .bench.common import hardware_info
+    from .perf.cost_profile import CostProfile
+    from .perf.profiler import EMBEDDED, default_output
+    from .routing.adaptive import AdaptivePolicy
+    from .routing.cost_model import CostModel
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    model, hw = config.model or EMBEDDED, hardware_info()
+    given = deployment.cost_model
+    if isinstance(given, CostProfile):
+        given = given.to_dict()
+    if given is not None:
+        prof = CostProfile.from_json(given, model=model, hardware=hw)
+        how = f"from {given}" if isinstance(given, (str, os.PathLike)) else "as given"
+    else:
+        stored = os.path.join(profile_dir(), default_output(model, hw))
+        if os.path.exists(stored):
+            prof, how = CostProfile.from_json(stored, model=model, hardware=hw), f"stored ({stored})"
+        else:
+            from .perf.profiler import profile_config
+            t0 = time.perf_counter()
+            prof = profile_config(config, quick=True)
+            prof.save(stored)
+            how = f"measured at start-up in {time.perf_counter() - t0:.0f} s (saved to {stored})"
+    log(f"adaptive routing: cost model of {prof.model} on {prof.hardware_label} {how}; "
+        f"SLOs TTFT {deployment.slo_ttft_ms:g} ms, TPOT {deployment.slo_tpot_ms:g} ms")
+    return AdaptivePolicy(CostModel(prof, config.max_num_batched_tokens),
+                          deployment.slo_ttft_ms, deployment.slo_tpot_ms)

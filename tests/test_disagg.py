@@ -396,6 +396,33 @@ def test_router_round_robin_streaming_abort(tmp_path, reference, connector):
             router.abort_request(f"a{n_steps}")
             assert not router.has_unfinished_requests()
         _assert_clean(router)
+        if connector == CONNECTORS[0]:   # (one deployment start for both policies)
+            _adaptive_takes_both_paths(llm, reference["LlamaForCausalLM"])
+
+
+def _adaptive_takes_both_paths(llm, ref):
+    """The adaptive policy on the same 1P1D1C deployment: PROMPTS at once, with a profile of
+    10 ms per prompt token and a 450 ms TTFT SLO, are placed (by the cost model's arithmetic,
+    test_adaptive_routing.py) whole on c0, whole on d0, split, whole on c0, split; outputs as
+    one engine's, and the policy then learns from what ran."""
+    from pdserve.routing.adaptive import AdaptivePolicy
+    from pdserve.routing.cost_model import CostModel
+    from .test_adaptive_routing import profile
+    router = llm.llm_engine
+    llm.reset_prefix_cache()     # (placement reads the prefix index: start both from empty)
+    before = dict(router.route_stats.requests)
+    prof = profile(alpha_ms_per_token=10.0, prefill_fixed_ms=0.0)
+    router.policy = policy = AdaptivePolicy(CostModel(prof, ENGINE["max_num_batched_tokens"]),
+                                            slo_ttft_ms=450, slo_tpot_ms=1e6)
+    _assert_same_model(ref, _outputs(llm))
+    assert policy.decisions == {"collocated": 3, "disagg": 2}
+    after = router.route_stats.requests
+    assert after["collocated"] - before["collocated"] == 3 and after["disagg"] - before["disagg"] == 2
+    ms = router.model_stats
+    assert ms["predictor"]["observations"] >= len(PROMPTS)
+    assert ms["cost_errors"]["ttft"]["n"] == len(PROMPTS)           # every request scored
+    assert any(e["n"] for k, e in ms["cost_errors"].items() if k in ("prefill", "decode", "mixed"))
+    _assert_clean(router)
 
 
 def test_dead_workers_leave_routing(tmp_path, reference):

@@ -31,7 +31,10 @@ class LLM:
 
     P/D disaggregation: prefill=N, decode=M (and/or collocated=K) start that many workers, each
     its own processes and TP group (prefill_tp / decode_tp / collocated_tp), behind a Router
-    that picks a path per request (routing_policy: "disagg", "collocated", "round-robin"); a
+    that picks a path per request (routing_policy: "disagg", "collocated", "round-robin", or
+    "adaptive": the path a cost model predicts meets slo_ttft_ms / slo_tpot_ms, with
+    cost_model= a `pdserve profile` file, a CostProfile or its dict; see deploy.adaptive_policy
+    for what happens without one); a
     worker that dies is restarted up to worker_restarts times in a row (default 3; 0: never),
     the first after restart_backoff_s seconds (default 1), doubling.
 

@@ -110,6 +110,10 @@ class Router:
         return self.core.stats
 
     @property
+    def model_stats(self) -> dict:
+        return self.core.model_stats()
+
+    @property
     def two_sided(self) -> bool:
         return self.core.two_sided
 
@@ -328,7 +332,7 @@ class Router:
     def _on_loads(self, d: Worker, results: list[RequestOutput]) -> None:
         events = d.client.take_kv_events()
         if events:
-            self._run(self.core.loads_done(events, d.name), results)
+            self._run(self.core.loads_done(events, d.spec.name), results)
 
     # ---- faults and restarts ----------------------------------------------------------------
     def _worker_died(self, w: Worker, error: Exception, raise_if_none_left: bool = True) -> list:

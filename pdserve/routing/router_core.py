@@ -208,6 +208,18 @@ class RouterCore:
                 out[name] = WorkerLoad(prefill_tokens_per_step=w.summary.prefill_tokens_per_step)
         return out
 
+    def model_stats(self) -> dict:
+        """What the router's models have learned, for /metrics: the length predictor's stats
+        (its prequential MAE and the global mean's), and with a cost model its error per term
+        before correction, its correction factors and the policy's decisions per path."""
+        out: dict = {"predictor": self.predictor.stats()._asdict()}
+        cost = self.policy.cost
+        if cost is not None:
+            out["cost_errors"] = cost.error_stats()
+            out["cost_factors"] = {f"{w}:{k}": f for (w, k), f in cost.factors.items()}
+            out["decisions"] = dict(getattr(self.policy, "decisions", {}))
+        return out
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.routes or any(
             it[0].req.request_id == request_id for b in self._batches.values() for it in b.items)

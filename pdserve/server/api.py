@@ -126,6 +126,7 @@ def build_app(engine: AsyncEngine, model_name: str,
             with contextlib.suppress(EngineDeadError, AssertionError):
                 srv.metrics.update_stats(await engine.check_integrity())
         srv.metrics.update_routes(engine.client.route_stats)
+        srv.metrics.update_models(engine.client.model_stats)
         srv.metrics.update_workers(engine.client.health())
         return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4")
 

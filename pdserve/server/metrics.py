@@ -60,6 +60,21 @@ class Metrics:
                                     "off without KV (recomputed) or failed", ["outcome"],
                                     registry=r)
 
+        # the router's models: the output-length predictor, the adaptive policy's cost model
+        self.length_mae = Gauge("pdserve:output_length_mae", "Mean absolute error of the output-"
+                                "length prediction made before each request ran, and of the "
+                                "global mean's", ["predictor"], registry=r)
+        self.cost_error = Gauge("pdserve:cost_model_error", "Mean |observed / predicted - 1| "
+                                "per term (steps before correction, transfer, TTFT, TPOT)",
+                                ["term"], registry=r)
+        self.cost_samples = Gauge("pdserve:cost_model_samples", "Observations per term",
+                                  ["term"], registry=r)
+        self.cost_factor = Gauge("pdserve:cost_model_correction", "Online correction factor "
+                                 "per worker and step kind", ["worker", "kind"], registry=r)
+        self.decisions = Gauge("pdserve:routing_decisions", "Adaptive policy's choices: a path "
+                               "meeting the SLOs (collocated, disagg) or the fallback",
+                               ["decision"], registry=r)
+
         self.worker_up = Gauge("pdserve:worker_up", "1 while a worker serves, 0 while it is dead "
                                "or restarting", ["worker", "role", "state"], registry=r)
         self.worker_restarts = Gauge("pdserve:worker_restarts", "Restarts of a worker so far",
@@ -82,6 +97,21 @@ class Metrics:
         self.kv_transfer_failures.set(rs.transfer_failures)
         for outcome in ("rerouted", "recomputed", "failed"):
             self.fault_requests.labels(outcome).set(getattr(rs, outcome))
+
+    def update_models(self, ms: dict) -> None:
+        """From a Router's model_stats."""
+        pred = ms.get("predictor")
+        if pred and pred["mae"] is not None:
+            self.length_mae.labels("pdserve").set(pred["mae"])
+            self.length_mae.labels("global_mean").set(pred["baseline_mae"])
+        for term, e in ms.get("cost_errors", {}).items():
+            self.cost_error.labels(term).set(e["mean_abs_rel_err"])
+            self.cost_samples.labels(term).set(e["n"])
+        for key, f in ms.get("cost_factors", {}).items():
+            worker, _, kind = key.rpartition(":")
+            self.cost_factor.labels(worker, kind).set(f)
+        for decision, n in ms.get("decisions", {}).items():
+            self.decisions.labels(decision).set(n)
 
     def update_stats(self, stats) -> None:
         if stats is not None:
