@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -127,6 +127,27 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
                done
              done
              curl -s localhost:8000/metrics | grep -E "^pdserve:prefix_cache"
+             kill -TERM $pid; wait $pid
+           done;;
+    serve-adaptive) # issue 17: the mixed workload (short chat turns + long documents, Poisson)
+           # through 1P1D on the one GPU, one sweep per policy; first the profile of this engine
+           # config (the adaptive policy's cost model), with its held-out errors
+           common="--model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init --device cuda --gpu-memory-utilization 0.4"
+           python3 -m pdserve profile $common --output "$OUT/profile-h200.json" 2>&1 | grep -v Warn | tail -24
+           for pol in ${ADAPTIVE_POLICIES:-disagg collocated round-robin adaptive:50 adaptive:5}; do
+             name=${pol/:/-tpot}; extra=""
+             case $pol in adaptive:*) extra="--routing-policy adaptive --cost-model $OUT/profile-h200.json --slo-tpot-ms ${pol#*:}";;
+                          *) extra="--routing-policy $pol";; esac
+             python3 -m pdserve serve $common --port 8000 --prefill 1 --decode 1 $extra \
+               > "$OUT/serve-adaptive-$name.log" 2>&1 &
+             pid=$!
+             for i in $(seq 1 150); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             slo=${pol#*:}; [ "$slo" = "$pol" ] && slo=50
+             python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --dataset-name mixed \
+               --num-prompts ${MIXED_PROMPTS:-300} --random-range-ratio 0.5 --vocab-size 151936 \
+               --request-rate ${MIXED_RATES:-4 8 16 32} --goodput ttft:500 tpot:$slo \
+               --disable-tqdm --result-file "$OUT/serve-mixed-$name.json" 2>&1 | tail -8
+             curl -s localhost:8000/metrics | grep -E "^pdserve:(requests_by_path|routing_decisions|cost_model|output_length)"
              kill -TERM $pid; wait $pid
            done;;
     *) echo "unknown stage $stage";;

@@ -158,6 +158,25 @@ def test_prefix_repetition_groups():
     assert [r.group for r in reqs] != [i % 3 for i in range(50)]  # shuffled
 
 
+def test_mixed_dataset_two_kinds_in_one_stream():
+    reqs = wl.mixed_requests(2000, 0.25, 16, 8, 400, 20, range_ratio=0.5, vocab_size=100, seed=1)
+    longs = [r for r in reqs if r.group == 1]
+    shorts = [r for r in reqs if r.group == 0]
+    assert len(longs) + len(shorts) == 2000
+    assert abs(len(longs) / 2000 - 0.25) < 0.03        # binomial: sd ~ 0.0097
+    assert all(8 <= r.prompt_len == len(r.prompt) <= 24 and 4 <= r.expected_output_len <= 12
+               for r in shorts)
+    assert all(200 <= r.prompt_len <= 600 and 10 <= r.expected_output_len <= 30 for r in longs)
+    assert [r.group for r in reqs[:40]] != sorted(r.group for r in reqs[:40])   # interleaved
+    assert wl.mixed_requests(5, 0.5, 4, 4, 8, 4, seed=2) == wl.mixed_requests(5, 0.5, 4, 4, 8, 4, seed=2)
+    assert {r.group for r in wl.mixed_requests(20, 0.0, 4, 4, 8, 4)} == {0}
+    assert {r.group for r in wl.mixed_requests(20, 1.0, 4, 4, 8, 4)} == {1}
+    with pytest.raises(ValueError):
+        wl.mixed_requests(5, 1.5, 4, 4, 8, 4)
+    with pytest.raises(ValueError):
+        wl.mixed_requests(5, 0.5, 0, 4, 8, 4)
+
+
 def _expected_valid(data, fixed_out=None):
     """The ShareGPT filters, written out again: (prompt, output tokens) of entries that pass."""
     out = []

@@ -54,8 +54,8 @@ import numpy as np
 from ..perf.metrics import RequestResult, compute_metrics
 from ..perf.slo import parse_goodput
 from ..perf.workload import (Conversation, SampleRequest, approx_tokens, arrival_times,
-                             load_sharegpt, multi_turn_conversations, prefix_repetition_requests,
-                             random_requests)
+                             load_sharegpt, mixed_requests, multi_turn_conversations,
+                             prefix_repetition_requests, random_requests)
 from .common import git_info, hardware_info, write_result
 from .serve_report import (format_per_turn, format_table, import_pyplot, jsonable, plot_runs,
                            rate_label)
@@ -409,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn"])
+                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "mixed"])
     g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
     g.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=None,
                    help="random/prefix-repetition: send token-id prompts (default: yes for "
@@ -427,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--mixed-long-share", type=float, default=0.2,
+                   help="mixed: the share of long-document requests among short chat turns")
+    g.add_argument("--mixed-short-input-len", type=int, default=256)
+    g.add_argument("--mixed-short-output-len", type=int, default=128)
+    g.add_argument("--mixed-long-input-len", type=int, default=4096)
+    g.add_argument("--mixed-long-output-len", type=int, default=128,
+                   help="mixed: lengths vary by --random-range-ratio")
     g.add_argument("--multi-turn-conversations", type=int, default=64,
                    help="multi-turn: conversations (their starts follow --request-rate)")
     g.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns each")
@@ -459,6 +466,11 @@ def build_requests(a: argparse.Namespace, chat: bool) -> list[SampleRequest]:
         return random_requests(a.num_prompts, a.random_input_len, a.random_output_len,
                                a.random_range_ratio, a.random_prefix_len, a.vocab_size, a.seed,
                                token_ids)
+    if a.dataset_name == "mixed":
+        return mixed_requests(a.num_prompts, a.mixed_long_share, a.mixed_short_input_len,
+                              a.mixed_short_output_len, a.mixed_long_input_len,
+                              a.mixed_long_output_len, a.random_range_ratio, a.vocab_size,
+                              a.seed, token_ids)
     if a.dataset_name == "prefix-repetition":
         return prefix_repetition_requests(
             a.num_prompts, a.prefix_repetition_num_prefixes, a.prefix_repetition_prefix_len,

@@ -58,7 +58,7 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len: int           # tokens (exact for token-id prompts, approximate for text)
     expected_output_len: int  # the request's max_tokens
-    group: int | None = None  # prefix-repetition: which prefix this request shares
+    group: int | None = None  # prefix-repetition: which prefix it shares; mixed: 0 short, 1 long
     # chat: the whole message list to send (multi-turn); None sends prompt as one user message
     messages: list[dict[str, str]] | None = None
 
@@ -113,6 +113,33 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
     for n_in, n_out in zip(in_lens, out_lens):
         ids = prefix + rng.integers(0, vocab_size, size=int(n_in)).tolist()
         out.append(SampleRequest(ids if token_ids else ids_to_text(ids), len(ids), int(n_out)))
+    return out
+
+
+def mixed_requests(num: int, long_share: float, short_input_len: int, short_output_len: int,
+                   long_input_len: int, long_output_len: int, range_ratio: float = 0.0,
+                   vocab_size: int = 32000, seed: int = 0,
+                   token_ids: bool = True) -> list[SampleRequest]:
+    """`num` requests of two kinds in one stream: short chat turns (input and output lengths
+    around short_input_len / short_output_len) and, each request with probability long_share,
+    long documents (around long_input_len / long_output_len: a summary of a long prompt), in a
+    seeded random order; lengths uniform in length_range(len, range_ratio). group: 0 short,
+    1 long. The workload on which a per-request router's choice matters: a long prompt
+    collocated with decoding chat turns stalls them, split it pays a KV transfer."""
+    if not 0 <= long_share <= 1:
+        raise ValueError(f"mixed dataset: the long share must be in [0, 1], got {long_share}")
+    if num < 0 or min(short_input_len, short_output_len, long_input_len, long_output_len) < 1:
+        raise ValueError("mixed dataset: need num >= 0 and every length >= 1")
+    rng = np.random.default_rng(seed)
+    kinds = rng.random(num) < long_share
+    out = []
+    for long in kinds:
+        n_in, n_out = (long_input_len, long_output_len) if long else (short_input_len, short_output_len)
+        lo, hi = length_range(n_in, range_ratio)
+        olo, ohi = length_range(n_out, range_ratio)
+        ids = rng.integers(0, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist()
+        out.append(SampleRequest(ids if token_ids else ids_to_text(ids), len(ids),
+                                 int(rng.integers(olo, ohi + 1)), int(long)))
     return out
 
 
