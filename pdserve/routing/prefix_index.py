@@ -35,7 +35,9 @@ PREFIX_INDEX_TOKENS = 1 << 20
 _TYPECODE = "i"   # int32 edges: token ids are vocabulary indices
 
 
-def _as_array(tokens: Sequence[int]) -> array:
+def token_array(tokens: Sequence[int]) -> array:
+    """The index's form of a token sequence (int32 array; given back as is when it is one):
+    convert a prompt once for several workers' match and insert."""
     try:
         return tokens if isinstance(tokens, array) and tokens.typecode == _TYPECODE \
             else array(_TYPECODE, tokens)
@@ -114,7 +116,7 @@ class PrefixIndex:
     # ---- queries ----------------------------------------------------------------------------
     def match(self, worker: str, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` were inserted for worker (0 if none)."""
-        q = _as_array(tokens)
+        q = token_array(tokens)
         tree = self._trees.get(worker)
         if tree is None:
             return 0
@@ -154,7 +156,7 @@ class PrefixIndex:
         """worker holds (or will hold) the KV of tokens: they become its most recent entry.
         Beyond the budget only the first `budget` tokens are kept."""
         budget = self.budget(worker)
-        q = _as_array(tokens)[:budget]
+        q = token_array(tokens)[:budget]
         if not q:
             return
         tree = self._trees.get(worker)

@@ -58,10 +58,11 @@ from .cost_model import WorkerLoad
 from .length_predictor import LengthPredictor
 from .policies import (Path, PathKind, RouteRequest, RoutingPolicy, StepSummary, WorkerView,
                        disaggregable, make_policy)
-from .prefix_index import PREFIX_INDEX_TOKENS, PrefixIndex
+from .prefix_index import PREFIX_INDEX_TOKENS, PrefixIndex, token_array
 
 STEP_RECORDS_KEPT = 1024   # per worker: the router's ring of its recent steps
 STEP_SUMMARY_WINDOW = 64   # the newest records a WorkerView summarises
+LOADS_REUSED = 16          # observations served by one loads() snapshot (the cost model's contexts)
 
 
 class Unavailable(str):
@@ -166,6 +167,8 @@ class RouterCore:
         self.bound: dict[str, int] = {}
         self._batches: dict[int, _Batch] = {}
         self._ids = itertools.count()
+        self._observed_loads: dict[str, WorkerLoad] | None = None
+        self._observed_age = 0
 
     # ---- queries ----------------------------------------------------------------------------
     def live(self, prompt: Sequence[int] | None = None,
@@ -182,23 +185,22 @@ class RouterCore:
         """Each worker's WorkerLoad from the routes the core holds (admitted, or sent and not
         answered yet)."""
         acc: dict[str, list] = {}   # worker -> [queued prefill, decodes, context, remaining]
-
-        def add(name: str, k: int, v: float) -> None:
-            acc.setdefault(name, [0, 0, 0, 0.0])[k] += v
-
+        prefill_stage, collocated = Stage.PREFILL, Stage.COLLOCATED
         pending = (it[0] for b in self._batches.values() if not b.handoff for it in b.items)
         for r in itertools.chain(self.routes.values(), pending):
-            if r.path is None:
+            path, stage = r.path, r.stage
+            if path is None:
                 continue
-            prefilling = r.stage is Stage.PREFILL or (r.stage is Stage.COLLOCATED and not r.produced)
-            if prefilling:
-                name = r.path.prefill if r.stage is Stage.PREFILL else r.path.worker
-                add(name, 0, max(1, r.num_prompt_tokens - r.cached))
+            if stage is prefill_stage or (stage is collocated and not r.produced):
+                name = path.prefill if stage is prefill_stage else path.worker
+                a = acc.get(name) or acc.setdefault(name, [0, 0, 0, 0.0])
+                a[0] += max(1, r.num_prompt_tokens - r.cached)
             else:
-                seen = max(1, r.generated)
-                add(r.path.worker, 1, 1)
-                add(r.path.worker, 2, r.num_prompt_tokens + seen)
-                add(r.path.worker, 3, max(0.0, r.predicted - seen))
+                seen = r.generated or 1
+                a = acc.get(path.worker) or acc.setdefault(path.worker, [0, 0, 0, 0.0])
+                a[1] += 1
+                a[2] += r.num_prompt_tokens + seen
+                a[3] += max(0.0, r.predicted - seen)
         out = {}
         for name, (q, b, ctx, rem) in acc.items():
             s = self.workers[name].summary
@@ -428,7 +430,12 @@ class RouterCore:
         steps = list(steps)
         cost = self.policy.cost
         if steps and cost is not None:
-            load = self.loads().get(worker, WorkerLoad())
+            # (the loads at most LOADS_REUSED observations old: a step's contexts need not be
+            # exact, and rebuilding them is a pass over every route)
+            if self._observed_loads is None or self._observed_age >= LOADS_REUSED:
+                self._observed_loads, self._observed_age = self.loads(), 0
+            self._observed_age += 1
+            load = self._observed_loads.get(worker, WorkerLoad())
             per_seq = load.decode_context_tokens / load.decodes if load.decodes else 0.0
             for r in steps:
                 cost.observe_step(worker, r.num_prefill_tokens, r.num_decode_seqs,
@@ -455,7 +462,8 @@ class RouterCore:
             req = route.req
             if not route.admitted:   # (a rerouted request keeps its first prediction)
                 route.predicted = self.predictor.predict(route.num_prompt_tokens, req.params.max_tokens)
-            live = self.live(req.prompt["prompt_token_ids"], loads)
+            ids = token_array(req.prompt["prompt_token_ids"])   # (once for every worker)
+            live = self.live(ids, loads)
             path = self.policy.choose(RouteRequest(req.request_id, route.num_prompt_tokens,
                                                    req.params, route.predicted), live)
             if path is not None and path.kind == PathKind.DISAGG and not disaggregable(req.params):
@@ -486,7 +494,7 @@ class RouterCore:
                 loads[target] = dataclasses.replace(cur, queued_prefill_tokens=(
                     cur.queued_prefill_tokens + max(1, route.num_prompt_tokens - route.cached)))
             batches.setdefault(target, []).append((route, sent))
-            self.prefix.insert(target, req.prompt["prompt_token_ids"])   # computed there
+            self.prefix.insert(target, ids)   # computed there
             # counted at once, so that the next request of this batch sees the load
             self.workers[target].outstanding += 1
             self._bind(route)
