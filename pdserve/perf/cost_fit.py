@@ -1,0 +1,342 @@
+"""Fitting a CostProfile's terms to measured step times (plain Python + numpy).
+
+Rows (one per measured point; a row's time is the median of its reps):
+    prefill   {"n", "wall_ms"}                        a lone prefill of n prompt tokens
+    decode    {"b", "ctx_sum", "wall_ms"}             b decodes, contexts summing to ctx_sum
+    mixed     {"b", "ctx_sum", "n", "wall_ms"}        b decodes + an n-token chunk
+    transfer  {"tokens", "bytes", "ms"}               one KV hand-off
+Extra keys are ignored (kept in the profile's samples).
+
+Every fit is least squares with non-negative coefficients, each row weighted by 1 / its
+measured time, so the fit minimises relative error (what the held-out error reports, and what
+matters from 3 ms steps to 60 ms ones alike):
+
+    prefill   wall ~ [1, n, n^2]. The quadratic term is kept only when it lowers the
+              leave-one-out mean relative error (computed on the rows it is fitted on) by at
+              least QUADRATIC_GAIN (5%) against [1, n], and there are >= 5 distinct n.
+    decode    wall ~ [1, min(b, k), max(0, b - k), ctx_sum] for each knee k among the measured
+              b values; the k with the smallest weighted squared error wins (the largest b
+              means no knee). The context column needs rows whose context per sequence differs
+              (>= 1.5x between the smallest and the largest).
+    mixed     gamma = LS over rows of (wall - decode model at (b, ctx_sum)) on n (no
+              intercept), clipped at 0.
+    transfer  ms ~ [1, bytes]; GB/s = 1 / (ms per byte * 1e6). If the per-byte coefficient
+              comes out 0 the fit is redone through the origin (no fixed cost; said in "note").
+
+Held-out error: leave-one-out over the rows. Each row is predicted by the whole procedure
+(model choice and knee search included) run on the other rows, so it is never tuned on the
+point it is judged on. mixed's held-out rows use the decode model of all decode rows (they are
+separate measurements). Reported per term as mean and max |predicted - measured| / measured.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+QUADRATIC_GAIN = 0.05
+MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2}
+
+
+# ---- least squares with non-negative coefficients ----------------------------------------------
+def nnls(A: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """argmin ||diag(w) (A x - y)|| subject to x >= 0, exactly, for a handful of columns: the
+    best unconstrained least-squares solution over every subset of columns whose coefficients
+    are all >= 0 (the optimum is one of them). Columns are scaled to unit norm first."""
+    A = np.asarray(A, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if A.ndim != 2 or A.shape[0] != y.shape[0]:
+        raise ValueError(f"nnls: A is {A.shape}, y is {y.shape}")
+    if A.shape[1] > 8:
+        raise ValueError("nnls: the subset search is for at most 8 columns")
+    if w is not None:
+        w = np.asarray(w, dtype=float)
+        A, y = A * w[:, None], y * w
+    norms = np.linalg.norm(A, axis=0)
+    live = [j for j in range(A.shape[1]) if norms[j] > 0]
+    best, best_err = np.zeros(A.shape[1]), float(np.dot(y, y))
+    for r in range(1, len(live) + 1):
+        for cols in itertools.combinations(live, r):
+            sub = A[:, cols] / norms[list(cols)]
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            res = sub @ coef - y
+            err = float(np.dot(res, res))
+            if err < best_err - 1e-12 * max(1.0, best_err):
+                best_err = err
+                best = np.zeros(A.shape[1])
+                best[list(cols)] = coef / norms[list(cols)]
+    return best
+
+
+def _rel_weights(y: np.ndarray) -> np.ndarray:
+    if np.any(~np.isfinite(y)) or np.any(y <= 0):
+        raise ValueError(f"measured times must be finite and > 0, got {y.tolist()}")
+    return 1.0 / y
+
+
+def _rel_errors(pred: Sequence[float], meas: Sequence[float]) -> list[float]:
+    return [abs(p - m) / m for p, m in zip(pred, meas)]
+
+
+def _heldout(rows: list[dict], fit: Callable[[list[dict]], Callable[[dict], float]],
+             measured: Callable[[dict], float]) -> dict[str, Any]:
+    """Leave-one-out: each row predicted by fit() on the others."""
+    errs = []
+    for i in range(len(rows)):
+        predict = fit(rows[:i] + rows[i + 1:])
+        errs.append(_rel_errors([predict(rows[i])], [measured(rows[i])])[0])
+    return {"heldout_mean_abs_rel_err": float(np.mean(errs)) if errs else None,
+            "heldout_max_abs_rel_err": float(np.max(errs)) if errs else None,
+            "heldout_abs_rel_errs": [round(e, 5) for e in errs]}
+
+
+def _check_rows(term: str, rows: list[dict], keys: tuple[str, ...]) -> None:
+    if len(rows) < MIN_ROWS[term]:
+        raise ValueError(f"{term} fit: needs >= {MIN_ROWS[term]} rows, got {len(rows)}")
+    for r in rows:
+        for k in keys:
+            v = r.get(k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{term} fit: row {r} has no finite number {k!r}")
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+def _prefill_design(rows: list[dict], quadratic: bool) -> np.ndarray:
+    n = np.array([r["n"] for r in rows], dtype=float)
+    cols = [np.ones_like(n), n] + ([n * n] if quadratic else [])
+    return np.stack(cols, axis=1)
+
+
+def _prefill_coef(rows: list[dict], quadratic: bool) -> np.ndarray:
+    y = np.array([r["wall_ms"] for r in rows], dtype=float)
+    c = nnls(_prefill_design(rows, quadratic), y, _rel_weights(y))
+    return c if quadratic else np.append(c, 0.0)
+
+
+def _loo_mean(rows: list[dict], quadratic: bool) -> float:
+    errs = []
+    for i in range(len(rows)):
+        c = _prefill_coef(rows[:i] + rows[i + 1:], quadratic)
+        n = rows[i]["n"]
+        errs.append(abs(c[0] + c[1] * n + c[2] * n * n - rows[i]["wall_ms"]) / rows[i]["wall_ms"])
+    return float(np.mean(errs))
+
+
+def _prefill_procedure(rows: list[dict]) -> tuple[np.ndarray, dict[str, Any]]:
+    """(fixed, alpha, quadratic) and how the quadratic term was decided."""
+    distinct = len({r["n"] for r in rows})
+    info: dict[str, Any] = {"quadratic_rule": f"kept iff >= 5 distinct n and its leave-one-out "
+                                              f"mean rel. error is >= {QUADRATIC_GAIN:.0%} "
+                                              "below the linear fit's"}
+    use_quad = False
+    if distinct >= 5:
+        lin, quad = _loo_mean(rows, False), _loo_mean(rows, True)
+        info.update(selection_loo_linear=lin, selection_loo_quadratic=quad)
+        use_quad = quad < lin * (1 - QUADRATIC_GAIN)
+    info["quadratic_kept"] = use_quad
+    return _prefill_coef(rows, use_quad), info
+
+
+def fit_prefill(rows: list[dict]) -> dict[str, Any]:
+    _check_rows("prefill", rows, ("n", "wall_ms"))
+    c, info = _prefill_procedure(rows)
+
+    def fit(train):
+        cc, _ = _prefill_procedure(train)
+        return lambda r: cc[0] + cc[1] * r["n"] + cc[2] * r["n"] ** 2
+    return {"prefill_fixed_ms": float(c[0]), "alpha_ms_per_token": float(c[1]),
+            "prefill_quadratic_ms": float(c[2]),
+            "fit": {"n_samples": len(rows), **_heldout(rows, fit, lambda r: r["wall_ms"]), **info}}
+
+
+# ---- decode -------------------------------------------------------------------------------------
+def _decode_design(rows: list[dict], k: float) -> np.ndarray:
+    b = np.array([r["b"] for r in rows], dtype=float)
+    ctx = np.array([r["ctx_sum"] for r in rows], dtype=float)
+    return np.stack([np.ones_like(b), np.minimum(b, k), np.maximum(0.0, b - k), ctx], axis=1)
+
+
+def decode_predict(p: dict[str, Any], b: float, ctx_sum: float) -> float:
+    beta, k = p["beta_ms"], p["batch_threshold"]
+    return (beta["fixed_ms"] + beta["per_seq_ms_below"] * min(b, k)
+            + beta["per_seq_ms_above"] * max(0, b - k) + beta["per_context_token_ms"] * ctx_sum)
+
+
+def _decode_procedure(rows: list[dict]) -> dict[str, Any]:
+    y = np.array([r["wall_ms"] for r in rows], dtype=float)
+    w = _rel_weights(y)
+    best = None
+    for k in sorted({int(r["b"]) for r in rows}):
+        A = _decode_design(rows, k)
+        c = nnls(A, y, w)
+        res = (A @ c - y) * w
+        err = float(np.dot(res, res))
+        if best is None or err < best[0] - 1e-12 * max(1.0, best[0]):
+            best = (err, k, c)
+    _, k, c = best
+    return {"batch_threshold": int(k),
+            "beta_ms": {"fixed_ms": float(c[0]), "per_seq_ms_below": float(c[1]),
+                        "per_seq_ms_above": float(c[2]), "per_context_token_ms": float(c[3])}}
+
+
+def fit_decode(rows: list[dict]) -> dict[str, Any]:
+    _check_rows("decode", rows, ("b", "ctx_sum", "wall_ms"))
+    if any(r["b"] < 1 for r in rows):
+        raise ValueError("decode fit: every row needs b >= 1")
+    # the context column is separable from the batch columns only if the context per sequence
+    # varies between rows: ask for rows whose mean contexts differ by >= 1.5x
+    per_seq = [r["ctx_sum"] / r["b"] for r in rows]
+    if min(per_seq) <= 0 or max(per_seq) / min(per_seq) < 1.5:
+        raise ValueError(f"decode fit: needs rows at >= 2 contexts at least 1.5x apart (context "
+                         f"per sequence {min(per_seq):.0f}..{max(per_seq):.0f}): the context "
+                         "term is not identifiable otherwise")
+    p = _decode_procedure(rows)
+
+    def fit(train):
+        pp = _decode_procedure(train)
+        return lambda r: decode_predict(pp, r["b"], r["ctx_sum"])
+    held = _heldout(rows, fit, lambda r: r["wall_ms"])
+    knees = [_decode_procedure(rows[:i] + rows[i + 1:])["batch_threshold"]
+             for i in range(len(rows))]
+    return {**p, "fit": {"n_samples": len(rows), **held, "heldout_knees": knees,
+                         "knee_candidates": sorted({int(r["b"]) for r in rows})}}
+
+
+# ---- mixed --------------------------------------------------------------------------------------
+def _gamma(rows: list[dict], decode: dict[str, Any]) -> float:
+    n = np.array([r["n"] for r in rows], dtype=float)
+    y = np.array([r["wall_ms"] for r in rows], dtype=float)
+    extra = y - np.array([decode_predict(decode, r["b"], r["ctx_sum"]) for r in rows])
+    w = _rel_weights(y)
+    den = float(np.sum((w * n) ** 2))
+    if den == 0:
+        raise ValueError("mixed fit: every row has a 0-token chunk")
+    return max(0.0, float(np.sum(w * w * n * extra)) / den)
+
+
+def fit_mixed(rows: list[dict], decode: dict[str, Any]) -> dict[str, Any]:
+    """decode: fit_decode's result (the decode model the chunk's cost is measured against)."""
+    _check_rows("mixed", rows, ("b", "ctx_sum", "n", "wall_ms"))
+    if any(r["b"] < 1 or r["n"] < 1 for r in rows):
+        raise ValueError("mixed fit: every row needs b >= 1 decodes and an n >= 1 token chunk")
+    g = _gamma(rows, decode)
+    info: dict[str, Any] = {"n_samples": len(rows)}
+    if len(rows) >= 2:
+        def fit(train):
+            gg = _gamma(train, decode)
+            return lambda r: decode_predict(decode, r["b"], r["ctx_sum"]) + gg * r["n"]
+        info.update(_heldout(rows, fit, lambda r: r["wall_ms"]))
+    else:
+        info.update(heldout_mean_abs_rel_err=None, heldout_max_abs_rel_err=None,
+                    note="one mixed row: nothing to hold out")
+    # beside the model-based gamma: each row's own paired decode-only time, where measured
+    paired = [(r["wall_ms"] - r["decode_wall_ms"]) / r["n"] for r in rows
+              if isinstance(r.get("decode_wall_ms"), (int, float))]
+    if paired:
+        info["gamma_paired_ms_per_token"] = [round(x, 6) for x in paired]
+    return {"gamma_ms_per_token": g, "fit": info}
+
+
+# ---- transfer -----------------------------------------------------------------------------------
+def _transfer_coef(rows: list[dict]) -> tuple[float, float, str | None]:
+    """(fixed ms, ms per byte, note)."""
+    x = np.array([r["bytes"] for r in rows], dtype=float)
+    y = np.array([r["ms"] for r in rows], dtype=float)
+    w = _rel_weights(y)
+    c = nnls(np.stack([np.ones_like(x), x], axis=1), y, w)
+    if c[1] > 0:
+        return float(c[0]), float(c[1]), None
+    slope = float(np.sum(w * w * x * y) / np.sum((w * x) ** 2))
+    return 0.0, slope, ("the [1, bytes] fit found no per-byte cost; refitted through the "
+                        "origin (no fixed cost)")
+
+
+def fit_transfer(rows: list[dict]) -> dict[str, Any]:
+    _check_rows("transfer", rows, ("tokens", "bytes", "ms"))
+    if any(r["bytes"] <= 0 or r["tokens"] <= 0 for r in rows):
+        raise ValueError("transfer fit: every row needs tokens > 0 and bytes > 0")
+    if len({r["bytes"] for r in rows}) < 2:
+        raise ValueError("transfer fit: needs transfers of >= 2 sizes")
+    fixed, per_byte, note = _transfer_coef(rows)
+    per_token = [r["bytes"] / r["tokens"] for r in rows]
+    kvb = int(round(float(np.median(per_token))))
+
+    def fit(train):
+        f, s, _ = _transfer_coef(train)
+        return lambda r: f + s * r["bytes"]
+    info: dict[str, Any] = {"n_samples": len(rows), **_heldout(rows, fit, lambda r: r["ms"]),
+                            "source": "measured"}
+    if note:
+        info["note"] = note
+    if max(per_token) - min(per_token) > 0.01 * kvb:
+        info["kv_bytes_per_token_spread"] = [min(per_token), max(per_token)]
+    return {"transfer_fixed_ms": fixed, "transfer_gb_per_s": 1.0 / (per_byte * 1e6),
+            "kv_bytes_per_token": kvb, "fit": info}
+
+
+# ---- all terms ----------------------------------------------------------------------------------
+def fit_all(samples: dict[str, list[dict]]) -> dict[str, Any]:
+    """Every term from samples {"prefill": rows, "decode": rows, "mixed": rows, "transfer":
+    rows}: the profile's terms at top level and "fit" per term. Without transfer rows the
+    caller supplies the transfer terms (and says where they came from)."""
+    for term in ("prefill", "decode", "mixed"):
+        if not samples.get(term):
+            raise ValueError(f"no {term} rows to fit")
+    pre = fit_prefill(samples["prefill"])
+    dec = fit_decode(samples["decode"])
+    mix = fit_mixed(samples["mixed"], dec)
+    out: dict[str, Any] = {}
+    fit: dict[str, Any] = {}
+    for name, part in (("prefill", pre), ("decode", dec), ("mixed", mix)):
+        fit[name] = part.pop("fit")
+        out.update(part)
+    if samples.get("transfer"):
+        tr = fit_transfer(samples["transfer"])
+        fit["transfer"] = tr.pop("fit")
+        out.update(tr)
+    out["fit"] = fit
+    return out
+
+
+def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware: Any,
+                         engine_config: dict, commit: str,
+                         transfer_estimate: dict[str, Any] | None = None,
+                         extra: dict[str, Any] | None = None):
+    """A CostProfile fitted from samples. transfer_estimate: the transfer terms to use when
+    samples hold no transfer rows ({"transfer_fixed_ms", "transfer_gb_per_s",
+    "kv_bytes_per_token", "note": where they come from}); the profile's fit says "estimate"."""
+    from .cost_profile import CostProfile
+    terms = fit_all(samples)
+    if "transfer_gb_per_s" not in terms:
+        if transfer_estimate is None:
+            raise ValueError("no transfer rows and no transfer estimate")
+        est = dict(transfer_estimate)
+        note = est.pop("note", None)
+        if not note:
+            raise ValueError("a transfer estimate must say where it comes from (note)")
+        for k in ("transfer_fixed_ms", "transfer_gb_per_s", "kv_bytes_per_token"):
+            terms[k] = est.pop(k)
+        terms["fit"]["transfer"] = {"n_samples": 0, "heldout_mean_abs_rel_err": None,
+                                    "heldout_max_abs_rel_err": None, "source": "estimate",
+                                    "note": note, **est}
+    return CostProfile(model=model, hardware=hardware, engine_config=dict(engine_config),
+                       commit=commit, samples={k: list(v) for k, v in samples.items()},
+                       extra=dict(extra or {}), **terms)
+
+
+def refit(profile):
+    """The profile's terms fitted afresh from its own samples (e.g. after a fit change)."""
+    tr = profile.fit.get("transfer", {})
+    est = None
+    if not profile.samples.get("transfer"):
+        est = {"transfer_fixed_ms": profile.transfer_fixed_ms,
+               "transfer_gb_per_s": profile.transfer_gb_per_s,
+               "kv_bytes_per_token": profile.kv_bytes_per_token,
+               "note": tr.get("note") or "carried over from the profile refitted"}
+    return profile_from_samples(profile.samples, model=profile.model, hardware=profile.hardware,
+                                engine_config=profile.engine_config, commit=profile.commit,
+                                transfer_estimate=est, extra=profile.extra)

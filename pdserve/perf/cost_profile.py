@@ -1,0 +1,233 @@
+"""A calibrated step-cost profile: what `pdserve profile` measured and fitted on one model and
+one machine, and the formulas a cost model evaluates from it. Plain Python (no torch).
+
+All times are milliseconds. With n prompt tokens in a step, b decoding sequences whose contexts
+(prompt + output tokens so far) sum to ctx_sum, and a KV hand-off of `tokens` tokens:
+
+    prefill_ms(n)           = prefill_fixed_ms + alpha_ms_per_token*n + prefill_quadratic_ms*n^2
+    decode_ms(b, ctx_sum)   = beta_ms["fixed_ms"]
+                              + beta_ms["per_seq_ms_below"] * min(b, batch_threshold)
+                              + beta_ms["per_seq_ms_above"] * max(0, b - batch_threshold)
+                              + beta_ms["per_context_token_ms"] * ctx_sum              (b >= 1)
+    mixed_ms(b, ctx_sum, n) = decode_ms(b, ctx_sum) + gamma_ms_per_token*n  (b == 0: prefill_ms(n))
+    transfer_ms(tokens)     = transfer_fixed_ms
+                              + tokens*kv_bytes_per_token / (transfer_gb_per_s*1e6)
+
+The JSON file holds these terms at top level, with `version` (1), `model`, `hardware` (the
+measuring machine: bench.common.hardware_info's dict, or a plain label), `engine_config`,
+`commit`, `fit` (per term "prefill" / "decode" / "mixed" / "transfer": n_samples,
+heldout_mean_abs_rel_err, heldout_max_abs_rel_err, and whatever else the fit reports) and
+`samples` (the measured rows, so a profile can be refit). Other top-level keys are kept in
+`extra`. CostProfile.from_json checks every term (ValueError naming the field and the file).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+VERSION = 1
+BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_token_ms")
+FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
+FIT_KEYS = ("n_samples", "heldout_mean_abs_rel_err", "heldout_max_abs_rel_err")
+# coefficients that may be 0 but not negative
+_NONNEG = ("alpha_ms_per_token", "prefill_fixed_ms", "prefill_quadratic_ms", "gamma_ms_per_token",
+           "transfer_fixed_ms")
+_REQUIRED = ("version", "model", "hardware", "engine_config", "commit", *_NONNEG, "beta_ms",
+             "batch_threshold", "transfer_gb_per_s", "kv_bytes_per_token", "fit", "samples")
+
+
+def hardware_label(hardware: Any) -> str:
+    """A short name of a machine for matching profiles: the GPU's name where hardware_info saw
+    one, else "cpu: <cpu model>"; a string is its own label."""
+    if isinstance(hardware, str):
+        return hardware
+    if isinstance(hardware, Mapping):
+        if hardware.get("gpu"):
+            return str(hardware["gpu"])
+        return f"cpu: {hardware.get('cpu_model', 'unknown')}"
+    raise ValueError(f"hardware must be a label or a hardware_info dict, got {type(hardware).__name__}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    model: str
+    hardware: Any                       # hardware_info dict (or a label)
+    engine_config: dict
+    commit: str
+    alpha_ms_per_token: float
+    prefill_fixed_ms: float
+    prefill_quadratic_ms: float
+    beta_ms: dict                       # the four BETA_KEYS
+    batch_threshold: int
+    gamma_ms_per_token: float
+    transfer_gb_per_s: float
+    transfer_fixed_ms: float
+    kv_bytes_per_token: int
+    fit: dict = field(default_factory=dict)
+    samples: dict = field(default_factory=dict)
+    version: int = VERSION
+    extra: dict = field(default_factory=dict)   # other top-level keys of the file, kept
+
+    def __post_init__(self):
+        _validate(self.to_dict(), "<CostProfile>")
+
+    # ---- formulas ----------------------------------------------------------------------------
+    @staticmethod
+    def _count(name: str, v: Any, least: int) -> None:
+        if not _is_number(v) or not math.isfinite(v) or v < least:
+            raise ValueError(f"{name} must be a finite number >= {least}, got {v!r}")
+
+    def prefill_ms(self, n: float) -> float:
+        """One step prefilling n prompt tokens, nothing else in it."""
+        self._count("n", n, 0)
+        return self.prefill_fixed_ms + self.alpha_ms_per_token * n + self.prefill_quadratic_ms * n * n
+
+    def decode_ms(self, b: float, ctx_sum: float) -> float:
+        """One decode-only step of b >= 1 sequences whose contexts sum to ctx_sum tokens."""
+        self._count("b", b, 1)
+        self._count("ctx_sum", ctx_sum, 0)
+        k, beta = self.batch_threshold, self.beta_ms
+        return (beta["fixed_ms"] + beta["per_seq_ms_below"] * min(b, k)
+                + beta["per_seq_ms_above"] * max(0, b - k)
+                + beta["per_context_token_ms"] * ctx_sum)
+
+    def mixed_ms(self, b: float, ctx_sum: float, n: float) -> float:
+        """One step of b decodes and an n-token prompt chunk (b == 0: a lone prefill)."""
+        self._count("b", b, 0)
+        self._count("n", n, 0)
+        if b == 0:
+            return self.prefill_ms(n)
+        return self.decode_ms(b, ctx_sum) + self.gamma_ms_per_token * n
+
+    def transfer_ms(self, tokens: float) -> float:
+        """One KV hand-off of `tokens` tokens between a prefill and a decode worker."""
+        self._count("tokens", tokens, 0)
+        return (self.transfer_fixed_ms
+                + tokens * self.kv_bytes_per_token / (self.transfer_gb_per_s * 1e6))
+
+    # ---- files -------------------------------------------------------------------------------
+    @property
+    def hardware_label(self) -> str:
+        return hardware_label(self.hardware)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out = {"version": d.pop("version"), **d}
+        for k, v in self.extra.items():
+            out.setdefault(k, v)
+        return out
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the profile as JSON (replaced atomically); returns the path."""
+        path = os.fspath(path)
+        folder = os.path.dirname(path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, allow_nan=False, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike | Mapping, *, model: str | None = None,
+                  hardware: Any = None) -> "CostProfile":
+        """A profile from a JSON file (or an already-parsed dict), checked: every term present,
+        of its type, finite and in range; when model / hardware are given (a label or a
+        hardware_info dict), the profile must be of that model and machine. ValueError naming
+        the field and the file otherwise."""
+        if isinstance(source, Mapping):
+            where, data = "<dict>", dict(source)
+        else:
+            where = os.fspath(source)
+            try:
+                with open(where) as f:
+                    data = json.load(f)
+            except OSError as e:
+                raise ValueError(f"{where}: cannot read the profile: {e}") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: a profile is a JSON object, got {type(data).__name__}")
+        _validate(data, where)
+        if model is not None and data["model"] != model:
+            raise ValueError(f"{where}: model is {data['model']!r}, but this deployment runs "
+                             f"{model!r} (a profile of another model)")
+        if hardware is not None:
+            want, have = hardware_label(hardware), hardware_label(data["hardware"])
+            if want != have:
+                raise ValueError(f"{where}: hardware is {have!r}, but this machine is {want!r} "
+                                 "(a profile measured elsewhere)")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: data[k] for k in names if k in data},
+                   extra={k: v for k, v in data.items() if k not in names})
+
+
+def _validate(d: Mapping, where: str) -> None:
+    def bad(name: str, why: str) -> ValueError:
+        return ValueError(f"{where}: {name} {why}")
+
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise bad(missing[0], "is missing" + (f" (also missing: {', '.join(missing[1:])})"
+                                               if len(missing) > 1 else ""))
+    if d["version"] != VERSION or isinstance(d["version"], bool):
+        raise bad("version", f"must be {VERSION}, got {d['version']!r}")
+    for name in ("model", "commit"):
+        if not isinstance(d[name], str) or not d[name]:
+            raise bad(name, f"must be a non-empty string, got {d[name]!r}")
+    if not isinstance(d["hardware"], (str, dict)) or not d["hardware"]:
+        raise bad("hardware", f"must be a label or a hardware_info object, got {d['hardware']!r}")
+    for name in ("engine_config", "fit", "samples"):
+        if not isinstance(d[name], dict):
+            raise bad(name, f"must be an object, got {type(d[name]).__name__}")
+
+    def number(name: str, v: Any, *, positive: bool = False) -> None:
+        if not _is_number(v):
+            raise bad(name, f"must be a number, got {v!r}")
+        if not math.isfinite(v):
+            raise bad(name, f"must be finite, got {v!r}")
+        if positive and v <= 0:
+            raise bad(name, f"must be > 0, got {v!r}")
+        if v < 0:
+            raise bad(name, f"must be >= 0 (a cost cannot be negative), got {v!r}")
+
+    for name in _NONNEG:
+        number(name, d[name])
+    number("transfer_gb_per_s", d["transfer_gb_per_s"], positive=True)
+    for name, least in (("batch_threshold", 1), ("kv_bytes_per_token", 1)):
+        v = d[name]
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise bad(name, f"must be an integer, got {v!r}")
+        if v < least:
+            raise bad(name, f"must be >= {least}, got {v!r}")
+    beta = d["beta_ms"]
+    if not isinstance(beta, dict):
+        raise bad("beta_ms", f"must be an object with {', '.join(BETA_KEYS)}, got {beta!r}")
+    for k in BETA_KEYS:
+        if k not in beta:
+            raise bad(f"beta_ms.{k}", "is missing")
+        number(f"beta_ms.{k}", beta[k])
+    for term in FIT_TERMS:
+        entry = d["fit"].get(term)
+        if not isinstance(entry, dict):
+            raise bad(f"fit.{term}", f"must be an object with {', '.join(FIT_KEYS)}, got {entry!r}")
+        for k in FIT_KEYS:
+            if k not in entry:
+                raise bad(f"fit.{term}.{k}", "is missing")
+        n = entry["n_samples"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise bad(f"fit.{term}.n_samples", f"must be an integer >= 0, got {n!r}")
+        for k in FIT_KEYS[1:]:
+            # None: no held-out error (a term that was estimated, not fitted; the fit says why)
+            if entry[k] is not None:
+                number(f"fit.{term}.{k}", entry[k])

@@ -1,0 +1,313 @@
+"""The cost-profile fits (pdserve/perf/cost_fit.py) and the profile file (cost_profile.py).
+
+Synthetic step times come from known parameters with seeded multiplicative noise of relative
+size SIGMA. A weighted (1 / time) least-squares fit then has residuals ~ the relative noise, so
+the coefficients' standard errors are sigma * sqrt(diag((A~^T A~)^-1)) with A~ = A / mu (mu the
+noise-free times): computed here from the true parameters and the design alone, and a recovered
+coefficient must land within TOL_SE of those standard errors."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pdserve.perf import cost_fit
+from pdserve.perf.cost_fit import (fit_decode, fit_mixed, fit_prefill, fit_transfer, nnls,
+                                   profile_from_samples, refit)
+from pdserve.perf.cost_profile import CostProfile, hardware_label
+
+SIGMA = 0.02
+TOL_SE = 4.0        # a 4-sigma band: fails by chance ~1 in 16k per coefficient
+PREFILL_N = [128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192]
+
+
+def _noisy(mu, seed, sigma=SIGMA):
+    rng = np.random.default_rng(seed)
+    mu = np.asarray(mu, dtype=float)
+    return mu * np.exp(rng.normal(0.0, sigma, size=mu.shape))
+
+
+def _std_errors(A, mu, sigma=SIGMA):
+    At = np.asarray(A, dtype=float) / np.asarray(mu, dtype=float)[:, None]
+    return sigma * np.sqrt(np.diag(np.linalg.inv(At.T @ At)))
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+def _prefill_rows(fixed, alpha, quad, seed, sigma=SIGMA, ns=PREFILL_N):
+    n = np.array(ns, dtype=float)
+    mu = fixed + alpha * n + quad * n * n
+    y = _noisy(mu, seed, sigma) if sigma else mu
+    return [{"n": int(a), "wall_ms": float(b)} for a, b in zip(n, y)], n, mu
+
+
+def test_prefill_recovers_fixed_alpha_and_quadratic():
+    true = (2.0, 0.006, 1.5e-7)   # at 8192 tokens the quadratic term is 17% of the step
+    rows, n, mu = _prefill_rows(*true, seed=1)
+    got = fit_prefill(rows)
+    se = _std_errors(np.stack([np.ones_like(n), n, n * n], 1), mu)
+    assert got["fit"]["quadratic_kept"] is True
+    for name, t, s in zip(("prefill_fixed_ms", "alpha_ms_per_token", "prefill_quadratic_ms"),
+                          true, se):
+        assert abs(got[name] - t) <= TOL_SE * s, (name, got[name], t, s)
+    f = got["fit"]
+    assert f["n_samples"] == len(PREFILL_N)
+    # held-out rows off by about the noise: mean |rel err| of N(0, s) is 0.8 s
+    assert f["heldout_mean_abs_rel_err"] < 2.5 * SIGMA
+    assert f["heldout_max_abs_rel_err"] >= f["heldout_mean_abs_rel_err"]
+
+
+def test_prefill_drops_the_quadratic_term_of_a_linear_truth():
+    rows, n, mu = _prefill_rows(3.0, 0.007, 0.0, seed=2)
+    got = fit_prefill(rows)
+    assert got["fit"]["quadratic_kept"] is False and got["prefill_quadratic_ms"] == 0.0
+    se = _std_errors(np.stack([np.ones_like(n), n], 1), mu)
+    assert abs(got["prefill_fixed_ms"] - 3.0) <= TOL_SE * se[0]
+    assert abs(got["alpha_ms_per_token"] - 0.007) <= TOL_SE * se[1]
+
+
+def test_heldout_error_judges_a_row_by_a_fit_without_it():
+    """Noise-free rows of a quadratic truth, one of them measured 1.5x too slow: the fit on the
+    other rows is exact, so that row's held-out error is exactly |1 - 1.5| / 1.5 = 1/3 (a fit
+    that saw the row would have bent towards it and scored it lower)."""
+    rows, _, mu = _prefill_rows(2.0, 0.006, 1.5e-7, seed=0, sigma=0)
+    rows[4]["wall_ms"] *= 1.5
+    f = fit_prefill(rows)["fit"]
+    errs = f["heldout_abs_rel_errs"]
+    assert errs[4] == pytest.approx(1 / 3, abs=1e-5)   # (stored to 5 decimals)
+    assert f["heldout_max_abs_rel_err"] == pytest.approx(1 / 3, rel=1e-6)
+
+
+def test_nnls_keeps_every_coefficient_non_negative():
+    # concave prefill times: unconstrained least squares wants a negative quadratic term
+    n = np.array(PREFILL_N, dtype=float)
+    y = 5 + 0.01 * n - 5e-7 * n * n
+    A = np.stack([np.ones_like(n), n, n * n], 1)
+    free = np.linalg.lstsq(A, y, rcond=None)[0]
+    assert free[2] < 0
+    rows = [{"n": int(a), "wall_ms": float(b)} for a, b in zip(n, y)]
+    got = fit_prefill(rows)
+    for k in ("prefill_fixed_ms", "alpha_ms_per_token", "prefill_quadratic_ms"):
+        assert got[k] >= 0
+    # the subset search equals scipy's active-set NNLS (an independent implementation)
+    sp = pytest.importorskip("scipy.optimize")
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        A = rng.normal(size=(9, 4))
+        y = rng.normal(size=9)
+        w = rng.uniform(0.5, 2.0, size=9)
+        want, _ = sp.nnls(A * w[:, None], y * w)
+        got = nnls(A, y, w)
+        assert np.all(got >= 0)
+        np.testing.assert_allclose(got, want, atol=1e-8)
+
+
+# ---- decode -------------------------------------------------------------------------------------
+DECODE_B = [1, 4, 8, 16, 32, 64, 128, 256]
+DECODE_TRUE = dict(fixed_ms=2.5, per_seq_ms_below=0.01, per_seq_ms_above=0.03,
+                   per_context_token_ms=2e-5)
+KNEE = 32
+
+
+def _decode_mu(b, ctx, p=DECODE_TRUE, k=KNEE):
+    b, ctx = np.asarray(b, dtype=float), np.asarray(ctx, dtype=float)
+    return (p["fixed_ms"] + p["per_seq_ms_below"] * np.minimum(b, k)
+            + p["per_seq_ms_above"] * np.maximum(0, b - k) + p["per_context_token_ms"] * ctx)
+
+
+def _decode_rows(seed, contexts=(512, 2048), sigma=SIGMA):
+    b = np.array([x for _ in contexts for x in DECODE_B], dtype=float)
+    ctx = np.array([x * c for c in contexts for x in DECODE_B], dtype=float)
+    mu = _decode_mu(b, ctx)
+    y = _noisy(mu, seed, sigma)
+    rows = [{"b": int(x), "ctx_sum": int(c), "wall_ms": float(t)} for x, c, t in zip(b, ctx, y)]
+    return rows, b, ctx, mu
+
+
+def test_decode_finds_the_knee_and_recovers_beta():
+    rows, b, ctx, mu = _decode_rows(seed=3)
+    got = fit_decode(rows)
+    assert got["batch_threshold"] == KNEE
+    A = np.stack([np.ones_like(b), np.minimum(b, KNEE), np.maximum(0, b - KNEE), ctx], 1)
+    se = _std_errors(A, mu)
+    for (k, t), s in zip(DECODE_TRUE.items(), se):
+        assert abs(got["beta_ms"][k] - t) <= TOL_SE * s, (k, got["beta_ms"][k], t, s)
+    f = got["fit"]
+    assert f["n_samples"] == len(rows) and f["heldout_mean_abs_rel_err"] < 2.5 * SIGMA
+    assert all(v >= 0 for v in got["beta_ms"].values())
+
+
+def test_decode_needs_two_contexts():
+    rows, *_ = _decode_rows(seed=4, contexts=(1024,))
+    with pytest.raises(ValueError, match="2 contexts"):
+        fit_decode(rows)
+
+
+# ---- mixed and transfer ------------------------------------------------------------------------
+def test_mixed_recovers_gamma_against_the_decode_model():
+    gamma, sigma = 0.012, 0.01
+    dec_rows, *_ = _decode_rows(seed=5)
+    dec = fit_decode(dec_rows)
+    pts = [(8, 256), (32, 512), (64, 1024), (128, 256), (128, 2048)]
+    C = 1024
+    b = np.array([p[0] for p in pts], dtype=float)
+    n = np.array([p[1] for p in pts], dtype=float)
+    mu = _decode_mu(b, b * C) + gamma * n
+    y = _noisy(mu, 6, sigma)
+    rows = [{"b": int(x), "ctx_sum": int(x * C), "n": int(k), "wall_ms": float(t)}
+            for x, k, t in zip(b, n, y)]
+    got = fit_mixed(rows, dec)
+    # gamma's error: the rows' noise plus the decode model's own error at each row, both
+    # relative to the row's time (the decode fit's error is bounded by its noise, SIGMA)
+    w = 1 / mu
+    rel = np.sqrt(sigma ** 2 + SIGMA ** 2)
+    se = rel * np.sqrt(np.sum((w * n) ** 2 * (mu * w) ** 2)) / np.sum((w * n) ** 2)
+    assert abs(got["gamma_ms_per_token"] - gamma) <= TOL_SE * se, (got, se)
+    assert got["fit"]["n_samples"] == len(pts)
+    assert got["fit"]["heldout_mean_abs_rel_err"] < 4 * sigma
+
+
+def test_transfer_recovers_fixed_cost_and_bandwidth():
+    kvb, fixed, gbps = 23040, 0.4, 12.0
+    tokens = np.array([64, 256, 1024, 4096, 16384], dtype=float)
+    mu = fixed + tokens * kvb / (gbps * 1e6)
+    y = _noisy(mu, 8)
+    rows = [{"tokens": int(t), "bytes": int(t) * kvb, "ms": float(v)} for t, v in zip(tokens, y)]
+    got = fit_transfer(rows)
+    assert got["kv_bytes_per_token"] == kvb
+    A = np.stack([np.ones_like(tokens), tokens * kvb], 1)
+    se = _std_errors(A, mu)
+    assert abs(got["transfer_fixed_ms"] - fixed) <= TOL_SE * se[0]
+    slope = 1 / (gbps * 1e6)
+    assert abs(1 / (got["transfer_gb_per_s"] * 1e6) - slope) <= TOL_SE * se[1]
+    assert got["fit"]["source"] == "measured" and got["fit"]["n_samples"] == 5
+
+
+def test_fit_rows_are_checked():
+    with pytest.raises(ValueError, match="prefill fit: needs >= 3 rows"):
+        fit_prefill([{"n": 1, "wall_ms": 1.0}])
+    with pytest.raises(ValueError, match="finite number 'wall_ms'"):
+        fit_prefill([{"n": 1, "wall_ms": 1.0}, {"n": 2, "wall_ms": float("nan")},
+                     {"n": 3, "wall_ms": 2.0}])
+    with pytest.raises(ValueError, match="> 0"):
+        fit_prefill([{"n": 1, "wall_ms": 1.0}, {"n": 2, "wall_ms": -1.0}, {"n": 3, "wall_ms": 2.0}])
+
+
+# ---- the profile ------------------------------------------------------------------------------
+def _profile_dict():
+    return {
+        "version": 1, "model": "qwen2.5-1.5b", "hardware": {"gpu": "NVIDIA H200", "cpu_model": "x"},
+        "engine_config": {"max_num_batched_tokens": 8192}, "commit": "abc123",
+        "alpha_ms_per_token": 0.005, "prefill_fixed_ms": 2.0, "prefill_quadratic_ms": 1e-7,
+        "beta_ms": {"fixed_ms": 2.5, "per_seq_ms_below": 0.01, "per_seq_ms_above": 0.03,
+                    "per_context_token_ms": 2e-5},
+        "batch_threshold": 64, "gamma_ms_per_token": 0.012, "transfer_gb_per_s": 20.0,
+        "transfer_fixed_ms": 0.5, "kv_bytes_per_token": 28672,
+        "fit": {t: {"n_samples": 3, "heldout_mean_abs_rel_err": 0.02,
+                    "heldout_max_abs_rel_err": 0.05} for t in ("prefill", "decode", "mixed",
+                                                                "transfer")},
+        "samples": {"prefill": []}, "notes": ["kept as an extra"]}
+
+
+def test_formulas_by_hand():
+    p = CostProfile.from_json(_profile_dict())
+    assert p.prefill_ms(1000) == pytest.approx(2.0 + 5.0 + 0.1)
+    # b = 100 over a knee of 64: 2.5 + 0.01*64 + 0.03*36 + 2e-5*50000 = 2.5+0.64+1.08+1.0
+    assert p.decode_ms(100, 50_000) == pytest.approx(5.22)
+    assert p.decode_ms(10, 0) == pytest.approx(2.6)
+    assert p.mixed_ms(100, 50_000, 256) == pytest.approx(5.22 + 3.072)
+    assert p.mixed_ms(0, 0, 1000) == pytest.approx(7.1)
+    # 2048 tokens * 28672 B = 58.72 MB at 20 GB/s = 2.936 ms, + 0.5
+    assert p.transfer_ms(2048) == pytest.approx(0.5 + 2.9360128)
+    with pytest.raises(ValueError, match="b must be"):
+        p.decode_ms(0, 0)
+    assert p.hardware_label == "NVIDIA H200"
+
+
+def test_profile_round_trips_through_a_file(tmp_path):
+    p = CostProfile.from_json(_profile_dict())
+    path = p.save(tmp_path / "p.json")
+    q = CostProfile.from_json(path, model="qwen2.5-1.5b", hardware="NVIDIA H200")
+    assert q == p and q.extra == {"notes": ["kept as an extra"]}
+    assert json.loads((tmp_path / "p.json").read_text()) == _profile_dict()
+
+
+def _set(d, path, value):
+    *head, last = path.split(".")
+    for k in head:
+        d = d[k]
+    if value is KeyError:
+        del d[last]
+    else:
+        d[last] = value
+
+
+BAD = [
+    ("alpha_ms_per_token", KeyError, "alpha_ms_per_token is missing"),
+    ("beta_ms.per_seq_ms_above", KeyError, "beta_ms.per_seq_ms_above is missing"),
+    ("fit.mixed", KeyError, "fit.mixed must be an object"),
+    ("fit.decode.heldout_max_abs_rel_err", KeyError, "fit.decode.heldout_max_abs_rel_err is missing"),
+    ("gamma_ms_per_token", "0.1", "gamma_ms_per_token must be a number"),
+    ("prefill_fixed_ms", True, "prefill_fixed_ms must be a number"),
+    ("prefill_quadratic_ms", -1e-9, "prefill_quadratic_ms must be >= 0"),
+    ("beta_ms.fixed_ms", -0.1, "beta_ms.fixed_ms must be >= 0"),
+    ("alpha_ms_per_token", float("nan"), "alpha_ms_per_token must be finite"),
+    ("transfer_fixed_ms", float("inf"), "transfer_fixed_ms must be finite"),
+    ("transfer_gb_per_s", 0.0, "transfer_gb_per_s must be > 0"),
+    ("batch_threshold", 0, "batch_threshold must be >= 1"),
+    ("batch_threshold", 32.0, "batch_threshold must be an integer"),
+    ("kv_bytes_per_token", 0, "kv_bytes_per_token must be >= 1"),
+    ("version", 2, "version must be 1"),
+    ("model", "", "model must be a non-empty string"),
+    ("engine_config", [], "engine_config must be an object"),
+    ("fit.prefill.n_samples", -1, "fit.prefill.n_samples must be an integer >= 0"),
+    ("fit.transfer.heldout_mean_abs_rel_err", float("nan"),
+     "fit.transfer.heldout_mean_abs_rel_err must be finite"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD, ids=[f"{b[0]}={b[1]}" for b in BAD])
+def test_bad_profile_files_are_refused_naming_the_field_and_the_file(tmp_path, field, value,
+                                                                     message):
+    d = _profile_dict()
+    _set(d, field, value)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))       # NaN / Infinity written as JSON's extension
+    with pytest.raises(ValueError) as e:
+        CostProfile.from_json(path)
+    assert message in str(e.value) and str(path) in str(e.value)
+
+
+def test_another_models_or_machines_profile_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile_dict()))
+    with pytest.raises(ValueError, match=f"{path}: model is 'qwen2.5-1.5b'.*'qwen2.5-7b'"):
+        CostProfile.from_json(path, model="qwen2.5-7b")
+    with pytest.raises(ValueError, match="hardware is 'NVIDIA H200'.*'cpu: Xeon'"):
+        CostProfile.from_json(path, hardware={"cpu_model": "Xeon"})
+    with pytest.raises(ValueError, match="not JSON"):
+        (tmp_path / "broken.json").write_text("{")
+        CostProfile.from_json(tmp_path / "broken.json")
+    with pytest.raises(ValueError, match="cannot read"):
+        CostProfile.from_json(tmp_path / "absent.json")
+    assert hardware_label({"cpu_model": "Xeon"}) == "cpu: Xeon"
+
+
+def test_profile_from_samples_and_refit():
+    pre, *_ = _prefill_rows(2.0, 0.006, 1.5e-7, seed=9)
+    dec, *_ = _decode_rows(seed=10)
+    mix = [{"b": 32, "ctx_sum": 32 * 1024, "n": 256, "wall_ms": 6.0},
+           {"b": 64, "ctx_sum": 64 * 1024, "n": 512, "wall_ms": 9.0}]
+    est = {"transfer_fixed_ms": 0.0, "transfer_gb_per_s": 5.0, "kv_bytes_per_token": 100,
+           "note": "no second worker: the device copy bandwidth"}
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
+                             hardware="cpu: x", engine_config={}, commit="c",
+                             transfer_estimate=est)
+    assert p.fit["transfer"]["source"] == "estimate" and p.fit["transfer"]["n_samples"] == 0
+    assert p.fit["transfer"]["note"].startswith("no second worker")
+    again = refit(CostProfile.from_json(p.to_dict()))
+    assert again == p
+    with pytest.raises(ValueError, match="say where"):
+        profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
+                             hardware="cpu: x", engine_config={}, commit="c",
+                             transfer_estimate={**est, "note": ""})
+    assert cost_fit.MIN_ROWS["decode"] == 4 and math.isfinite(p.gamma_ms_per_token)
