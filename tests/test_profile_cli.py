@@ -45,6 +45,7 @@ def test_quick_profile_loads_and_matches_its_row_set(quick):
     d = json.loads(out.read_text())
     assert d["command"][:2] == ["pdserve", "profile"] and d["preset"] == "cpu-quick"
     assert p.commit and p.engine_config["device"] == "cpu" and not p.engine_config["async_scheduling"]
+    assert p.engine_config["enable_prefix_caching"] is False   # every step and pull whole
     s = p.samples
     assert sorted(r["n"] for r in s["prefill"]) == sorted(QUICK["prefill_tokens"])
     assert sorted((r["b"], r["context"]) for r in s["decode"]) == sorted(

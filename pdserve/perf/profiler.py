@@ -57,12 +57,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                        decode_batches=[1, 16, 64, 128, 256], contexts=[512, 2048],
                        mixed_context=1024, mixed=["32:256", "128:256", "128:1024", "64:2048"],
                        transfer_tokens=[512, 2048, 8192], reps=5, warmup=2, transfer_reps=3),
+    # CPU (the embedded 135M model, one thread): a step costs ~0.1-0.6 s and other work on the
+    # machine makes single steps noisy, so rows stay small and reps are what buy precision.
     "cpu": dict(prefill_tokens=[16, 32, 64, 128, 192, 256], decode_batches=[1, 2, 4, 8, 16],
                 contexts=[32, 128], mixed_context=32, mixed=["2:16", "4:32", "8:16", "8:64"],
-                transfer_tokens=[32, 128, 256, 512], reps=3, warmup=1, transfer_reps=3),
+                transfer_tokens=[16, 64, 128, 256, 512], reps=6, warmup=1, transfer_reps=4),
     "cpu-quick": dict(prefill_tokens=[16, 32, 64, 96, 128], decode_batches=[1, 2, 4, 8],
                       contexts=[16, 64], mixed_context=16, mixed=["2:16", "4:32", "8:16"],
-                      transfer_tokens=[32, 96, 192], reps=2, warmup=1, transfer_reps=2),
+                      transfer_tokens=[16, 48, 96, 192], reps=4, warmup=1, transfer_reps=3),
 }
 
 
@@ -347,6 +349,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     a = resolve(args, device.type)
     a.device = str(device)
+    notes = ["steps run synchronously (async scheduling off), each with a device sync around it",
+             "times are the median over a row's reps; the fits weight each row by 1 / its time"]
+    if device.type == "cpu" and a.threads is None:
+        # what each worker of a 1P1D deployment on this host gets (plan_workers' share), the
+        # deployments whose paths the profile compares
+        a.threads = max(1, len(os.sched_getaffinity(0)) // 2)
+        notes.append(f"CPU: {a.threads} torch thread(s), each worker's share of the cores in a "
+                     "1P1D deployment on this host (--threads to change)")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     label = a.model or EMBEDDED
@@ -357,10 +367,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if ns.max_num_seqs is None:
         ns.max_num_seqs = seqs
     ns.skip_tokenizer_init, ns.async_scheduling = True, False
+    # a cached prefix (a random prompt sharing its first tokens with an earlier one) would
+    # shorten the step or the pull being timed
+    ns.enable_prefix_caching = False
+    notes.append("prefix caching off in the engines measured: each step and each pull moves "
+                 "the whole prompt")
     cfg = engine_config(ns)
     hw_start = hardware_info()
-    notes = ["steps run synchronously (async scheduling off), each with a device sync around it",
-             "times are the median over a row's reps; the fits weight each row by 1 / its time"]
     t0 = time.perf_counter()
     with CpuUsage() as usage:
         rows, facts, kvb = _step_rows(a, cfg, label)
