@@ -37,9 +37,7 @@ from typing import Any
 
 from ..args import add_engine_args, engine_config
 from .cost_fit import profile_from_samples
-from .cost_profile import CostProfile, hardware_label
-
-EMBEDDED = "embedded"   # the profile's model name for the embedded SmolLM2 (model=None)
+from .cost_profile import CostProfile, hardware_label, model_name
 _EXCLUDED = ("--skip-tokenizer-init", "--tensor-parallel-size", "--distributed-executor-backend",
              "--disable-custom-all-reduce", "--no-async-scheduling")
 
@@ -238,7 +236,8 @@ def _transfer_rows(a, cfg, kvb: int) -> tuple[list[dict], dict[str, Any]]:
         specs = [dataclasses.replace(s, config=dataclasses.replace(
             s.config, kv_cache_memory_gb=a.transfer_kv_gb)) for s in specs]
         if torch.cuda.device_count() < 2:   # both workers on the one GPU
-            specs = [dataclasses.replace(s, config=dataclasses.replace(s.config, device=str(dev)))
+            one = f"cuda:{dev.index or 0}"
+            specs = [dataclasses.replace(s, config=dataclasses.replace(s.config, device=one))
                      for s in specs]
         info["devices"] = [s.config.device for s in specs]
         info["note"] = ("both workers on one GPU (CUDA IPC, same-device pull)"
@@ -359,7 +358,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "1P1D deployment on this host (--threads to change)")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
-    label = a.model or EMBEDDED
+    label = model_name(a.model)
     budget, seqs = _budget(a)
     ns = argparse.Namespace(**vars(a))
     if ns.max_num_batched_tokens is None:
