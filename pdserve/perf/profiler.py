@@ -191,8 +191,11 @@ def _step_rows(a, cfg, label: str) -> tuple[list[dict], dict[str, Any], int]:
                  "use_cuda_graphs": cfg.use_cuda_graphs, **_graph_info(eng)}
         print(_HEADER, flush=True)
         rows = []
+        # decode rows alternate contexts at each batch size: a machine whose speed drifts
+        # (other work on a CPU host) then shifts neighbouring contexts alike, instead of
+        # passing for a context cost
         todo = ([(bench.prefill, (n,)) for n in a.prefill_tokens]
-                + [(bench.decode, (b, c)) for c in a.contexts for b in a.decode_batches]
+                + [(bench.decode, (b, c)) for b in a.decode_batches for c in a.contexts]
                 + [(bench.mixed, (b, a.mixed_context, n)) for b, n in a.mixed_pairs])
         for make, params in todo:
             gc.collect()
