@@ -20,7 +20,8 @@ CONTEXT, CHUNK, BUDGET = 32, 16, 32
 
 class ForwardLog:
     """Every forward's (end time, prompt tokens, prompt sequences, decoding sequences, the
-    prompt chunks' token ids), counted from the scheduler's chunks."""
+    prompt chunks' token ids, the positions the decoding sequences attend over), counted from
+    the scheduler's chunks."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -37,7 +38,8 @@ class ForwardLog:
             assert all(len(c.token_ids) == 1 for c in dec)
             self.times.append(time.monotonic())
             self.entries.append((sum(len(c.token_ids) for c in pre), len(pre), len(dec),
-                                 [tuple(c.token_ids) for c in pre]))
+                                 [tuple(c.token_ids) for c in pre],
+                                 sum(c.start_pos + 1 for c in dec)))
             return res
         return execute
 
@@ -110,7 +112,7 @@ def test_prefill_rows_time_one_lone_prefill(run):
         _check_timing(r)
         prompts = []
         for t in r["samples"]["t"]:
-            tokens, seqs, decodes, chunks = log.at(t)
+            tokens, seqs, decodes, chunks, _ = log.at(t)
             assert (tokens, seqs, decodes) == (n, 1, 0)
             prompts.append(chunks[0])
         assert len(set(prompts)) == len(prompts)   # a fresh prompt every rep
@@ -135,16 +137,19 @@ def test_decode_rows_time_decode_only_steps(run):
         r = rows[(0, b)]
         assert r["context"] == CONTEXT
         _check_timing(r)
-        for t in r["samples"]["t"]:
+        for t, ctx in zip(r["samples"]["t"], r["samples"]["ctx_sum"]):
             assert log.at(t)[:3] == (0, 0, b)
+            assert log.at(t)[4] == ctx     # the context the row says its decodes attended over
+        assert CONTEXT * b < r["ctx_sum"] == sum(r["samples"]["ctx_sum"]) / 2
 
 
 def test_mixed_row_times_decodes_plus_one_chunk(run):
     _, payload, log = run
     r = _rows(payload, "mixed")[(CHUNK, 2)]
     _check_timing(r)
-    for t in r["samples"]["t"]:
+    for t, ctx in zip(r["samples"]["t"], r["samples"]["ctx_sum"]):
         assert log.at(t)[:3] == (CHUNK, 1, 2)
+        assert log.at(t)[4] == ctx
     for t in r["decode_samples"]["t"]:                # the decode-only steps beside them
         assert log.at(t)[:3] == (0, 0, 2)
     assert r["decode_wall_ms"] > 0 and r["decode_gpu_ms"] is None

@@ -136,6 +136,31 @@ def test_decode_finds_the_knee_and_recovers_beta():
     assert all(v >= 0 for v in got["beta_ms"].values())
 
 
+def test_noise_free_timings_are_fitted_exactly():
+    """Times computed from the formulas themselves: every term comes back to 1e-6 and every
+    held-out row is predicted exactly."""
+    pre = fit_prefill(_prefill_rows(2.0, 0.006, 1.5e-7, seed=0, sigma=0)[0])
+    for k, v in (("prefill_fixed_ms", 2.0), ("alpha_ms_per_token", 0.006),
+                 ("prefill_quadratic_ms", 1.5e-7)):
+        assert pre[k] == pytest.approx(v, rel=1e-6)
+    rows, *_ = _decode_rows(seed=0, sigma=0)
+    dec = fit_decode(rows)
+    assert dec["batch_threshold"] == KNEE
+    for k, v in DECODE_TRUE.items():
+        assert dec["beta_ms"][k] == pytest.approx(v, rel=1e-6), k
+    mix = [{"b": b, "ctx_sum": b * 300, "n": n,
+            "wall_ms": float(_decode_mu(b, b * 300)) + 0.02 * n} for b, n in ((4, 64), (100, 512))]
+    assert fit_mixed(mix, dec)["gamma_ms_per_token"] == pytest.approx(0.02, rel=1e-6)
+    faster = [{**r, "wall_ms": r["wall_ms"] - 0.03 * r["n"]} for r in mix]   # below decode
+    assert fit_mixed(faster, dec)["gamma_ms_per_token"] == 0.0               # clipped, not < 0
+    tr = fit_transfer([{"tokens": t, "bytes": t * 1000, "ms": 0.25 + t * 1000 / 8e6}
+                       for t in (10, 100, 1000)])
+    assert tr["transfer_fixed_ms"] == pytest.approx(0.25, rel=1e-6)
+    assert tr["transfer_gb_per_s"] == pytest.approx(8.0, rel=1e-6)
+    for part in (pre, dec, tr):
+        assert part["fit"]["heldout_max_abs_rel_err"] < 1e-6
+
+
 def test_decode_needs_two_contexts():
     rows, *_ = _decode_rows(seed=4, contexts=(1024,))
     with pytest.raises(ValueError, match="2 contexts"):
@@ -180,6 +205,25 @@ def test_transfer_recovers_fixed_cost_and_bandwidth():
     slope = 1 / (gbps * 1e6)
     assert abs(1 / (got["transfer_gb_per_s"] * 1e6) - slope) <= TOL_SE * se[1]
     assert got["fit"]["source"] == "measured" and got["fit"]["n_samples"] == 5
+
+
+def test_transfer_fallbacks():
+    # times that fall as transfers grow: no per-byte cost >= 0 explains them, so the fit goes
+    # through the origin: argmin sum(((s x - y) / y)^2) = sum(x / y) / sum(x^2 / y^2)
+    x = np.array([1e6, 2e6, 4e6])
+    y = np.array([2.0, 1.5, 1.0])
+    rows = [{"tokens": int(b // 100), "bytes": int(b), "ms": float(t)} for b, t in zip(x, y)]
+    got = fit_transfer(rows)
+    s = np.sum(x / y) / np.sum(x * x / (y * y))
+    assert got["transfer_fixed_ms"] == 0.0 and "origin" in got["fit"]["note"]
+    assert got["transfer_gb_per_s"] == pytest.approx(1 / (s * 1e6), rel=1e-9)
+    # rows carrying the engine's KV bytes per token: that figure is used, not the bytes moved
+    # (a pull of whole blocks moves more than the prompt's tokens)
+    rows = [{"tokens": t, "bytes": -(-t // 16) * 16 * 50, "ms": 0.1 + t * 50 / 1e6,
+             "kv_bytes_per_token": 50} for t in (10, 100, 1000)]
+    got = fit_transfer(rows)
+    assert got["kv_bytes_per_token"] == 50
+    assert got["transfer_gb_per_s"] == pytest.approx(1.0, rel=1e-6)
 
 
 def test_fit_rows_are_checked():
@@ -245,7 +289,8 @@ BAD = [
     ("alpha_ms_per_token", KeyError, "alpha_ms_per_token is missing"),
     ("beta_ms.per_seq_ms_above", KeyError, "beta_ms.per_seq_ms_above is missing"),
     ("fit.mixed", KeyError, "fit.mixed must be an object"),
-    ("fit.decode.heldout_max_abs_rel_err", KeyError, "fit.decode.heldout_max_abs_rel_err is missing"),
+    ("fit.decode.heldout_max_abs_rel_err", KeyError,
+     "fit.decode.heldout_max_abs_rel_err is missing"),
     ("gamma_ms_per_token", "0.1", "gamma_ms_per_token must be a number"),
     ("prefill_fixed_ms", True, "prefill_fixed_ms must be a number"),
     ("prefill_quadratic_ms", -1e-9, "prefill_quadratic_ms must be >= 0"),

@@ -21,7 +21,9 @@ recorded as if it were the step meant.
 Row fields: model, kind, num_tokens (prompt tokens the step fed: N, 0 or the chunk),
 num_decodes (decoding sequences: 0 or B), context (C, the decoding requests' prompt length;
 0 for prefill; the requests prefilled first have decoded a few tokens more by the time the
-timed steps start, at most the number of prefill steps), wall_ms with
+timed steps start, at most the number of prefill steps; decode and mixed rows also carry
+ctx_sum, the tokens the decoding requests attend over in a timed step, read from the engine's
+scheduler, mean over the reps), wall_ms with
 wall_ms_p10 / wall_ms_p90, gpu_ms, host_share, reps; record_wall_ms (the engine's own
 step time, without the syncs) and `samples` (each timed rep's numbers); mixed rows add
 decode_wall_ms / decode_gpu_ms / mixed_over_decode. Rows that do not fit the engine
@@ -183,15 +185,16 @@ class StepBench:
             raise StepMismatch("the step ran " + ", ".join(bad))
         return wall, rec
 
-    def _prefill_steps(self, b: int) -> int:
-        """At most how many steps prefilling b requests of --context tokens takes (the ones
-        done first decode meanwhile, one token a step, out of the budget)."""
-        return math.ceil(b * self.args.context / max(1, self.budget - b)) + b + 8
+    def _prefill_steps(self, b: int, context: int | None = None) -> int:
+        """At most how many steps prefilling b requests of `context` (default --context) tokens
+        takes (the ones done first decode meanwhile, one token a step, out of the budget)."""
+        c = self.args.context if context is None else context
+        return math.ceil(b * c / max(1, self.budget - b)) + b + 8
 
-    def _prefill_all(self, ids: list[str]) -> None:
+    def _prefill_all(self, ids: list[str], context: int | None = None) -> None:
         """Step until every request in ids has its first token."""
         waiting = set(ids)
-        limit = self._prefill_steps(len(ids))
+        limit = self._prefill_steps(len(ids), context)
         for _ in range(limit):
             for out in self.eng.step():
                 if out.outputs and out.outputs[0].token_ids:
@@ -280,14 +283,34 @@ class StepBench:
             return self._summary(samples)
         return self._run_row(row, body)
 
-    def _start_decodes(self, ids: list[str], b: int, max_tokens: int) -> None:
-        ids.extend(self._add(p, max_tokens) for p in self._prompts(b, self.args.context))
-        self._prefill_all(ids)
+    def _start_decodes(self, ids: list[str], b: int, max_tokens: int, context: int) -> None:
+        ids.extend(self._add(p, max_tokens) for p in self._prompts(b, context))
+        self._prefill_all(ids, context)
 
-    def decode(self, b: int) -> dict:
-        c, steps = self.args.context, self.args.warmup + self.args.reps
+    def _ctx_sum(self, ids: list[str]) -> int | None:
+        """The tokens the decoding requests in ids attend over in the next step (prompt and
+        output so far, the token fed included), read from the engine's scheduler; None where
+        the engine has none to read."""
+        reqs = getattr(getattr(self.eng, "scheduler", None), "requests", None)
+        if reqs is None:
+            return None
+        want = set(ids)   # the scheduler keys a request's sequences "<request id>#<index>"
+        seqs = [r for k, r in reqs.items() if k.rpartition("#")[0] in want or k in want]
+        return sum(r.num_tokens for r in seqs) if len(seqs) == len(want) else None
+
+    @staticmethod
+    def _with_ctx(out: dict, ctx: list[int | None]) -> dict:
+        if all(c is not None for c in ctx) and ctx:
+            out["ctx_sum"] = statistics.mean(ctx)
+            out["samples"]["ctx_sum"] = ctx
+        return out
+
+    def decode(self, b: int, context: int | None = None) -> dict:
+        """Decode-only steps of b requests at `context` prompt tokens (default --context)."""
+        c = self.args.context if context is None else context
+        steps = self.args.warmup + self.args.reps
         row = self._base("decode", 0, b, c)
-        max_tokens = self._prefill_steps(b) + steps + 2   # (never reached: aborted first)
+        max_tokens = self._prefill_steps(b, c) + steps + 2   # (never reached: aborted first)
         seq_len = c + max_tokens
         why = self._unfit(step_tokens=b, seqs=b, seq_len=seq_len, blocks=b * self._blocks(seq_len))
         if why:
@@ -296,23 +319,29 @@ class StepBench:
                 "num_waiting": 0}
 
         def body(ids):
-            self._start_decodes(ids, b, max_tokens)
-            samples = []
+            self._start_decodes(ids, b, max_tokens, c)
+            samples, ctx = [], []
             for i in range(steps):
+                before = self._ctx_sum(ids)
                 try:
                     sample = self._timed_step(want)
                 except StepMismatch as e:
                     raise StepMismatch(f"rep {i}: {e}") from None
                 if i >= self.args.warmup:
                     samples.append(sample)
-            return self._summary(samples)
+                    ctx.append(before)
+            return self._with_ctx(self._summary(samples), ctx)
         return self._run_row(row, body)
 
-    def mixed(self, b: int) -> dict:
+    def mixed(self, b: int, context: int | None = None, chunk: int | None = None) -> dict:
+        """Steps of b decodes at `context` (default --context) plus one new prompt of `chunk`
+        (default --chunk) tokens, each beside a decode-only step at the same b."""
         a = self.args
-        c, k, steps = a.context, a.chunk, a.warmup + a.reps
+        c = a.context if context is None else context
+        k = a.chunk if chunk is None else chunk
+        steps = a.warmup + a.reps
         row = self._base("mixed", k, b, c)
-        max_tokens = self._prefill_steps(b) + 2 * steps + 2
+        max_tokens = self._prefill_steps(b, c) + 2 * steps + 2
         seq_len = max(c + max_tokens, k + 1)
         why = self._unfit(step_tokens=b + k, seqs=b + 1, seq_len=seq_len,
                           blocks=b * self._blocks(seq_len) + self._blocks(k + 1))
@@ -324,11 +353,12 @@ class StepBench:
                     "num_waiting": 0}
 
         def body(ids):
-            self._start_decodes(ids, b, max_tokens)
-            mixed, decode = [], []
+            self._start_decodes(ids, b, max_tokens, c)
+            mixed, decode, ctx = [], [], []
             for i in range(steps):
                 try:
                     dec = self._timed_step(want_dec)
+                    before = self._ctx_sum(ids)   # (the b decodes; the new prompt not added yet)
                     ids.append(self._add(self._prompts(1, k)[0], max_tokens=2))
                     mix = self._timed_step(want_mix)
                 except StepMismatch as e:
@@ -337,7 +367,8 @@ class StepBench:
                 if i >= a.warmup:
                     mixed.append(mix)
                     decode.append(dec)
-            out = self._summary(mixed)
+                    ctx.append(before)
+            out = self._with_ctx(self._summary(mixed), ctx)
             d = self._summary(decode)
             out.update(decode_wall_ms=d["wall_ms"], decode_gpu_ms=d["gpu_ms"],
                        decode_host_share=d["host_share"],

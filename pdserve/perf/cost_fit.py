@@ -20,7 +20,9 @@ matters from 3 ms steps to 60 ms ones alike):
               (>= 1.5x between the smallest and the largest).
     mixed     gamma = LS over rows of (wall - decode model at (b, ctx_sum)) on n (no
               intercept), clipped at 0.
-    transfer  ms ~ [1, bytes]; GB/s = 1 / (ms per byte * 1e6). If the per-byte coefficient
+    transfer  ms ~ [1, tokens * kv_bytes_per_token] (the rows' own kv_bytes_per_token where they
+              carry it, else the median bytes moved per token); GB/s = 1 / (ms per byte * 1e6).
+              If the per-byte coefficient
               comes out 0 the fit is redone through the origin (no fixed cost; said in "note").
 
 Held-out error: leave-one-out over the rows. Each row is predicted by the whole procedure
@@ -261,9 +263,15 @@ def fit_transfer(rows: list[dict]) -> dict[str, Any]:
         raise ValueError("transfer fit: every row needs tokens > 0 and bytes > 0")
     if len({r["bytes"] for r in rows}) < 2:
         raise ValueError("transfer fit: needs transfers of >= 2 sizes")
-    fixed, per_byte, note = _transfer_coef(rows)
     per_token = [r["bytes"] / r["tokens"] for r in rows]
-    kvb = int(round(float(np.median(per_token))))
+    given = {r.get("kv_bytes_per_token") for r in rows}
+    if len(given) == 1 and isinstance(next(iter(given)), int) and next(iter(given)) > 0:
+        kvb = next(iter(given))           # the engine's own figure, recorded on every row
+    else:
+        kvb = int(round(float(np.median(per_token))))
+    # regress on tokens * kv_bytes_per_token: what transfer_ms(tokens) evaluates
+    rows = [{**r, "bytes": r["tokens"] * kvb, "bytes_moved": r["bytes"]} for r in rows]
+    fixed, per_byte, note = _transfer_coef(rows)
 
     def fit(train):
         f, s, _ = _transfer_coef(train)
@@ -272,8 +280,7 @@ def fit_transfer(rows: list[dict]) -> dict[str, Any]:
                             "source": "measured"}
     if note:
         info["note"] = note
-    if max(per_token) - min(per_token) > 0.01 * kvb:
-        info["kv_bytes_per_token_spread"] = [min(per_token), max(per_token)]
+    info["bytes_moved_per_token"] = [round(min(per_token), 2), round(max(per_token), 2)]
     return {"transfer_fixed_ms": fixed, "transfer_gb_per_s": 1.0 / (per_byte * 1e6),
             "kv_bytes_per_token": kvb, "fit": info}
 

@@ -40,6 +40,16 @@ _REQUIRED = ("version", "model", "hardware", "engine_config", "commit", *_NONNEG
              "batch_threshold", "transfer_gb_per_s", "kv_bytes_per_token", "fit", "samples")
 
 
+EMBEDDED = "embedded"
+
+
+def model_name(model: str | None) -> str:
+    """The `model` a profile of EngineConfig.model records (and is matched against): the
+    --model string as given (a preset, a folder, a .gguf file), "embedded" for the embedded
+    SmolLM2 (model None)."""
+    return EMBEDDED if model is None else model
+
+
 def hardware_label(hardware: Any) -> str:
     """A short name of a machine for matching profiles: the GPU's name where hardware_info saw
     one, else "cpu: <cpu model>"; a string is its own label."""
@@ -49,7 +59,8 @@ def hardware_label(hardware: Any) -> str:
         if hardware.get("gpu"):
             return str(hardware["gpu"])
         return f"cpu: {hardware.get('cpu_model', 'unknown')}"
-    raise ValueError(f"hardware must be a label or a hardware_info dict, got {type(hardware).__name__}")
+    raise ValueError("hardware must be a label or a hardware_info dict, got "
+                     f"{type(hardware).__name__}")
 
 
 def _is_number(v: Any) -> bool:
@@ -88,7 +99,8 @@ class CostProfile:
     def prefill_ms(self, n: float) -> float:
         """One step prefilling n prompt tokens, nothing else in it."""
         self._count("n", n, 0)
-        return self.prefill_fixed_ms + self.alpha_ms_per_token * n + self.prefill_quadratic_ms * n * n
+        return (self.prefill_fixed_ms + self.alpha_ms_per_token * n
+                + self.prefill_quadratic_ms * n * n)
 
     def decode_ms(self, b: float, ctx_sum: float) -> float:
         """One decode-only step of b >= 1 sequences whose contexts sum to ctx_sum tokens."""
@@ -143,8 +155,8 @@ class CostProfile:
                   hardware: Any = None) -> "CostProfile":
         """A profile from a JSON file (or an already-parsed dict), checked: every term present,
         of its type, finite and in range; when model / hardware are given (a label or a
-        hardware_info dict), the profile must be of that model and machine. ValueError naming
-        the field and the file otherwise."""
+        hardware_info dict), the profile must be of that model (model_name(config.model)) and
+        machine (hardware_label). ValueError naming the field and the file otherwise."""
         if isinstance(source, Mapping):
             where, data = "<dict>", dict(source)
         else:

@@ -1,0 +1,437 @@
+"""`pdserve profile`: measure what steps and KV hand-offs cost on the real engine, fit the
+cost-model terms (cost_fit.py) and write a CostProfile (cost_profile.py) as JSON.
+
+What runs, in order:
+  1. one in-process engine (the engine flags given; async scheduling off, so one step() is one
+     step), timed by `pdserve bench step`'s StepBench (a device sync around every timed step,
+     each step checked against its StepRecord):
+       prefill  one lone prefill step per prompt length (--prefill-tokens)
+       decode   decode-only steps for each batch size (--decode-batches) at each context
+                (--contexts); ctx_sum read from the engine's scheduler
+       mixed    b decodes at --mixed-context plus one n-token prompt, per B:N in --mixed
+  2. the KV hand-off: a 1-prefill / 1-decode deployment of the same engine config with the
+     connector given (--kv-connector, default "shared": a shared file on CPU, CUDA IPC on one
+     GPU, the peer / relay path across GPUs), one request of each --transfer-tokens length at
+     a time; the decode worker reports the bytes it pulled and the pull's time. On one GPU both
+     workers share it (each with --transfer-kv-gb of KV pool). If the deployment cannot run,
+     the file says why and the transfer terms are an estimate that says what it is.
+  3. the fits, a table of term / value / held-out error, and the JSON (--output).
+
+Row sets (prefill lengths, batches, contexts, ...) default to one of three presets, by device
+and --quick; any flag given replaces its preset value. `--quick` on CPU with the embedded model
+is sized to finish in under two minutes on a 2-core machine.
+
+The module imports no torch itself until run() (pdserve.perf stays plain to import).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+from ..args import add_engine_args, engine_config
+from .cost_fit import profile_from_samples
+from .cost_profile import CostProfile, hardware_label, model_name
+_EXCLUDED = ("--skip-tokenizer-init", "--tensor-parallel-size", "--distributed-executor-backend",
+             "--disable-custom-all-reduce", "--no-async-scheduling")
+
+# Row sets. GPU sizes follow bench step's defaults and what an H200 step costs (a 1.5B model:
+# lone prefill 3 ms at 256 tokens .. 59 ms at 8192; decode 2.7 ms at batch 1 .. 9.6 ms at 256).
+PRESETS: dict[str, dict[str, Any]] = {
+    "cuda": dict(prefill_tokens=[128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192],
+                 decode_batches=[1, 8, 16, 32, 48, 64, 96, 128, 192, 256],
+                 contexts=[256, 1024, 4096], mixed_context=1024,
+                 mixed=["8:256", "32:256", "32:1024", "64:512", "128:256", "128:1024", "128:2048",
+                        "256:512"],
+                 transfer_tokens=[256, 1024, 2048, 4096, 8192], reps=10, warmup=3,
+                 transfer_reps=5),
+    "cuda-quick": dict(prefill_tokens=[256, 1024, 2048, 4096, 8192],
+                       decode_batches=[1, 16, 64, 128, 256], contexts=[512, 2048],
+                       mixed_context=1024, mixed=["32:256", "128:256", "128:1024", "64:2048"],
+                       transfer_tokens=[512, 2048, 8192], reps=5, warmup=2, transfer_reps=3),
+    # CPU (the embedded 135M model, one thread): a step costs ~0.1-0.6 s and other work on the
+    # machine makes single steps noisy, so rows stay small and reps are what buy precision.
+    "cpu": dict(prefill_tokens=[16, 32, 64, 128, 192, 256], decode_batches=[1, 2, 4, 8, 16],
+                contexts=[32, 128], mixed_context=32, mixed=["2:16", "4:32", "8:16", "8:64"],
+                transfer_tokens=[16, 64, 128, 256, 512], reps=6, warmup=1, transfer_reps=4),
+    "cpu-quick": dict(prefill_tokens=[16, 32, 64, 96, 128], decode_batches=[1, 2, 4, 8],
+                      contexts=[16, 64], mixed_context=16, mixed=["2:16", "4:32", "8:16"],
+                      transfer_tokens=[16, 48, 96, 192], reps=4, warmup=1, transfer_reps=3),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve profile",
+        description="Time lone prefill, decode and mixed steps and the KV hand-off on the real "
+                    "engine; fit the cost-model terms (alpha, beta with batch_threshold, gamma, "
+                    "transfer bandwidth) with held-out errors; write them as one JSON profile.")
+    w = p.add_argument_group("rows (default: a preset by device and --quick)")
+    w.add_argument("--quick", action="store_true",
+                   help="a small row set (CPU + embedded model: under two minutes on 2 cores)")
+    w.add_argument("--prefill-tokens", type=int, nargs="+", default=None)
+    w.add_argument("--decode-batches", type=int, nargs="+", default=None)
+    w.add_argument("--contexts", type=int, nargs="+", default=None,
+                   help="prompt tokens of the decoding requests (>= 2 values: the context term)")
+    w.add_argument("--mixed", nargs="+", default=None, metavar="B:N",
+                   help="mixed steps: B decodes plus an N-token prompt")
+    w.add_argument("--mixed-context", type=int, default=None,
+                   help="prompt tokens of the mixed rows' decoding requests")
+    w.add_argument("--transfer-tokens", type=int, nargs="+", default=None,
+                   help="prompt lengths handed off from a prefill to a decode worker")
+    w.add_argument("--reps", type=int, default=None, help="timed steps per row")
+    w.add_argument("--warmup", type=int, default=None, help="untimed (but checked) steps per row")
+    w.add_argument("--transfer-reps", type=int, default=None,
+                   help="timed hand-offs per length (after one untimed)")
+    t = p.add_argument_group("KV transfer")
+    t.add_argument("--kv-connector", default="shared",
+                   help="connector of the measured hand-off (shared, relay, torch-dist, nccl, or "
+                        "a package.module:Class plugin)")
+    t.add_argument("--no-transfer", action="store_true",
+                   help="do not measure the hand-off: the transfer terms are an estimate from "
+                        "the device copy bandwidth (said in the file)")
+    t.add_argument("--transfer-kv-gb", type=float, default=4.0,
+                   help="CUDA: KV pool of each of the two transfer workers (they may share a GPU)")
+    add_engine_args(p, exclude=_EXCLUDED)
+    p.set_defaults(device=None, max_num_batched_tokens=None, max_num_seqs=None)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--output", default=None,
+                   help="JSON path (default: profile-<model>-<hardware>.json here)")
+    return p
+
+
+def _pair(s: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", s)
+    if not m:
+        raise ValueError(f"--mixed takes B:N pairs (decodes:chunk tokens), got {s!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def resolve(a: argparse.Namespace, device_type: str) -> argparse.Namespace:
+    """a with every unset row option taken from the preset for device_type and --quick, and
+    checked (ValueError for a bad value)."""
+    preset = PRESETS[("cuda" if device_type == "cuda" else "cpu") + ("-quick" if a.quick else "")]
+    out = argparse.Namespace(**vars(a))
+    for k, v in preset.items():
+        if getattr(out, k) is None:
+            setattr(out, k, v)
+    out.preset = ("cuda" if device_type == "cuda" else "cpu") + ("-quick" if a.quick else "")
+    out.mixed_pairs = [_pair(s) for s in out.mixed]
+    for name in ("prefill_tokens", "decode_batches", "contexts", "transfer_tokens"):
+        bad = [v for v in getattr(out, name) if v < 1]
+        if bad:
+            raise ValueError(f"--{name.replace('_', '-')} values must be >= 1, got {bad}")
+    if any(b < 1 or n < 1 for b, n in out.mixed_pairs):
+        raise ValueError(f"--mixed pairs need B >= 1 and N >= 1, got {out.mixed}")
+    if len(set(out.prefill_tokens)) < 3:
+        raise ValueError("--prefill-tokens needs >= 3 distinct lengths (fixed + per-token terms, "
+                         "one held out)")
+    if len(set(out.contexts)) < 2:
+        raise ValueError("--contexts needs >= 2 values: the decode fit's context term")
+    if len(set(out.decode_batches)) < 2:
+        raise ValueError("--decode-batches needs >= 2 batch sizes")
+    if len(out.decode_batches) * len(out.contexts) < 5:
+        raise ValueError("decode rows (batches x contexts) must be >= 5 for a held-out error")
+    if not out.mixed_pairs:
+        raise ValueError("--mixed needs at least one B:N pair")
+    if not out.no_transfer and len(set(out.transfer_tokens)) < 3:
+        raise ValueError("--transfer-tokens needs >= 3 distinct lengths (or --no-transfer)")
+    for name in ("reps", "transfer_reps", "mixed_context"):
+        if getattr(out, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(out, name)}")
+    if out.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {out.warmup}")
+    if out.threads is not None and out.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {out.threads}")
+    if not out.no_transfer:
+        from ..disagg.connectors import check_connector_name
+        check_connector_name(out.kv_connector)
+    if out.transfer_kv_gb <= 0:
+        raise ValueError(f"--transfer-kv-gb must be > 0, got {out.transfer_kv_gb}")
+    return out
+
+
+def _budget(a) -> tuple[int, int]:
+    """(token budget, sequence slots) that admit every row."""
+    tokens = max([*a.prefill_tokens, *a.decode_batches, *(b + n for b, n in a.mixed_pairs)])
+    seqs = max([1, *a.decode_batches, *(b + 1 for b, _ in a.mixed_pairs)])
+    return tokens, seqs
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-") or "x"
+
+
+def default_output(model: str, hardware: dict) -> str:
+    hw = hardware.get("gpu") or "cpu"
+    return f"profile-{_slug(os.path.basename(model.rstrip('/')))}-{_slug(hw)}.json"
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+def _step_rows(a, cfg, label: str) -> tuple[list[dict], dict[str, Any], int]:
+    """The step rows (bench step's row dicts), the engine's facts, and its KV bytes per token
+    (one rank's, over all layers)."""
+    from .. import LLM
+    from ..bench.step import StepBench, _graph_info, _line, _HEADER
+    llm = LLM(**dataclasses.asdict(cfg))
+    try:
+        sb_args = argparse.Namespace(context=a.contexts[0], chunk=a.mixed_pairs[0][1],
+                                     reps=a.reps, warmup=a.warmup, seed=a.seed)
+        bench = StepBench(llm, sb_args, label)
+        eng = bench.eng
+        kv = eng.runner.kv_cache
+        kvb = int(kv[:, :, 0, 0].numel() * kv.element_size())
+        facts = {"max_model_len_used": eng.max_model_len, "num_kv_blocks_used": eng.num_kv_blocks,
+                 "use_cuda_graphs": cfg.use_cuda_graphs, **_graph_info(eng)}
+        print(_HEADER, flush=True)
+        rows = []
+        # decode rows alternate contexts at each batch size: a machine whose speed drifts
+        # (other work on a CPU host) then shifts neighbouring contexts alike, instead of
+        # passing for a context cost
+        todo = ([(bench.prefill, (n,)) for n in a.prefill_tokens]
+                + [(bench.decode, (b, c)) for b in a.decode_batches for c in a.contexts]
+                + [(bench.mixed, (b, a.mixed_context, n)) for b, n in a.mixed_pairs])
+        for make, params in todo:
+            gc.collect()
+            row = make(*params)
+            rows.append(row)
+            print(_line(row), flush=True)
+        return rows, facts, kvb
+    finally:
+        runner = getattr(llm.llm_engine, "runner", None)
+        if runner is not None:
+            runner.release()
+        del llm
+        gc.collect()
+        _empty_cuda_cache(cfg)
+
+
+def _empty_cuda_cache(cfg) -> None:
+    import torch
+    if cfg.torch_device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _transfer_rows(a, cfg, kvb: int) -> tuple[list[dict], dict[str, Any]]:
+    """One request at a time through a 1P1D deployment: each hand-off's bytes and pull time."""
+    import torch
+
+    from .. import SamplingParams
+    from ..bench.common import random_prompts
+    from ..bench.pd import _one
+    from ..routing import DisaggPolicy, RestartPolicy, Router, plan_workers
+    longest = max(a.transfer_tokens)
+    base = dataclasses.replace(
+        cfg, max_num_batched_tokens=max(cfg.max_num_batched_tokens, min(longest, 8192)),
+        max_num_seqs=max(cfg.max_num_seqs, 2))
+    if base.max_model_len is not None and base.max_model_len < longest + 2:
+        base = dataclasses.replace(base, max_model_len=longest + 2)
+    info: dict[str, Any] = {"connector": a.kv_connector, "kv_transfer_mode": base.kv_transfer_mode}
+    specs = plan_workers(base, 1, 1, 0, kv_connector=a.kv_connector)
+    dev = base.torch_device
+    if dev.type == "cuda":
+        specs = [dataclasses.replace(s, config=dataclasses.replace(
+            s.config, kv_cache_memory_gb=a.transfer_kv_gb)) for s in specs]
+        if torch.cuda.device_count() < 2:   # both workers on the one GPU
+            one = f"cuda:{dev.index or 0}"
+            specs = [dataclasses.replace(s, config=dataclasses.replace(s.config, device=one))
+                     for s in specs]
+        info["devices"] = [s.config.device for s in specs]
+        info["note"] = ("both workers on one GPU (CUDA IPC, same-device pull)"
+                        if len({s.config.device for s in specs}) == 1
+                        else "prefill and decode workers on consecutive GPUs")
+    else:
+        info["note"] = "two CPU worker processes on this host"
+    t0 = time.perf_counter()
+    router = Router(specs, DisaggPolicy(), restart=RestartPolicy(max_restarts=0))
+    info["startup_s"] = round(time.perf_counter() - t0, 2)
+    rows = []
+    try:
+        vocab = router.info.vocab_size
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for i, n in enumerate(a.transfer_tokens):
+            prompts = random_prompts(a.transfer_reps + 1, n, n + 1, vocab, a.seed * 7919 + i)
+            runs = [_one(router, f"transfer-{n}-{j}", p, sp) for j, p in enumerate(prompts)][1:]
+            bad = [r for r in runs if r["transfers"] != 1]
+            if bad:
+                raise RuntimeError(f"{n}-token hand-off: {len(bad)} of {len(runs)} requests did "
+                                   "not report exactly one completed pull")
+            row = {"tokens": n, "ms": statistics.median(r["transfer_ms"] for r in runs),
+                   "bytes": int(statistics.median(r["transfer_bytes"] for r in runs)),
+                   "kv_bytes_per_token": kvb, "reps": len(runs),
+                   "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+                   "ms_samples": [round(r["transfer_ms"], 4) for r in runs]}
+            rows.append(row)
+            print(f"transfer {n:>6} tokens: {row['ms']:9.3f} ms, {row['bytes']} bytes, "
+                  f"{row['bytes'] / row['ms'] / 1e6:.2f} GB/s (TTFT {row['ttft_ms']:.1f} ms)",
+                  flush=True)
+        router.check_workers()
+    finally:
+        router.shutdown()
+        _empty_cuda_cache(cfg)
+    return rows, info
+
+
+def _transfer_estimate(device, why: str, kvb: int) -> dict[str, Any]:
+    from ..bench.common import copy_bandwidth
+    moved = copy_bandwidth(device) / 2          # copy_bandwidth counts bytes read + written
+    return {"transfer_fixed_ms": 0.0, "transfer_gb_per_s": moved / 1e9, "kv_bytes_per_token": kvb,
+            "note": f"not measured ({why}); estimate: one large copy on {device} in this run "
+                    f"({moved / 1e9:.2f} GB/s of data moved), no fixed cost: a lower bound on "
+                    "the hand-off's time"}
+
+
+# ---- fitting and reporting ----------------------------------------------------------------------
+def _samples(rows: list[dict]) -> tuple[dict[str, list[dict]], list[dict]]:
+    """The fit's rows from bench step's (and the rows left out, with why)."""
+    out: dict[str, list[dict]] = {"prefill": [], "decode": [], "mixed": []}
+    unused = []
+    for r in rows:
+        why = r.get("skipped") or r.get("error")
+        if why is None and r["kind"] != "prefill" and r.get("ctx_sum") is None:
+            why = "no ctx_sum (the engine's scheduler was not readable)"
+        if why is not None:
+            unused.append({"kind": r["kind"], "num_tokens": r["num_tokens"],
+                           "num_decodes": r["num_decodes"], "context": r["context"], "why": why,
+                           "status": "error" if "error" in r else "skipped"})
+            continue
+        base = {"wall_ms": r["wall_ms"], "reps": r["reps"], "wall_ms_p10": r["wall_ms_p10"],
+                "wall_ms_p90": r["wall_ms_p90"], "gpu_ms": r["gpu_ms"],
+                "wall_ms_samples": r["samples"]["wall_ms"]}
+        if r["kind"] == "prefill":
+            out["prefill"].append({"n": r["num_tokens"], **base})
+        elif r["kind"] == "decode":
+            out["decode"].append({"b": r["num_decodes"], "context": r["context"],
+                                  "ctx_sum": r["ctx_sum"], **base})
+        else:
+            out["mixed"].append({"b": r["num_decodes"], "context": r["context"],
+                                 "ctx_sum": r["ctx_sum"], "n": r["num_tokens"], **base,
+                                 "decode_wall_ms": r["decode_wall_ms"]})
+    return out, unused
+
+
+def table(p: CostProfile) -> str:
+    def err(term: str) -> str:
+        f = p.fit[term]
+        if f["heldout_mean_abs_rel_err"] is None:
+            return f"{'-':>9} {'-':>9} {f['n_samples']:>4}  {f.get('source', '')}"
+        return (f"{f['heldout_mean_abs_rel_err']:>9.1%} {f['heldout_max_abs_rel_err']:>9.1%} "
+                f"{f['n_samples']:>4}  {f.get('source', '')}")
+    lines = [f"{'term':<34} {'value':>14}  {'held-out mean':>9} {'max':>9} {'rows':>4}"]
+    b = p.beta_ms
+    for term, name, value in (
+            ("prefill", "prefill_fixed_ms", p.prefill_fixed_ms),
+            ("prefill", "alpha_ms_per_token", p.alpha_ms_per_token),
+            ("prefill", "prefill_quadratic_ms", p.prefill_quadratic_ms),
+            ("decode", "beta_ms.fixed_ms", b["fixed_ms"]),
+            ("decode", "beta_ms.per_seq_ms_below", b["per_seq_ms_below"]),
+            ("decode", "beta_ms.per_seq_ms_above", b["per_seq_ms_above"]),
+            ("decode", "beta_ms.per_context_token_ms", b["per_context_token_ms"]),
+            ("decode", "batch_threshold", p.batch_threshold),
+            ("mixed", "gamma_ms_per_token", p.gamma_ms_per_token),
+            ("transfer", "transfer_fixed_ms", p.transfer_fixed_ms),
+            ("transfer", "transfer_gb_per_s", p.transfer_gb_per_s),
+            ("transfer", "kv_bytes_per_token", p.kv_bytes_per_token)):
+        lines.append(f"{name:<34} {value:>14.6g}  {err(term)}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure, fit and return the profile's dict (what main writes). ValueError for bad
+    arguments or a row set the fits cannot use."""
+    import torch
+
+    from ..bench.common import CpuUsage, git_info, hardware_info
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    a = resolve(args, device.type)
+    a.device = str(device)
+    notes = ["steps run synchronously (async scheduling off), each with a device sync around it",
+             "times are the median over a row's reps; the fits weight each row by 1 / its time"]
+    if device.type == "cpu" and a.threads is None:
+        # what each worker of a 1P1D deployment on this host gets (plan_workers' share), the
+        # deployments whose paths the profile compares
+        a.threads = max(1, len(os.sched_getaffinity(0)) // 2)
+        notes.append(f"CPU: {a.threads} torch thread(s), each worker's share of the cores in a "
+                     "1P1D deployment on this host (--threads to change)")
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    label = model_name(a.model)
+    budget, seqs = _budget(a)
+    ns = argparse.Namespace(**vars(a))
+    if ns.max_num_batched_tokens is None:
+        ns.max_num_batched_tokens = budget
+    if ns.max_num_seqs is None:
+        ns.max_num_seqs = seqs
+    ns.skip_tokenizer_init, ns.async_scheduling = True, False
+    # a cached prefix (a random prompt sharing its first tokens with an earlier one) would
+    # shorten the step or the pull being timed
+    ns.enable_prefix_caching = False
+    notes.append("prefix caching off in the engines measured: each step and each pull moves "
+                 "the whole prompt")
+    cfg = engine_config(ns)
+    hw_start = hardware_info()
+    t0 = time.perf_counter()
+    with CpuUsage() as usage:
+        rows, facts, kvb = _step_rows(a, cfg, label)
+        samples, unused = _samples(rows)
+        transfer_info: dict[str, Any] = {"connector": a.kv_connector}
+        estimate = None
+        if a.no_transfer:
+            estimate = _transfer_estimate(device, "--no-transfer", kvb)
+        else:
+            try:
+                samples["transfer"], transfer_info = _transfer_rows(a, cfg, kvb)
+            except Exception as e:  # noqa: BLE001 - recorded in the file and printed, not hidden
+                transfer_info["error"] = f"{type(e).__name__}: {e}"
+                print(f"warning: the hand-off could not be measured: {e}", file=sys.stderr)
+                estimate = _transfer_estimate(device, f"the 1P1D deployment failed: {e}", kvb)
+    wall_s = time.perf_counter() - t0
+    hw = hardware_info()
+    hw["load_avg_at_start"] = hw_start.get("load_avg_1_5_15")
+    git = git_info()
+    extra = {"benchmark": "profile", "hardware_label": hardware_label(hw),
+             "git_dirty": git["git_dirty"], "preset": a.preset,
+             "row_set": {k: getattr(a, k) for k in ("prefill_tokens", "decode_batches",
+                                                     "contexts", "mixed", "mixed_context",
+                                                     "transfer_tokens", "reps", "warmup",
+                                                     "transfer_reps")},
+             "engine_facts": facts, "transfer_setup": transfer_info, "rows_not_used": unused,
+             "notes": notes, "wall_s": round(wall_s, 2), "cpu_usage": usage.result(),
+             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    p = profile_from_samples(samples, model=label, hardware=hw,
+                             engine_config=dataclasses.asdict(cfg), commit=git["git_commit"],
+                             transfer_estimate=estimate, extra=extra)
+    return p.to_dict()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        d = run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    d["command"] = ["pdserve", "profile", *argv]
+    p = CostProfile.from_json(d)
+    print(table(p))
+    print(f"({d['wall_s']:.1f} s; other processes kept {d['cpu_usage']['other_load']} cores busy "
+          "meanwhile)" if d["cpu_usage"].get("other_load") is not None else
+          f"({d['wall_s']:.1f} s)")
+    out = args.output or default_output(p.model, p.hardware)
+    print(f"wrote {os.path.abspath(p.save(out))}")
+    if d["rows_not_used"]:
+        print(f"warning: {len(d['rows_not_used'])} row(s) not used: "
+              + "; ".join(f"{u['kind']} {u['num_decodes']}x{u['num_tokens']}: {u['why']}"
+                          for u in d["rows_not_used"]), file=sys.stderr)
+    return 1 if any(u["status"] == "error" for u in d["rows_not_used"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

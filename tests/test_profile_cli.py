@@ -1,0 +1,122 @@
+"""`pdserve profile --quick` end to end on CPU (a tiny Llama config with dummy weights, so
+the run takes seconds): it writes a profile that CostProfile.from_json accepts, whose rows are
+the quick row set's, whose KV bytes per token are the model config's (computed here from the
+config), whose terms can be refitted from its own samples, and whose transfer falls back to a
+stated estimate when the two-worker deployment cannot start."""
+import json
+
+import pytest
+import torch
+
+from pdserve.bench.common import hardware_info
+from pdserve.cli import main
+from pdserve.perf import profiler
+from pdserve.perf.cost_fit import refit
+from pdserve.perf.cost_profile import CostProfile
+
+from .test_tp import LLAMA_8Q_2KV, _folder
+
+QUICK = profiler.PRESETS["cpu-quick"]
+
+
+def _profile(args, out):
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["profile", "--load-format", "dummy", "--device", "cpu", "--threads", "1",
+                   "--output", str(out), *args])
+    finally:
+        torch.set_num_threads(threads)
+    return rc
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("profile")
+    model = _folder(tmp, LLAMA_8Q_2KV)
+    out = tmp / "profile.json"
+    rc = _profile(["--model", model, "--quick"], out)
+    return rc, model, out
+
+
+def test_quick_profile_loads_and_matches_its_row_set(quick):
+    rc, model, out = quick
+    assert rc == 0
+    p = CostProfile.from_json(out, model=model, hardware=hardware_info())
+    d = json.loads(out.read_text())
+    assert d["command"][:2] == ["pdserve", "profile"] and d["preset"] == "cpu-quick"
+    assert p.commit and p.engine_config["device"] == "cpu"
+    assert p.engine_config["async_scheduling"] is False
+    assert p.engine_config["enable_prefix_caching"] is False   # every step and pull whole
+    s = p.samples
+    assert sorted(r["n"] for r in s["prefill"]) == sorted(QUICK["prefill_tokens"])
+    assert sorted((r["b"], r["context"]) for r in s["decode"]) == sorted(
+        (b, c) for b in QUICK["decode_batches"] for c in QUICK["contexts"])
+    assert sorted((r["b"], r["n"]) for r in s["mixed"]) == sorted(
+        tuple(map(int, m.split(":"))) for m in QUICK["mixed"])
+    assert d["rows_not_used"] == []
+    for term, rows in (("prefill", s["prefill"]), ("decode", s["decode"]),
+                       ("mixed", s["mixed"]), ("transfer", s["transfer"])):
+        f = p.fit[term]
+        assert f["n_samples"] == len(rows)
+        assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
+    # the context the decodes attend over: the prompt plus the tokens decoded so far (>= 1,
+    # fewer than the steps a row runs: its prefill steps and its timed and warm-up steps)
+    steps = QUICK["reps"] + QUICK["warmup"]
+    for r in s["decode"]:
+        assert r["b"] * (r["context"] + 1) <= r["ctx_sum"] <= r["b"] * (r["context"] + 40 + steps)
+        assert r["wall_ms"] > 0 and len(r["wall_ms_samples"]) == QUICK["reps"]
+
+
+def test_transfer_was_measured_with_the_models_kv_size(quick):
+    _, _, out = quick
+    p = CostProfile.from_json(out)
+    cfg = LLAMA_8Q_2KV
+    # K and V, every layer, every KV head (TP 1), fp32 on CPU
+    kvb = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    assert p.kv_bytes_per_token == kvb
+    assert p.fit["transfer"]["source"] == "measured"
+    rows = p.samples["transfer"]
+    assert sorted(r["tokens"] for r in rows) == sorted(QUICK["transfer_tokens"])
+    for r in rows:
+        assert r["bytes"] == r["tokens"] * kvb      # the whole prompt's KV was pulled
+        assert r["ms"] > 0 and r["reps"] == QUICK["transfer_reps"]
+    assert p.transfer_gb_per_s > 0
+
+
+def test_the_profile_refits_from_its_samples(quick):
+    _, _, out = quick
+    p = CostProfile.from_json(out)
+    assert refit(p) == p
+
+
+def test_transfer_failure_falls_back_to_a_stated_estimate(tmp_path, monkeypatch):
+    """The two-worker deployment refuses to start: the profile still comes out, its transfer
+    terms an estimate that says why, and the error is in the file."""
+    import pdserve.routing as routing
+
+    class NoSecondWorker:
+        def __init__(self, *a, **kw):
+            raise RuntimeError("no room for a second worker")
+    monkeypatch.setattr(routing, "Router", NoSecondWorker)
+    model = _folder(tmp_path, LLAMA_8Q_2KV)
+    out = tmp_path / "p.json"
+    rc = _profile(["--model", model, "--prefill-tokens", "8", "16", "24", "--decode-batches",
+                   "1", "2", "3", "--contexts", "8", "24", "--mixed", "2:8", "--mixed-context", "8",
+                   "--transfer-tokens", "8", "16", "32", "--reps", "1", "--warmup", "0"], out)
+    assert rc == 0
+    p = CostProfile.from_json(out)
+    f = p.fit["transfer"]
+    assert f["source"] == "estimate" and f["n_samples"] == 0
+    assert "no room for a second worker" in f["note"] and f["heldout_mean_abs_rel_err"] is None
+    assert "no room for a second worker" in p.extra["transfer_setup"]["error"]
+    assert p.transfer_gb_per_s > 0 and "transfer" not in p.samples
+
+
+def test_bad_arguments_are_refused_before_any_engine(capsys, monkeypatch):
+    monkeypatch.setattr(profiler, "_step_rows", None)   # never reached
+    assert main(["profile", "--device", "cpu", "--contexts", "16"]) == 2
+    assert "--contexts needs >= 2" in capsys.readouterr().err
+    assert main(["profile", "--device", "cpu", "--mixed", "4x16"]) == 2
+    assert "B:N" in capsys.readouterr().err
+    assert main(["profile", "--device", "cpu", "--kv-connector", "no-such-connector"]) == 2
+    assert "no-such-connector" in capsys.readouterr().err
