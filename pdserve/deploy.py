@@ -54,12 +54,12 @@ def adaptive_policy(config: EngineConfig, deployment: DeploymentArgs, log=None):
     for this model and machine (profile_dir()), else one measured now with `pdserve profile
     --quick`'s row set on this configuration (and stored). Says which on stderr (or log)."""
     from .bench.common import hardware_info
-    from .perf.cost_profile import CostProfile
-    from .perf.profiler import EMBEDDED, default_output
+    from .perf.cost_profile import CostProfile, model_name
+    from .perf.profiler import default_output
     from .routing.adaptive import AdaptivePolicy
     from .routing.cost_model import CostModel
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    model, hw = config.model or EMBEDDED, hardware_info()
+    model, hw = model_name(config.model), hardware_info()
     given = deployment.cost_model
     if isinstance(given, CostProfile):
         given = given.to_dict()

@@ -232,3 +232,60 @@ def test_the_batch_sees_its_own_queue_and_the_split_path_is_taken():
     assert paths[:3] == [Path("collocated", "c0"), Path("collocated", "d0"),
                          Path("disagg", "d0", "p0")]
     assert pol.decisions == {"collocated": 2, "disagg": 1, "fallback": 1}
+
+
+# ---- start-up: the profile the deployment is given ----------------------------------------------
+def _here(**over) -> dict:
+    """A profile dict of the embedded model on this machine."""
+    from pdserve.bench.common import hardware_info
+    return {**profile(model="embedded", hardware=hardware_info()).to_dict(), **over}
+
+
+def test_the_adaptive_policy_takes_a_profile_of_this_model_and_machine(tmp_path, capsys):
+    import json
+
+    from pdserve.args import DeploymentArgs
+    from pdserve.config import EngineConfig
+    from pdserve.deploy import adaptive_policy
+    cfg = EngineConfig(max_num_batched_tokens=256)
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(_here()))
+    pol = adaptive_policy(cfg, DeploymentArgs(routing_policy="adaptive", cost_model=str(f),
+                                              slo_ttft_ms=300, slo_tpot_ms=20))
+    assert isinstance(pol, AdaptivePolicy) and (pol.slo_ttft_ms, pol.slo_tpot_ms) == (300, 20)
+    assert pol.cost.chunk_tokens == 256
+    assert f"from {f}" in capsys.readouterr().err            # it says where the model came from
+    # a stored profile for this model and machine is found without a file
+    from pdserve.perf.profiler import default_output
+    store = tmp_path / "store"
+    store.mkdir()
+    d = _here()
+    (store / default_output("embedded", d["hardware"])).write_text(json.dumps(d))
+    import os
+    os.environ["PDSERVE_PROFILE_DIR"] = str(store)
+    try:
+        assert isinstance(adaptive_policy(cfg, DeploymentArgs(routing_policy="adaptive")),
+                          AdaptivePolicy)
+    finally:
+        del os.environ["PDSERVE_PROFILE_DIR"]
+    assert "stored" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"gamma_ms_per_token": None}, "gamma_ms_per_token"),                 # missing (None: popped)
+    ({"alpha_ms_per_token": -1.0}, "alpha_ms_per_token"),
+    ({"transfer_gb_per_s": float("nan")}, "transfer_gb_per_s"),
+    ({"model": "qwen2.5-7b"}, "another model"),
+    ({"hardware": "NVIDIA H200"}, "measured elsewhere"),
+])
+def test_a_bad_profile_is_a_clear_error_at_start_up(tmp_path, bad, match):
+    """Through the public API: the error comes before any worker starts."""
+    import json
+
+    from pdserve import LLM
+    d = _here(**bad)
+    d = {k: v for k, v in d.items() if v is not None}
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(d, allow_nan=True))
+    with pytest.raises(ValueError, match=match):
+        LLM(prefill=1, decode=1, routing_policy="adaptive", cost_model=str(f))

@@ -410,6 +410,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return p.to_dict()
 
 
+# What a deployment's engine config hands a start-up profile: the model and how it runs. The
+# row set, the token budget and sequence slots are the profiler's (what its rows need).
+_CONFIG_FIELDS = ("model", "load_format", "dtype", "device", "seed", "block_size",
+                  "gpu_memory_utilization", "max_model_len", "attention_backend", "enforce_eager",
+                  "cuda_graph_max_batch", "cuda_graph_max_tokens")
+
+
+def profile_config(config, quick: bool = True) -> CostProfile:
+    """Profile the engine a deployment's EngineConfig describes, with the quick (or the full)
+    row set of its device: what the adaptive policy measures at start-up when it has no
+    profile (deploy.adaptive_policy)."""
+    ns = build_parser().parse_args(["--quick"] if quick else [])
+    for name in _CONFIG_FIELDS:
+        setattr(ns, name, getattr(config, name))
+    return CostProfile.from_json(run(ns))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
