@@ -80,6 +80,10 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp", type=int, default=None, help="TP of each decode worker (default -tp)")
     g.add_argument("--collocated-tp", type=int, default=None,
                    help="TP of each collocated worker (default -tp)")
+    g.add_argument("--num-gpus", type=int, default=None,
+                   help="GPUs the workers may use (from --device's); with fewer than their ranks "
+                        "need, workers share GPUs (e.g. --prefill 1 --decode 1 --num-gpus 1 "
+                        "--gpu-memory-utilization 0.4); default: consecutive GPUs, one per rank")
     g.add_argument("--routing-policy", default=None, choices=list(POLICIES),
                    help="default: disagg with prefill workers, else collocated; adaptive: per "
                         "request, the path a cost model predicts meets the SLOs (--cost-model)")
@@ -133,6 +137,7 @@ class DeploymentArgs:
     kv_connector: str | None = None
     worker_restarts: int = 3
     restart_backoff_s: float = 1.0
+    num_gpus: int | None = None     # GPUs to place workers on (None: one per rank, in order)
     cost_model: Any = None          # adaptive: a profile file, a CostProfile or its dict
     slo_ttft_ms: float = 500.0      # adaptive: the SLOs a path must meet
     slo_tpot_ms: float = 50.0
@@ -152,5 +157,5 @@ class DeploymentArgs:
 def deployment_args(ns: argparse.Namespace) -> DeploymentArgs:
     return DeploymentArgs(ns.prefill, ns.decode, ns.collocated, ns.prefill_tp, ns.decode_tp,
                           ns.collocated_tp, ns.routing_policy, ns.kv_connector,
-                          ns.worker_restarts, ns.restart_backoff, ns.cost_model,
+                          ns.worker_restarts, ns.restart_backoff, ns.num_gpus, ns.cost_model,
                           ns.slo_ttft_ms, ns.slo_tpot_ms)

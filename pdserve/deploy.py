@@ -36,7 +36,8 @@ def build(config: EngineConfig, deployment: DeploymentArgs | None = None,
                             backoff_s=deployment.restart_backoff_s)
     specs = plan_workers(config, *deployment.counts, deployment.prefill_tp,
                          deployment.decode_tp, deployment.collocated_tp,
-                         deployment.kv_connector or config.kv_connector or "shared")
+                         deployment.kv_connector or config.kv_connector or "shared",
+                         deployment.num_gpus)
     policy = adaptive_policy(config, deployment) if deployment.policy == "adaptive" \
         else deployment.policy
     return Router(specs, policy, startup_timeout_s, restart)

@@ -138,7 +138,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              name=${pol/:/-tpot}; extra=""
              case $pol in adaptive:*) extra="--routing-policy adaptive --cost-model $OUT/profile-h200.json --slo-tpot-ms ${pol#*:}";;
                           *) extra="--routing-policy $pol";; esac
-             python3 -m pdserve serve $common --port 8000 --prefill 1 --decode 1 $extra \
+             python3 -m pdserve serve $common --port 8000 --prefill 1 --decode 1 --num-gpus 1 $extra \
                > "$OUT/serve-adaptive-$name.log" 2>&1 &
              pid=$!
              for i in $(seq 1 150); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done

@@ -639,3 +639,19 @@ def test_cpu_workers_get_an_equal_share_of_the_cores():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="cpu_threads"):
             WorkerConfig(base, addrs, os.getpid(), cpu_threads=bad)
+
+
+def test_workers_share_gpus_when_num_gpus_is_fewer_than_their_ranks(monkeypatch):
+    """GPU placement (CPU machine: torch is told it sees 8 GPUs; no GPU is touched)."""
+    from pdserve.routing import plan_workers
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    base = EngineConfig(device="cuda", load_format="dummy", model="qwen2.5-1.5b")
+    assert [s.config.device for s in plan_workers(base, 1, 1)] == ["cuda:0", "cuda:1"]
+    assert [s.config.device for s in plan_workers(base, 1, 1, num_gpus=1)] == ["cuda:0"] * 2
+    specs = plan_workers(base, 2, 1, collocated=2, prefill_tp=2, num_gpus=4)
+    # TP-2 prefill on 0-1 and 2-3, then wrap: decode on 0, collocated on 1 and 2
+    assert [s.config.device for s in specs] == ["cuda:0", "cuda:2", "cuda:0", "cuda:1", "cuda:2"]
+    with pytest.raises(ValueError, match="TP 2"):
+        plan_workers(base, 1, 1, prefill_tp=2, num_gpus=1)
+    with pytest.raises(ValueError, match="num_gpus"):
+        plan_workers(base, 1, 1, num_gpus=0)

@@ -50,9 +50,12 @@ class WorkerSpec:
 
 def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocated: int = 0,
                  prefill_tp: int | None = None, decode_tp: int | None = None,
-                 collocated_tp: int | None = None, kv_connector: str = "shared") -> list[WorkerSpec]:
+                 collocated_tp: int | None = None, kv_connector: str = "shared",
+                 num_gpus: int | None = None) -> list[WorkerSpec]:
     """Worker specs for a deployment: each its own TP group; on CUDA consecutive GPUs from the
-    base device (prefill workers first, then decode, then collocated). On CPU the ranks of all
+    base device (prefill workers first, then decode, then collocated), wrapping around to the
+    first when num_gpus is given and used up (workers then share GPUs: split their memory with
+    gpu_memory_utilization). On CPU the ranks of all
     the workers share the host's cores: each gets an equal share of threads (torch's default,
     one thread per core in every rank, oversubscribes the cores as soon as two workers run,
     and their OpenMP threads then spin waiting for descheduled peers)."""
@@ -70,15 +73,24 @@ def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocat
     cpu_threads = None
     if dev.type == "cpu" and ranks > 1:
         cpu_threads = max(1, len(os.sched_getaffinity(0)) // ranks)
-    next_gpu = dev.index or 0
+    if num_gpus is not None:
+        if not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1:
+            raise ValueError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+        widest = max(t or base.tensor_parallel_size for n, t in
+                     ((prefill, prefill_tp), (decode, decode_tp), (collocated, collocated_tp)) if n)
+        if widest > num_gpus:
+            raise ValueError(f"a worker of TP {widest} needs {widest} GPUs, num_gpus is {num_gpus}")
+    first, used = dev.index or 0, 0
     for role, count, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp),
                             ("collocated", collocated, collocated_tp)):
         tp = tp or base.tensor_parallel_size
         for i in range(count):
             device = base.device
             if dev.type == "cuda":
-                device = f"cuda:{next_gpu}"
-                next_gpu += tp
+                if num_gpus is not None and used + tp > num_gpus:
+                    used = 0   # wrap around: this worker shares GPUs with the first ones
+                device = f"cuda:{first + used}"
+                used += tp
             cfg = dataclasses.replace(
                 base, device=device, tensor_parallel_size=tp, distributed_executor_backend="mp",
                 kv_connector=kv_connector if role != "collocated" else None)
