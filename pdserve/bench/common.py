@@ -2,7 +2,6 @@
 written, plus the seeded random-token workload."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -13,6 +12,8 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
+
+from ..perf.files import write_json
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,16 +98,7 @@ def git_info() -> dict[str, Any]:
 def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> str:
     """Write payload as indented JSON (parent folders created, replaced atomically); returns the
     path written."""
-    path = os.fspath(path)
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=False, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, payload)
 
 
 def random_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: int,

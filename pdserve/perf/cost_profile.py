@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .files import write_json
+
 VERSION = 1
 BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_token_ms")
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
@@ -139,16 +141,7 @@ class CostProfile:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the profile as JSON (replaced atomically); returns the path."""
-        path = os.fspath(path)
-        folder = os.path.dirname(path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, allow_nan=False, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-        return path
+        return write_json(path, self.to_dict(), allow_nan=False)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike | Mapping, *, model: str | None = None,
