@@ -1,4 +1,4 @@
-"""`pdserve` command line: generate, chat, bench."""
+"""`pdserve` command line: generate, chat, bench, serve, simulate."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         from .server.main import main as serve
         return serve(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from .sim.cli import main as simulate
+        return simulate(argv[1:])
     if argv[:1] == ["bench"]:
         sub = argv[1:2]
         if sub == ["offline"]:
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     _sampling_args(c)
     sub.add_parser("bench", help="benchmarks: pdserve bench offline --help")
     sub.add_parser("serve", help="OpenAI-compatible HTTP server: pdserve serve --help")
+    sub.add_parser("simulate", help="a serving benchmark on the simulator: pdserve simulate --help")
     a = p.parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
