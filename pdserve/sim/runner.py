@@ -57,6 +57,8 @@ class CostModelRunner:
         self.busy_s = 0.0
         self.num_loads = 0
         self.last_step_ms = 0.0
+        # per sequence: when each of its tokens was sampled (the end of its step), in order
+        self.token_times: dict[str, list[float]] = {}
 
     def step_ms(self, sched: SchedulerOutput) -> float:
         """The simulated duration of `sched` (ms); 0 for a step without chunks."""
@@ -92,12 +94,22 @@ class CostModelRunner:
         self.last_step_ms = ms
         self.num_steps += 1
         self.busy_s += ms / 1e3
-        self.clock.t = now + ms / 1e3
+        end = self.clock.t = now + ms / 1e3
         self._gpu_times[sched.step_id] = ms
         tok = self.token
-        out = {c.request_id: tok for c in sched.chunks if c.sample}
+        times = self.token_times
+        out = {}
+        for c in sched.chunks:
+            if c.sample:
+                out[c.request_id] = tok
+                t = times.get(c.request_id)
+                if t is None:
+                    times[c.request_id] = [end]
+                else:
+                    t.append(end)
         for f in sched.forks:
             out[f.request_id] = tok
+            times.setdefault(f.request_id, []).append(end)
         return out
 
     def _start_loads(self, loads, now: float) -> None:

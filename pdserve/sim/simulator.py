@@ -187,8 +187,11 @@ class Simulator:
             if not r.arrival >= 0:
                 raise ValueError(f"request {i}: arrival must be >= 0 s, got {r.arrival!r}")
             p = dataclasses.replace(base, max_tokens=int(r.output_len))
+            # final-only: the user's outputs come when a request ends (a load-aware policy
+            # still follows every token: the router core streams them to itself); each token's
+            # time is its step's end, which the runners record (what a streaming client sees)
             reqs.append(AddRequest(f"r{i}", {"prompt_token_ids": list(r.prompt_token_ids)}, p,
-                                   arrival_time=r.arrival))
+                                   final_only=True, arrival_time=r.arrival))
             self._tracks[f"r{i}"] = _Track(r.arrival)
             self._push(r.arrival, 0, reqs[-1])
         heap = self._heap
@@ -213,6 +216,7 @@ class Simulator:
                 dirty, self._dirty = self._dirty, {}
                 for w in dirty.values():
                     self._try_step(w)
+        self._token_times()
         results = [self._result(rid, r) for rid, r in zip(self._tracks, requests)]
         ends = [x.latency + x.start for x in results if x.success]
         duration = max(ends) - min(r.arrival for r in requests) if ends else 0.0
@@ -297,18 +301,28 @@ class Simulator:
         if tr is None or tr.done:
             return
         o = out.outputs[0]
-        n = len(o.token_ids)
-        now = self.now
-        if n > tr.seen:
-            if tr.first is None:
-                tr.first = now
-            else:
-                tr.itl.append(now - tr.last)
-            tr.last, tr.seen = now, n
         if out.finished:
+            tr.seen = len(o.token_ids)
             tr.done = True
             if out.error or o.finish_reason == "abort":
                 tr.error = out.error or "aborted"
+
+    def _token_times(self) -> None:
+        """Each finished request's token times from the runners (P/D: its first token from the
+        prefill worker, the rest from the decode worker; in order)."""
+        times: dict[str, list[float]] = {}
+        for w in self.workers.values():
+            for seq, ts in w.runner.token_times.items():
+                times.setdefault(seq, []).extend(ts)
+        for rid, tr in self._tracks.items():
+            ts = sorted(times.get(f"{rid}#0", ()))
+            if not tr.done or tr.error or not ts:
+                continue
+            if len(ts) != tr.seen:
+                tr.error = f"simulator: {len(ts)} token times for {tr.seen} tokens"
+                continue
+            tr.first, tr.last = ts[0], ts[-1]
+            tr.itl = [b - a for a, b in zip(ts, ts[1:])]
 
     def _result(self, rid: str, req: SimRequest) -> RequestResult:
         tr = self._tracks[rid]
