@@ -210,7 +210,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
         m = compute_metrics(res.results, res.duration, percentiles, slos)
         facts = dict(res.facts)
-        walls.append({"request_rate": rate_label(rate), "wall_s": facts.pop("wall_s")})
+        walls.append({"request_rate": rate_label(rate), "wall_s": facts.pop("wall_s"),
+                      "cpu_s": facts.pop("cpu_s")})
         run = {"request_rate": rate_label(rate), "burstiness": a.burstiness,
                "max_concurrency": None, "num_prompts": len(reqs), **m, "simulation": facts}
         runs.append(run)
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     for w, run in zip(payload["simulation_wall"], payload["runs"]):
         s = run["simulation"]
         print(f"rate {w['request_rate']}: simulated {s['simulated_s']:.2f} s, {s['events']} events, "
-              f"{s['transfers']} KV transfers, wall {w['wall_s']:.2f} s")
+              f"{s['transfers']} KV transfers, wall {w['wall_s']:.2f} s (CPU {w['cpu_s']:.2f} s)")
     out = a.result_file or (f"bench/results/simulate-{payload['deployment'].replace('+', '_')}-"
                             f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     print("wrote", _write(out, payload))

@@ -180,7 +180,7 @@ class Simulator:
     def run(self, requests: Sequence[SimRequest], params: SamplingParams | None = None
             ) -> SimResult:
         """Serve `requests` (each with max_tokens = its output_len, ignore_eos, greedy)."""
-        wall0 = time.perf_counter()
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         base = params or SamplingParams(temperature=0.0, ignore_eos=True)
         reqs = []
         for i, r in enumerate(requests):
@@ -221,6 +221,7 @@ class Simulator:
         ends = [x.latency + x.start for x in results if x.success]
         duration = max(ends) - min(r.arrival for r in requests) if ends else 0.0
         facts = self._facts(time.perf_counter() - wall0)
+        facts["cpu_s"] = time.process_time() - cpu0
         return SimResult(results, duration, facts)
 
     def _try_step(self, w: SimWorker) -> None:
