@@ -3,8 +3,8 @@ workload flags, JSON fields and table as `pdserve bench serve`, from the real en
 router core on a simulated clock over a step-cost profile (`pdserve profile`).
 
 Each rate of a sweep is simulated on a fresh deployment (empty caches). Every request runs
-with max_tokens = its dataset output length, ignore_eos, greedy, streamed (the router core
-delivers every token; a token reaches the client when its step ends). Text prompts (ShareGPT)
+with max_tokens = its dataset output length, ignore_eos, greedy; a token reaches the client
+when its step ends (TTFT, ITL and e2e from those times, as a streaming client measures them). Text prompts (ShareGPT)
 become seeded random token ids of their approximate length (the simulator has no tokenizer).
 The simulated cores run without async scheduling. Per-role profiles (--prefill-profile ...)
 stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.

@@ -6,9 +6,14 @@ placing each request; time is simulated.
     arrival (the workload's offsets) ─> RouterCore.add ─> Send ─> EngineCore.add_requests
     a worker with work steps: EngineCore.step() at its start time; the runner advances the
         worker's clock by the step's cost; its outputs reach the router core when it ends:
-        output ─> Deliver (recorded at that time), observe (stats, step records),
+        output ─> Deliver (a request's end), observe (stats, step records),
         loads_done (KV pulls that ended), flush_handoffs ─> Send to decode workers
     Release ─> release_kv on the producer; Abort ─> abort_request
+
+Token times: every token reaches the client when its step ends; the runners record those times
+per sequence (P/D: the first on the prefill worker, the rest on the decode worker), so the
+requests go to the router core final-only (a load-aware policy still follows every token).
+Streaming every token through the router core gives the same runs, slower.
 
 Events are ordered by time, then by the order they were made (a heap; deterministic). A worker
 runs one step at a time; between steps it takes what the router sent it meanwhile (as a
@@ -160,8 +165,8 @@ class Simulator:
                               clock=clock)
             runner.coordinator = core.kv_coordinator
             self.workers[name] = SimWorker(name, role, clock, runner, core)
-        prefix = 0 if not self.config.enable_prefix_caching else None
-        kw = {} if prefix is None else {"prefix_tokens": 0}
+        # (prefix caching off: the router's prefix index tracks nothing)
+        kw = {} if self.config.enable_prefix_caching else {"prefix_tokens": 0}
         self.router = RouterCore([(n, w.role, f"{n}.kv") for n, w in self.workers.items()],
                                  policy, max_model_len, **kw)
         self.router.two_sided = False
