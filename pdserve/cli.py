@@ -1,4 +1,4 @@
-"""`pdserve` command line: generate, chat, serve, bench, profile."""
+"""`pdserve` command line: generate, chat, serve, bench, profile, simulate."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["profile"]:
         from .perf.profiler import main as profile
         return profile(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from .sim.cli import main as simulate
+        return simulate(argv[1:])
     if argv[:1] == ["bench"]:
         sub = argv[1:2]
         if sub == ["offline"]:
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="OpenAI-compatible HTTP server: pdserve serve --help")
     sub.add_parser("profile", help="measure step and KV transfer costs, fit the cost model: "
                                    "pdserve profile --help")
+    sub.add_parser("simulate", help="a serving benchmark on the simulator: pdserve simulate --help")
     a = p.parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)

@@ -165,8 +165,9 @@ def parse_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[str | None, l
             raise ValueError("prompt must be a string")
     else:
         ids, text = prompt, None
-    if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    # (plain ints checked in C, the usual case; other types one by one)
+    if not isinstance(ids, (list, tuple)) or not (set(map(type, ids)) <= {int} or all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise ValueError("prompt_token_ids must be a list of integers")
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
@@ -175,6 +176,8 @@ def parse_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[str | None, l
 
 
 def check_token_ids(what: str, ids, vocab_size: int) -> None:
+    if not ids or (0 <= min(ids) and max(ids) < vocab_size):   # (the usual case, in C)
+        return
     for t in ids:
         if not 0 <= t < vocab_size:
             raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab_size})")

@@ -77,13 +77,18 @@ class EngineCore:
     kv_transfer: P/D (a kv_connector): build a KVCoordinator (two_sided: the connector's
     producer sends whether or not the consumer still wants the KV). on_schedule: called with
     every SchedulerOutput before this process runs it (a TP driver sends it to the other
-    ranks there)."""
+    ranks there). clock: the time source for arrivals, output metrics, KV timeouts and step
+    durations (None: time.monotonic for the former, time.perf_counter for a step's wall time,
+    as a served engine reads them; a simulator passes its simulated clock for all of them)."""
 
     def __init__(self, config: EngineConfig, executor: Executor, *, num_kv_blocks: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  tokenizer=None, kv_transfer: bool = False, two_sided: bool = False,
-                 on_schedule: Callable[[SchedulerOutput], None] | None = None):
+                 on_schedule: Callable[[SchedulerOutput], None] | None = None,
+                 clock: Callable[[], float] | None = None):
         self.config = config
+        self._now = clock or time.monotonic
+        self._timer = clock or time.perf_counter
         self.executor = executor
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -153,7 +158,7 @@ class EngineCore:
         else:  # (a lost kv_source: computed here from the prompt, after its output tokens)
             self.scheduler.add(first)
         self.outputs.add(request_id, text, ids, params, seqs, final_only,
-                         arrival_time or time.monotonic(), done_ids)
+                         arrival_time or self._now(), done_ids)
 
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
         """Queues each request; returns, per request, None or why it was rejected (the others
@@ -240,7 +245,7 @@ class EngineCore:
         """Releases KV held longer than kv_hold_timeout_s (a consumer that never pulled)."""
         if self.kv_coordinator is None:
             return 0
-        return self.kv_coordinator.expire_held(time.monotonic() if now is None else now)
+        return self.kv_coordinator.expire_held(self._now() if now is None else now)
 
     def take_kv_events(self) -> list[KVLoadDone]:
         """The loads that ended since the last call, by request id."""
@@ -254,7 +259,7 @@ class EngineCore:
 
     def _finish_loads(self) -> None:
         coord = self.kv_coordinator
-        done = coord.poll(self.executor.poll_loads(), time.monotonic())
+        done = coord.poll(self.executor.poll_loads(), self._now())
         if done:
             # (by request id, through the table: the sequences are still live)
             events = [KVLoadDone(self.outputs.request_id_of(d.request_id), d.ok, d.nbytes,
@@ -267,7 +272,7 @@ class EngineCore:
         """Runs one step; returns the outputs of the requests that advanced. Synchronous: the
         step scheduled here. Async scheduling: the step started by the previous call (this
         call's step stays in flight, see the module docstring)."""
-        t0 = time.perf_counter()
+        t0 = self._timer()
         prev, self._in_flight = self._in_flight, None
         if prev is not None and self._needs_tokens_first():
             self._apply(prev)
@@ -287,7 +292,7 @@ class EngineCore:
         self._take_prompt_logprobs()
         coord = self.kv_coordinator
         if coord is not None:
-            coord.loads_started(sched.kv_work, time.monotonic())
+            coord.loads_started(sched.kv_work, self._now())
             if coord.started:
                 self._finish_loads()
         if prev is not None:
@@ -298,7 +303,7 @@ class EngineCore:
             else:  # synchronous, or nothing left to run: its tokens (if any) end here
                 self._apply(started)
         self.last_step_ran = not sched.is_empty
-        return self.outputs.take_outputs(time.monotonic())
+        return self.outputs.take_outputs(self._now())
 
     def _needs_tokens_first(self) -> bool:
         """The runner builds a step's penalties and min_tokens bans from the output tokens it
@@ -324,7 +329,7 @@ class EngineCore:
         sampled = started.handle.result()
         self._take_prompt_logprobs()
         advanced = self.scheduler.update({k: v.token_id for k, v in sampled.items()})
-        now = time.monotonic()
+        now = self._now()
         for req in advanced:
             stop = self.outputs.append(req, sampled[req.request_id], now)
             if stop is not None:
@@ -339,7 +344,7 @@ class EngineCore:
         dec = sched.num_decodes
         self._pending_records[sched.step_id] = StepRecord(
             now, sched.num_prefill_tokens, dec, len(sched.chunks) - dec, dec,
-            started.num_waiting, (time.perf_counter() - started.t0) * 1e3)
+            started.num_waiting, (self._timer() - started.t0) * 1e3)
         self._settle_records()
         if sched.step_id in self._early_times:    # measured before its tokens were applied
             rec = self._pending_records.pop(sched.step_id)

@@ -1,0 +1,8 @@
+"""The simulator: pdserve's real engine core and router core on a simulated clock, over a
+cost-model runner (runner.py) and a discrete-event loop (simulator.py); `pdserve simulate`
+(cli.py). Plain Python: no torch, no zmq."""
+from .runner import CostModelRunner, SimClock
+from .simulator import Deployment, SimRequest, SimResult, Simulator, parse_deployment
+
+__all__ = ["CostModelRunner", "Deployment", "SimClock", "SimRequest", "SimResult", "Simulator",
+           "parse_deployment"]

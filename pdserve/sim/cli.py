@@ -1,0 +1,244 @@
+"""`pdserve simulate`: a serving benchmark run on the simulator instead of a server. The same
+workload flags, JSON fields and table as `pdserve bench serve`, from the real engine core and
+router core on a simulated clock over a step-cost profile (`pdserve profile`).
+
+Each rate of a sweep is simulated on a fresh deployment (empty caches). Every request runs
+with max_tokens = its dataset output length, ignore_eos, greedy; a token reaches the client
+when its step ends (TTFT, ITL and e2e from those times, as a streaming client measures them). Text prompts (ShareGPT)
+become seeded random token ids of their approximate length (the simulator has no tokenizer).
+The simulated cores run without async scheduling. Per-role profiles (--prefill-profile ...)
+stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.
+
+Determinism: the same flags and seed give the same "runs" (and the same file but for "date"
+and "simulation_wall", the host's facts)."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..perf.cost_profile import CostProfile
+from ..perf.files import write_json
+from ..perf.metrics import compute_metrics
+from ..perf.slo import parse_goodput
+from ..perf.workload import (arrival_times, load_sharegpt, mixed_requests,
+                             prefix_repetition_requests, random_requests)
+from .simulator import Deployment, SimRequest, Simulator, parse_deployment
+
+DEFAULT_NUM_KV_BLOCKS = 65536
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve simulate",
+        description="Simulate serving a workload on a deployment (the real scheduler and router "
+                    "on a simulated clock over a step-cost profile): TTFT, TPOT, ITL, e2e "
+                    "latency, throughput and goodput per request rate, as `pdserve bench serve` "
+                    "reports them.")
+    g = p.add_argument_group("deployment")
+    g.add_argument("--profile", required=True, metavar="FILE",
+                   help="step-cost profile JSON (`pdserve profile`), for every role by default")
+    for role in ("prefill", "decode", "collocated"):
+        g.add_argument(f"--{role}-profile", default=None, metavar="FILE",
+                       help=f"the {role} workers' profile (e.g. another TP size)")
+    g.add_argument("--deployment", default=None,
+                   help='workers, e.g. "2P2D", "4C", "1P1D+2C" (default: 1C)')
+    g.add_argument("--prefill", type=int, default=None, help="prefill workers (instead of --deployment)")
+    g.add_argument("--decode", type=int, default=None, help="decode workers")
+    g.add_argument("--collocated", type=int, default=None, help="collocated workers")
+    g.add_argument("--routing-policy", default=None,
+                   help="collocated, disagg, round-robin, adaptive (default: disagg with P/D "
+                        "workers, else collocated)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="adaptive: TTFT SLO")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="adaptive: TPOT SLO")
+    g = p.add_argument_group("engine (per worker)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool per worker (default: the profile's engine_config, else "
+                        f"{DEFAULT_NUM_KV_BLOCKS})")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the profile's engine_config, else the pool's tokens")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g = p.add_argument_group("load")
+    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                   help="requests per second, one or more (a sweep); inf = all at once")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times (1 = Poisson)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset-name", default="random",
+                   choices=["random", "sharegpt", "prefix-repetition", "mixed"])
+    g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
+    g.add_argument("--vocab-size", type=int, default=32000)
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--random-prefix-len", type=int, default=0)
+    g.add_argument("--sharegpt-output-len", type=int, default=None)
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--mixed-long-share", type=float, default=0.2)
+    g.add_argument("--mixed-short-input-len", type=int, default=256)
+    g.add_argument("--mixed-short-output-len", type=int, default=128)
+    g.add_argument("--mixed-long-input-len", type=int, default=4096)
+    g.add_argument("--mixed-long-output-len", type=int, default=128)
+    g = p.add_argument_group("output")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
+    g.add_argument("--metric-percentiles", default="50,90,99")
+    g.add_argument("--result-file", default=None,
+                   help="default: bench/results/simulate-<deployment>-<timestamp>.json")
+    return p
+
+
+def build_requests(a: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request, from the dataset flags."""
+    if a.dataset_name == "random":
+        reqs = random_requests(a.num_prompts, a.random_input_len, a.random_output_len,
+                               a.random_range_ratio, a.random_prefix_len, a.vocab_size, a.seed)
+    elif a.dataset_name == "mixed":
+        reqs = mixed_requests(a.num_prompts, a.mixed_long_share, a.mixed_short_input_len,
+                              a.mixed_short_output_len, a.mixed_long_input_len,
+                              a.mixed_long_output_len, a.random_range_ratio, a.vocab_size, a.seed)
+    elif a.dataset_name == "prefix-repetition":
+        reqs = prefix_repetition_requests(
+            a.num_prompts, a.prefix_repetition_num_prefixes, a.prefix_repetition_prefix_len,
+            a.prefix_repetition_suffix_len, a.prefix_repetition_output_len, a.vocab_size, a.seed)
+    else:
+        if not a.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path")
+        reqs = load_sharegpt(a.dataset_path, a.num_prompts, a.seed, a.sharegpt_output_len)
+        rng = np.random.default_rng([a.seed, 0x51])
+        return [(rng.integers(0, a.vocab_size, size=r.prompt_len).tolist(), r.expected_output_len)
+                for r in reqs]
+    return [(list(r.prompt), r.expected_output_len) for r in reqs]
+
+
+def _deployment(a: argparse.Namespace) -> Deployment:
+    counts = (a.prefill, a.decode, a.collocated)
+    if a.deployment is not None and any(c is not None for c in counts):
+        raise ValueError("give --deployment or --prefill/--decode/--collocated, not both")
+    if a.deployment is not None:
+        return parse_deployment(a.deployment)
+    if all(c is None for c in counts):
+        return Deployment(collocated=1)
+    return Deployment(*(c or 0 for c in counts))
+
+
+def _policy(a: argparse.Namespace, dep: Deployment, profile: CostProfile):
+    name = a.routing_policy or ("disagg" if dep.prefill else "collocated")
+    if name != "adaptive":
+        if a.slo_ttft_ms is not None or a.slo_tpot_ms is not None:
+            raise ValueError("--slo-ttft-ms / --slo-tpot-ms are the adaptive policy's")
+        from ..routing.policies import make_policy
+        return name, make_policy(name)
+    from ..routing.adaptive import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, AdaptivePolicy
+    from ..routing.cost_model import CostModel
+    return name, AdaptivePolicy(
+        CostModel(profile, a.max_num_batched_tokens),
+        DEFAULT_SLO_TTFT_MS if a.slo_ttft_ms is None else a.slo_ttft_ms,
+        DEFAULT_SLO_TPOT_MS if a.slo_tpot_ms is None else a.slo_tpot_ms)
+
+
+def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], list[dict]]:
+    """Runs the sweep; returns the payload (bench serve's shape) and its runs. ValueError on
+    bad input."""
+    from ..bench.serve_report import jsonable, rate_label
+    percentiles = [float(x) for x in a.metric_percentiles.split(",") if x.strip()]
+    if any(not 0 <= x <= 100 for x in percentiles):
+        raise ValueError(f"--metric-percentiles: numbers in [0, 100], got {a.metric_percentiles!r}")
+    slos = parse_goodput(a.goodput)
+    if any(not r > 0 for r in a.request_rate):
+        raise ValueError("--request-rate values must be > 0 (inf for all at once)")
+    if not a.burstiness > 0:
+        raise ValueError("--burstiness must be > 0")
+    if a.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    dep = _deployment(a)
+    profile = CostProfile.from_json(a.profile)
+    profiles = {"default": profile}
+    for role in ("prefill", "decode", "collocated"):
+        path = getattr(a, f"{role}_profile")
+        if path:
+            profiles[role] = CostProfile.from_json(path)
+    ec = profile.engine_config if isinstance(profile.engine_config, dict) else {}
+    blocks = a.num_kv_blocks if a.num_kv_blocks is not None else (
+        ec.get("num_kv_blocks") if isinstance(ec.get("num_kv_blocks"), int) else DEFAULT_NUM_KV_BLOCKS)
+    config = EngineConfig(max_num_seqs=a.max_num_seqs,
+                          max_num_batched_tokens=a.max_num_batched_tokens,
+                          block_size=a.block_size, num_kv_blocks=blocks,
+                          enable_prefix_caching=a.enable_prefix_caching, skip_tokenizer_init=True,
+                          async_scheduling=False)
+    max_len = a.max_model_len if a.max_model_len is not None else (
+        ec.get("max_model_len") if isinstance(ec.get("max_model_len"), int) else blocks * a.block_size)
+    policy_name, _ = _policy(a, dep, profile)   # (checks the flags once)
+    reqs = build_requests(a)
+    n_in = sum(len(p) for p, _ in reqs)
+    n_out = sum(o for _, o in reqs)
+    print(f"pdserve simulate: {len(reqs)} {a.dataset_name} requests ({n_in} prompt / {n_out} "
+          f"output tokens) on {dep.label} ({policy_name}); rates "
+          f"{', '.join(rate_label(x) for x in a.request_rate)} req/s, burstiness "
+          f"{a.burstiness:g}", flush=True)
+    runs, walls = [], []
+    for rate in a.request_rate:
+        offsets = arrival_times(len(reqs), rate, a.burstiness, a.seed)
+        sim = Simulator(dep, profiles, config, blocks, max_len, _policy(a, dep, profile)[1],
+                        a.vocab_size)
+        res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
+        m = compute_metrics(res.results, res.duration, percentiles, slos)
+        facts = dict(res.facts)
+        walls.append({"request_rate": rate_label(rate), "wall_s": facts.pop("wall_s"),
+                      "cpu_s": facts.pop("cpu_s")})
+        run = {"request_rate": rate_label(rate), "burstiness": a.burstiness,
+               "max_concurrency": None, "num_prompts": len(reqs), **m, "simulation": facts}
+        runs.append(run)
+        if m["failed"]:
+            first = next(e for e in m["errors"] if e)
+            print(f"rate {rate_label(rate)}: {m['failed']} of {len(reqs)} requests failed; "
+                  f"first error: {first}", file=sys.stderr, flush=True)
+    payload: dict[str, Any] = {
+        "benchmark": "simulate", "date": datetime.now().isoformat(timespec="seconds"),
+        "deployment": dep.label, "routing_policy": policy_name,
+        "profile": {"model": profile.model, "hardware": profile.hardware_label,
+                    "file": a.profile},
+        "dataset_name": a.dataset_name, "percentiles": percentiles, "runs": runs}
+    if len(runs) == 1:
+        payload.update({k: v for k, v in runs[0].items() if k not in payload})
+    payload.update(command=["pdserve", "simulate", *argv], config=vars(a),
+                   simulation_wall=walls)
+    return jsonable(payload), runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+    from ..bench.serve_report import format_table
+    try:
+        payload, runs = simulate(a, argv)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(payload["runs"], payload["percentiles"]))
+    for w, run in zip(payload["simulation_wall"], payload["runs"]):
+        s = run["simulation"]
+        print(f"rate {w['request_rate']}: simulated {s['simulated_s']:.2f} s, {s['events']} events, "
+              f"{s['transfers']} KV transfers, wall {w['wall_s']:.2f} s (CPU {w['cpu_s']:.2f} s)")
+    out = a.result_file or (f"bench/results/simulate-{payload['deployment'].replace('+', '_')}-"
+                            f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    print("wrote", write_json(out, payload, allow_nan=False))
+    return 0 if any(r["completed"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

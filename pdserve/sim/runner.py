@@ -1,0 +1,146 @@
+"""The simulator's executor: a cost-model runner in place of the model. It runs no forward; it
+returns a token for every chunk that samples and advances its worker's simulated clock by what
+the profile says the step costs, from the step's own mix:
+
+    prefill tokens n (chunks that are not single-token decodes), decoding sequences b, and the
+    sum of their contexts S (each decode chunk's position + 1):
+        b == 0          prefill_ms(n)         (a lone prefill)
+        n == 0          decode_ms(b, S)
+        otherwise       mixed_ms(b, S, n)
+
+P/D: a consumer's KV loads (the step's kv_work) start when the step starts and end
+transfer_ms(tokens) later on the same clock (tokens: what the load moves, the source's
+positions past the blocks this worker already had cached); poll_loads reports those that
+have ended by the clock's time. Plain Python.
+"""
+from __future__ import annotations
+
+import heapq
+
+from ..engine.executor import SampledToken
+from ..engine.scheduler import SchedulerOutput
+from ..protocol import KVLoadDone
+
+# What every sampled position gets: a fixed id (requests run with ignore_eos and fixed
+# max_tokens, as the serving benchmark sends them, so the value never matters).
+SIM_TOKEN_ID = 1
+
+
+class SimClock:
+    """A worker's simulated time in seconds: the loop sets it, the runner advances it, the
+    engine core reads it (EngineCore(clock=...))."""
+    __slots__ = ("t",)
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class CostModelRunner:
+    """An Executor whose steps take the profile's time on `clock`. coordinator: the engine
+    core's KVCoordinator (a P/D consumer: where a load's token count is read), else None."""
+
+    def __init__(self, profile, clock: SimClock, block_size: int, token_id: int = SIM_TOKEN_ID):
+        self.profile = profile
+        self.clock = clock
+        self.block_size = block_size
+        self.token = SampledToken(token_id, None, None)
+        self.coordinator = None
+        self._prompt_len: dict[str, int] = {}
+        self._gpu_times: dict[int, float | None] = {}
+        self._loads: list[tuple[float, int, str, int, float]] = []   # (done, seq, rid, bytes, s)
+        self._load_seq = 0
+        self._done: list[KVLoadDone] = []
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.num_loads = 0
+        self.last_step_ms = 0.0
+        # per sequence: when each of its tokens was sampled (the end of its step), in order
+        self.token_times: dict[str, list[float]] = {}
+
+    def step_ms(self, sched: SchedulerOutput) -> float:
+        """The simulated duration of `sched` (ms); 0 for a step without chunks."""
+        if not sched.chunks:
+            return 0.0
+        plen = self._prompt_len
+        b, ctx = 0, 0
+        for c in sched.chunks:
+            if len(c.token_ids) == 1 and c.start_pos >= plen[c.request_id]:
+                b += 1
+                ctx += c.start_pos + 1
+        n = sched.num_prefill_tokens
+        p = self.profile
+        if b == 0:
+            return p.prefill_ms(n)
+        if n == 0:
+            return p.decode_ms(b, ctx)
+        return p.mixed_ms(b, ctx, n)
+
+    # ---- Executor ------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+        for rid in sched.finished_ids:
+            self._prompt_len.pop(rid, None)
+        for nr in sched.new_requests:
+            self._prompt_len[nr.request_id] = len(nr.prompt_token_ids)
+        now = self.clock.t
+        work = sched.kv_work
+        if work is not None and work.loads:
+            self._start_loads(work.loads, now)
+        if not sched.chunks:
+            return {}
+        ms = self.step_ms(sched)
+        self.last_step_ms = ms
+        self.num_steps += 1
+        self.busy_s += ms / 1e3
+        end = self.clock.t = now + ms / 1e3
+        self._gpu_times[sched.step_id] = ms
+        tok = self.token
+        times = self.token_times
+        out = {}
+        for c in sched.chunks:
+            if c.sample:
+                out[c.request_id] = tok
+                t = times.get(c.request_id)
+                if t is None:
+                    times[c.request_id] = [end]
+                else:
+                    t.append(end)
+        for f in sched.forks:
+            out[f.request_id] = tok
+            times.setdefault(f.request_id, []).append(end)
+        return out
+
+    def _start_loads(self, loads, now: float) -> None:
+        coord, bs = self.coordinator, self.block_size
+        for load in loads:
+            if not load.dst_block_ids:   # (two-sided receive-and-discard: not simulated)
+                continue
+            src = coord.sources[load.request_id]
+            skipped = (len(src.block_ids) - len(load.src_block_ids)) * bs
+            tokens = max(0, src.num_tokens - skipped)
+            s = self.profile.transfer_ms(tokens) / 1e3
+            self._load_seq += 1
+            heapq.heappush(self._loads, (now + s, self._load_seq, load.request_id,
+                                         tokens * self.profile.kv_bytes_per_token, s))
+            self.num_loads += 1
+
+    def next_load_done(self) -> float | None:
+        """When the earliest load in flight ends (None: none in flight)."""
+        return self._loads[0][0] if self._loads else None
+
+    def poll_loads(self) -> list[KVLoadDone]:
+        now = self.clock.t
+        while self._loads and self._loads[0][0] <= now:
+            _, _, rid, nbytes, s = heapq.heappop(self._loads)
+            self._done.append(KVLoadDone(rid, True, nbytes, s))
+        out, self._done = self._done, []
+        return out
+
+    def take_prompt_logprobs(self) -> dict:
+        return {}
+
+    def take_gpu_times(self) -> dict[int, float | None]:
+        out, self._gpu_times = self._gpu_times, {}
+        return out

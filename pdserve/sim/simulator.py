@@ -1,0 +1,357 @@
+"""The discrete-event loop: the real engine core (Scheduler, KVCacheManager with its prefix
+cache, KVCoordinator, OutputProcessor without a tokenizer: token-id prompts) on every simulated
+worker over a cost-model runner (runner.py), and the real router core with the real policies
+placing each request; time is simulated.
+
+    arrival (the workload's offsets) ─> RouterCore.add ─> Send ─> EngineCore.add_requests
+    a worker with work steps: EngineCore.step() at its start time; the runner advances the
+        worker's clock by the step's cost; its outputs reach the router core when it ends:
+        output ─> Deliver (a request's end), observe (stats, step records),
+        loads_done (KV pulls that ended), flush_handoffs ─> Send to decode workers
+    Release ─> release_kv on the producer; Abort ─> abort_request
+
+Token times: every token reaches the client when its step ends; the runners record those times
+per sequence (P/D: the first on the prefill worker, the rest on the decode worker), so the
+requests go to the router core final-only (a load-aware policy still follows every token).
+Streaming every token through the router core gives the same runs, slower.
+
+Events are ordered by time, then by the order they were made (a heap; deterministic). A worker
+runs one step at a time; between steps it takes what the router sent it meanwhile (as a
+worker process takes its messages at a step boundary). A step without chunks costs nothing; a
+worker whose only work is KV in flight sleeps until the first load ends. The engine cores run
+synchronously (async_scheduling off: with no device there is nothing to overlap; the
+scheduler's decisions are those of a synchronous engine).
+
+P/D: the prefill worker runs max_tokens=1 with kv_hold (the router core does that), the
+decode worker's EngineCore has a KV coordinator, and its runner's loads end transfer_ms(tokens)
+after they start (one-sided: the consumer pulls, as the "shared" connector does).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from ..config import EngineConfig
+from ..engine.core import EngineCore
+from ..outputs import RequestOutput
+from ..perf.metrics import RequestResult
+from ..protocol import AddRequest, WorkerStats
+from ..routing import actions as act
+from ..routing.router_core import RouterCore
+from ..sampling_params import SamplingParams
+from .runner import CostModelRunner, SimClock
+
+_PART = re.compile(r"(\d+)([PDC])", re.IGNORECASE)
+_ROLE = {"P": "prefill", "D": "decode", "C": "collocated"}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    prefill: int = 0
+    decode: int = 0
+    collocated: int = 0
+
+    def __post_init__(self):
+        for k in ("prefill", "decode", "collocated"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"deployment: {k} must be an integer >= 0, got {v!r}")
+        if self.prefill + self.decode + self.collocated == 0:
+            raise ValueError("deployment: no workers")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("deployment: prefill workers need decode workers and vice versa "
+                             f"(got {self.label})")
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.prefill or self.decode:
+            parts.append(f"{self.prefill}P{self.decode}D")
+        if self.collocated:
+            parts.append(f"{self.collocated}C")
+        return "+".join(parts) or "0"
+
+    def workers(self) -> list[tuple[str, str]]:
+        """(name, role) of each worker: p0.., d0.., c0.."""
+        return ([(f"p{i}", "prefill") for i in range(self.prefill)]
+                + [(f"d{i}", "decode") for i in range(self.decode)]
+                + [(f"c{i}", "collocated") for i in range(self.collocated)])
+
+
+def parse_deployment(text: str) -> Deployment:
+    """"2P2D", "4C", "1P1D+2C" (counts then roles P, D, C; parts joined by '+')."""
+    s = str(text).strip()
+    counts = {"P": 0, "D": 0, "C": 0}
+    if not s:
+        raise ValueError("deployment: empty string (e.g. 2P2D, 4C, 1P1D+2C)")
+    for part in s.split("+"):
+        part = part.strip()
+        if not part or _PART.sub("", part):
+            raise ValueError(f"unknown deployment {text!r}: expected counts and roles such as "
+                             "2P2D, 4C or 1P1D+2C (P prefill, D decode, C collocated)")
+        for n, role in _PART.findall(part):
+            counts[role.upper()] += int(n)
+    return Deployment(counts["P"], counts["D"], counts["C"])
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of a simulated run: token-id prompt, output length (ignore_eos), offset."""
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival: float          # seconds from the start of the run
+
+
+@dataclass
+class SimWorker:
+    name: str
+    role: str
+    clock: SimClock
+    runner: CostModelRunner
+    core: EngineCore
+    busy: bool = False
+    wake_at: float | None = None
+
+
+@dataclass
+class _Track:
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+    seen: int = 0
+    itl: list[float] = field(default_factory=list)
+    done: bool = False
+    error: str = ""
+
+
+@dataclass
+class SimResult:
+    results: list[RequestResult]
+    duration: float                 # s, first arrival to last completion (simulated)
+    facts: dict[str, Any]
+
+
+class Simulator:
+    """One deployment, simulated. profiles: role -> CostProfile ("default" for the rest);
+    config: the engine options every worker takes (budgets, blocks, prefix caching; its
+    async_scheduling is ignored: the simulated cores run synchronously); policy: a name or a
+    RoutingPolicy instance (the adaptive policy with a CostModel over the profile)."""
+
+    def __init__(self, deployment: Deployment, profiles: Mapping[str, Any], config: EngineConfig,
+                 num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000):
+        if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
+            raise ValueError("profiles: give a 'default' profile or one per role")
+        if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        self.deployment = deployment
+        self.config = dataclasses.replace(config, async_scheduling=False)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.workers: dict[str, SimWorker] = {}
+        pd = deployment.prefill > 0
+        for name, role in deployment.workers():
+            prof = profiles.get(role, profiles.get("default"))
+            clock = SimClock()
+            runner = CostModelRunner(prof, clock, self.config.block_size)
+            core = EngineCore(self.config, runner, num_kv_blocks=num_kv_blocks,
+                              max_model_len=max_model_len, vocab_size=vocab_size,
+                              eos_token_ids=(), kv_transfer=pd and role != "collocated",
+                              clock=clock)
+            runner.coordinator = core.kv_coordinator
+            self.workers[name] = SimWorker(name, role, clock, runner, core)
+        # (prefix caching off: the router's prefix index tracks nothing)
+        kw = {} if self.config.enable_prefix_caching else {"prefix_tokens": 0}
+        self.router = RouterCore([(n, w.role, f"{n}.kv") for n, w in self.workers.items()],
+                                 policy, max_model_len, **kw)
+        self.router.two_sided = False
+        self._heap: list = []
+        self._seq = 0
+        self.now = 0.0
+        self.num_events = 0
+        self._dirty: dict[str, SimWorker] = {}
+        self._tracks: dict[str, _Track] = {}
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, arg) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, arg))
+
+    def run(self, requests: Sequence[SimRequest], params: SamplingParams | None = None
+            ) -> SimResult:
+        """Serve `requests` (each with max_tokens = its output_len, ignore_eos, greedy)."""
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        base = params or SamplingParams(temperature=0.0, ignore_eos=True)
+        reqs = []
+        for i, r in enumerate(requests):
+            if not r.arrival >= 0:
+                raise ValueError(f"request {i}: arrival must be >= 0 s, got {r.arrival!r}")
+            p = dataclasses.replace(base, max_tokens=int(r.output_len))
+            # final-only: the user's outputs come when a request ends (a load-aware policy
+            # still follows every token: the router core streams them to itself); each token's
+            # time is its step's end, which the runners record (what a streaming client sees)
+            reqs.append(AddRequest(f"r{i}", {"prompt_token_ids": list(r.prompt_token_ids)}, p,
+                                   final_only=True, arrival_time=r.arrival))
+            self._tracks[f"r{i}"] = _Track(r.arrival)
+            self._push(r.arrival, 0, reqs[-1])
+        heap = self._heap
+        while heap:
+            t, _, kind, arg = heapq.heappop(heap)
+            self.now = t
+            self.num_events += 1
+            if kind == 0:           # arrival(s): every request of this instant in one add
+                batch = [(arg, None)]
+                while heap and heap[0][0] == t and heap[0][2] == 0:
+                    batch.append((heapq.heappop(heap)[3], None))
+                    self.num_events += 1
+                self._do(self.router.add(batch))
+            elif kind == 1:         # a worker's step ended
+                self._step_ended(arg[0], arg[1])
+            else:                   # a worker wakes for its KV loads
+                w = arg
+                if w.wake_at == t:
+                    w.wake_at = None
+                    self._dirty[w.name] = w
+            while self._dirty:
+                dirty, self._dirty = self._dirty, {}
+                for w in dirty.values():
+                    self._try_step(w)
+        self._token_times()
+        results = [self._result(rid, r) for rid, r in zip(self._tracks, requests)]
+        ends = [x.latency + x.start for x in results if x.success]
+        duration = max(ends) - min(r.arrival for r in requests) if ends else 0.0
+        facts = self._facts(time.perf_counter() - wall0)
+        facts["cpu_s"] = time.process_time() - cpu0
+        return SimResult(results, duration, facts)
+
+    def _try_step(self, w: SimWorker) -> None:
+        """Start w's next step now, if it is idle and has anything to do."""
+        if w.busy or not w.core.has_work():
+            return
+        w.clock.t = self.now
+        outs = w.core.step()
+        if w.core.last_step_ran:
+            w.busy = True
+            self._push(w.clock.t, 1, (w, outs))
+            return
+        # no forward: nothing ran, it cost nothing; KV loads may have ended
+        progressed = self._collect(w, outs)
+        if progressed:
+            self._dirty[w.name] = w
+            return
+        nxt = w.runner.next_load_done()
+        if nxt is not None and w.wake_at != nxt:
+            w.wake_at = max(nxt, self.now)
+            self._push(w.wake_at, 2, w)
+
+    def _step_ended(self, w: SimWorker, outs: list[RequestOutput]) -> None:
+        w.busy = False
+        self._collect(w, outs)
+        self._dirty[w.name] = w
+
+    def _collect(self, w: SimWorker, outs: list[RequestOutput]) -> bool:
+        """A step's results to the router core, as the router shell feeds them; True when KV
+        loads ended (the worker has new work)."""
+        router = self.router
+        for out in outs:
+            self._do(router.output(w.name, out))
+        router.observe(w.name, self._stats(w), w.core.take_step_records())
+        events = w.core.take_kv_events()
+        if events:
+            self._do(router.loads_done(events, w.name))
+        if router.handoffs:
+            self._do(router.flush_handoffs())
+        return bool(events)
+
+    @staticmethod
+    def _stats(w: SimWorker) -> WorkerStats:
+        core, sched = w.core, w.core.scheduler
+        kv = core.kv
+        return WorkerStats(len(sched.running), len(sched.waiting),
+                           core.num_kv_blocks - kv.num_free_blocks(), core.num_kv_blocks,
+                           sched.num_preemptions, 0, 0, kv.prefix_queries, kv.prefix_hits,
+                           kv.num_cached_blocks)
+
+    def _do(self, actions: list) -> None:
+        """Carry out the router core's actions in order (what one leads to comes first)."""
+        todo = list(reversed(actions))
+        while todo:
+            a = todo.pop()
+            more: list = []
+            if isinstance(a, act.Deliver):
+                self._deliver(a.output)
+            elif isinstance(a, act.Reject):
+                tr = self._tracks[a.request_id]
+                tr.done, tr.error = True, a.error
+            else:
+                w = self.workers[a.worker]
+                w.clock.t = max(w.clock.t, self.now) if not w.busy else w.clock.t
+                if isinstance(a, act.Send):
+                    more = self.router.accepted(a.batch, w.core.add_requests(a.requests))
+                elif isinstance(a, act.Release):
+                    w.core.release_kv(a.request_ids)
+                elif isinstance(a, act.Abort):
+                    w.core.abort_request(a.request_ids)
+                else:
+                    raise TypeError(f"the simulator does not carry out {a!r} (one-sided KV only)")
+                self._dirty[w.name] = w
+            todo.extend(reversed(more))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        tr = self._tracks.get(out.request_id)
+        if tr is None or tr.done:
+            return
+        o = out.outputs[0]
+        if out.finished:
+            tr.seen = len(o.token_ids)
+            tr.done = True
+            if out.error or o.finish_reason == "abort":
+                tr.error = out.error or "aborted"
+
+    def _token_times(self) -> None:
+        """Each finished request's token times from the runners (P/D: its first token from the
+        prefill worker, the rest from the decode worker; in order)."""
+        times: dict[str, list[float]] = {}
+        for w in self.workers.values():
+            for seq, ts in w.runner.token_times.items():
+                times.setdefault(seq, []).extend(ts)
+        for rid, tr in self._tracks.items():
+            ts = sorted(times.get(f"{rid}#0", ()))
+            if not tr.done or tr.error or not ts:
+                continue
+            if len(ts) != tr.seen:
+                tr.error = f"simulator: {len(ts)} token times for {tr.seen} tokens"
+                continue
+            tr.first, tr.last = ts[0], ts[-1]
+            tr.itl = [b - a for a, b in zip(ts, ts[1:])]
+
+    def _result(self, rid: str, req: SimRequest) -> RequestResult:
+        tr = self._tracks[rid]
+        r = RequestResult(len(req.prompt_token_ids), int(req.output_len), start=tr.arrival)
+        if tr.done and not tr.error and tr.first is not None:
+            r.success = True
+            r.output_len = tr.seen
+            r.ttft = tr.first - tr.arrival
+            r.latency = tr.last - tr.arrival
+            r.itl = tr.itl
+        else:
+            r.error = tr.error or "not finished (the simulation ran out of events)"
+        return r
+
+    def _facts(self, wall_s: float) -> dict[str, Any]:
+        st = self.router.stats
+        per = {}
+        for n, w in self.workers.items():
+            per[n] = {"role": w.role, "steps": w.runner.num_steps,
+                      "busy_s": w.runner.busy_s, "preemptions": w.core.scheduler.num_preemptions,
+                      "kv_loads": w.runner.num_loads, "prefix_cache_hits": w.core.kv.prefix_hits,
+                      "prefix_cache_queries": w.core.kv.prefix_queries}
+        return {"simulated_s": self.now, "events": self.num_events, "wall_s": wall_s,
+                "requests": dict(st.requests), "transfers": st.transfers,
+                "transfer_bytes": st.transfer_bytes, "transfer_seconds": st.transfer_seconds,
+                "transfer_failures": st.transfer_failures, "workers": per}
