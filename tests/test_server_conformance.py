@@ -5,7 +5,8 @@
   server with SmolLM2's tokenizer and a two-layer dummy model: only codes and bodies count);
 * lm-eval's `local-completions` model (on the embedded SmolLM2, which knows the answers) runs
   a multiple-choice (loglikelihood, through echo + logprobs) and a generate_until task, both
-  over local JSONL files, with its remote tokenizer (the server's /tokenize, /detokenize and /tokenizer_info; no HF hub).
+  over local JSONL files, with its remote tokenizer (the server's /tokenize, /detokenize and
+  /tokenizer_info; no HF hub).
 
 Each test is skipped when its package is not installed."""
 import json
