@@ -1,10 +1,12 @@
-"""`pdserve serve` against third-party clients, on one live server with the embedded SmolLM2:
+"""`pdserve serve` against third-party clients:
 
 * schemathesis generates requests (valid and invalid) from the server's own /openapi.json for the
-  public endpoints: none may answer 5xx, and every 4xx must carry the OpenAI error body;
-* lm-eval's `local-completions` model runs a multiple-choice (loglikelihood, through
-  echo + logprobs) and a generate_until task, both over local JSONL files, with its remote
-  tokenizer (the server's /tokenize, /detokenize and /tokenizer_info; no HF hub).
+  public endpoints: none may answer 5xx, and every 4xx must carry the OpenAI error body (on a
+  server with SmolLM2's tokenizer and a two-layer dummy model: only codes and bodies count);
+* lm-eval's `local-completions` model (on the embedded SmolLM2, which knows the answers) runs
+  a multiple-choice (loglikelihood, through echo + logprobs) and a generate_until task, both
+  over local JSONL files, with its remote tokenizer (the server's /tokenize, /detokenize and
+  /tokenizer_info; no HF hub).
 
 Each test is skipped when its package is not installed."""
 import json
@@ -122,9 +124,31 @@ def openai_error_shape(ctx, response, case):
 
 
 @pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """For schemathesis: a server like small_server (one worker, 16 sequences, max_model_len
+    256, SmolLM2's real tokenizer and chat template, so the same vocabulary and the same
+    request paths) on a two-layer dummy-weight model. Generated requests check status codes and
+    error bodies, never the text, and each costs milliseconds instead of the embedded model's
+    seconds. At the end it must still be healthy and stop cleanly with no worker left."""
+    from .test_server import _start, _stop, _stopped_cleanly
+    from .utils import assert_processes_gone, save_tiny_model_with_tokenizer
+    model = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny") / "model")
+    proc, base = _start(["--model", model, "--load-format", "dummy", "--max-num-seqs", "16",
+                         "--max-model-len", "256"])
+    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
+    yield base
+    try:
+        health = httpx.get(base + "/health", timeout=10)
+        assert health.status_code == 200, f"the engine died during the tests: {health.text}"
+    finally:
+        assert _stopped_cleanly(_stop(proc))
+        assert_processes_gone(pids)
+
+
+@pytest.fixture(scope="module")
 def api_schema(request):
     schemathesis = pytest.importorskip("schemathesis")  # before starting a server for nothing
-    server = request.getfixturevalue("server")
+    server = request.getfixturevalue("tiny_server")
     return schemathesis.openapi.from_url(server + "/openapi.json", timeout=30)
 
 
