@@ -170,6 +170,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         CostModel(profile(), chunk_tokens=0)
     with pytest.raises(ValueError):
+        CostModel(profile(), 16, correction_weight=1.5)
+    with pytest.raises(ValueError):
         CostModel(profile(), 16).observe_latency("e2e", 1.0, 1.0)
 
 
@@ -191,6 +193,9 @@ def test_online_correction_moves_toward_observed_and_stays_bounded():
     assert cm.factors[("d", "transfer")] == pytest.approx(1 + 0.05 * 2)
     cm.observe_latency("ttft", 30.0, 20.0)
     assert cm.error_stats()["ttft"] == {"n": 1, "mean_abs_rel_err": 0.5, "mean_ratio": 1.5}
+    fixed = CostModel(profile(), chunk_tokens=4096, correction_weight=0.0)
+    fixed.observe_step("w", 0, 4, 400, 2 * raw)
+    assert fixed.factors[("w", "decode")] == 1.0 and fixed.error_stats()["decode"]["n"] == 1
     cm.observe_step("w", 0, 0, 0, 5.0)                                # an empty step: ignored
     cm.observe_step("w", 10, 0, 0, math.nan)                          # an unusable sample
     assert ("w", "prefill") not in cm.factors

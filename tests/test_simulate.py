@@ -3,7 +3,6 @@ Expectations come from outside the simulator: queueing theory (M/D/1, Pollaczek-
 naive queue recursion (Lindley's), the profile's formulas evaluated by hand for a lone request,
 and a real CPU engine's scheduler decisions for the same requests."""
 import json
-import math
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,6 @@ import pytest
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.perf.cost_profile import CostProfile
-from pdserve.perf.metrics import compute_metrics
 from pdserve.perf.workload import arrival_times, mixed_requests
 from pdserve.routing.adaptive import AdaptivePolicy
 from pdserve.routing.cost_model import CostModel
@@ -23,21 +21,14 @@ from pdserve.sim import (CostModelRunner, Deployment, SimClock, SimRequest, Simu
                          parse_deployment)
 from pdserve.sim.cli import main as simulate_main
 
-FIT = {t: {"n_samples": 1, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None}
-       for t in ("prefill", "decode", "mixed", "transfer")}
+from .test_adaptive_routing import profile as _profile
 
 
 def profile(**over) -> CostProfile:
-    """prefill 2 + 0.01 n ms; decode 5 + 0.1 min(b, 8) + 0.05 max(0, b - 8) + 0.001 S ms; mixed
-    + 0.02 ms per prompt token; transfer 1 ms + 1 kB per token at 1 GB/s."""
-    d = dict(model="m", hardware="hw", engine_config={}, commit="c", alpha_ms_per_token=0.01,
-             prefill_fixed_ms=2.0, prefill_quadratic_ms=0.0,
-             beta_ms={"fixed_ms": 5.0, "per_seq_ms_below": 0.1, "per_seq_ms_above": 0.05,
-                      "per_context_token_ms": 0.001},
-             batch_threshold=8, gamma_ms_per_token=0.02, transfer_gb_per_s=1.0,
-             transfer_fixed_ms=1.0, kv_bytes_per_token=1000, fit=FIT, samples={})
-    d.update(over)
-    return CostProfile(**d)
+    """test_adaptive_routing's profile with 0.05 ms per sequence above the knee: prefill
+    2 + 0.01 n ms; decode 5 + 0.1 min(b, 8) + 0.05 max(0, b - 8) + 0.001 S ms; mixed + 0.02 ms
+    per prompt token; transfer 1 ms + 1 kB per token at 1 GB/s."""
+    return _profile(**{"beta_ms": {"per_seq_ms_above": 0.05}, **over})
 
 
 def simulator(dep="1C", policy=None, prof=None, **cfg):

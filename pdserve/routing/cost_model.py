@@ -100,12 +100,15 @@ class _Err:
 class CostModel:
     profile: StepCosts
     chunk_tokens: int                       # a step's token budget (max_num_batched_tokens)
+    correction_weight: float = CORRECTION_WEIGHT   # 0: the profile as it is, never corrected
     factors: dict[tuple[str, str], float] = field(default_factory=dict)  # (worker, kind) -> f
     errors: dict[str, _Err] = field(default_factory=lambda: {t: _Err() for t in TERMS})
 
     def __post_init__(self):
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
+        if not 0 <= self.correction_weight <= 1:
+            raise ValueError(f"correction_weight must be in [0, 1], got {self.correction_weight!r}")
 
     # ---- step times ------------------------------------------------------------------------
     def _raw_step_ms(self, b: int, ctx: float, n: int) -> tuple[str, float]:
@@ -196,7 +199,7 @@ class CostModel:
         f = self.factors.get(key, 1.0)
         target = f * observed / predicted
         lo, hi = CORRECTION_BOUNDS
-        self.factors[key] = min(hi, max(lo, f + CORRECTION_WEIGHT * (target - f)))
+        self.factors[key] = min(hi, max(lo, f + self.correction_weight * (target - f)))
 
     def observe_step(self, worker: str, prefill_tokens: int, decodes: int, ctx: float,
                      wall_ms: float) -> None:
