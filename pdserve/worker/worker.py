@@ -457,7 +457,7 @@ if __name__ == "__main__":
         worker_main(_wc, int(sys.argv[2]))
         _code = 0
     except SystemExit as e:     # worker_main's own exit (it has reported and closed what it had)
-        _code = e.code if isinstance(e.code, int) else 1
+        _code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     # Everything worker_main opened is closed by now (TP group, zmq context, the runner): skip
     # the interpreter's teardown of torch's modules, about a second of CPU per process that a
     # stop or a restart would wait for.
