@@ -21,15 +21,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def small_server():
-    """One `pdserve serve` (embedded SmolLM2, one worker, 16 sequences, max_model_len 256) shared
-    by the request-schema and conformance tests (one start-up instead of two): its base URL.
-    At the end it must still be healthy, stop cleanly and leave no worker process behind."""
+def served(args: list[str]):
+    """A `pdserve serve` with args, yielding its base URL; afterwards it must still be healthy,
+    stop cleanly and leave no worker process behind (a generator for fixtures to yield from)."""
     httpx = pytest.importorskip("httpx")
     from .test_server import _start, _stop, _stopped_cleanly
     from .utils import assert_processes_gone
-    proc, base = _start(["--max-num-seqs", "16", "--max-model-len", "256"])
+    proc, base = _start(args)
     pids = httpx.get(base + "/admin/check").json()["worker_pids"]
     yield base
     try:
@@ -38,6 +36,14 @@ def small_server():
     finally:
         assert _stopped_cleanly(_stop(proc))
         assert_processes_gone(pids)
+
+
+@pytest.fixture(scope="session")
+def small_server():
+    """One `pdserve serve` (embedded SmolLM2, one worker, 16 sequences, max_model_len 256) shared
+    by the request-schema and conformance tests (one start-up instead of two): its base URL.
+    At the end it must still be healthy, stop cleanly and leave no worker process behind."""
+    yield from served(["--max-num-seqs", "16", "--max-model-len", "256"])
 
 
 class _NameMapOnly:

@@ -130,19 +130,11 @@ def tiny_server(tmp_path_factory):
     request paths) on a two-layer dummy-weight model. Generated requests check status codes and
     error bodies, never the text, and each costs milliseconds instead of the embedded model's
     seconds. At the end it must still be healthy and stop cleanly with no worker left."""
-    from .test_server import _start, _stop, _stopped_cleanly
-    from .utils import assert_processes_gone, save_tiny_model_with_tokenizer
+    from .conftest import served
+    from .utils import save_tiny_model_with_tokenizer
     model = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny") / "model")
-    proc, base = _start(["--model", model, "--load-format", "dummy", "--max-num-seqs", "16",
-                         "--max-model-len", "256"])
-    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
-    yield base
-    try:
-        health = httpx.get(base + "/health", timeout=10)
-        assert health.status_code == 200, f"the engine died during the tests: {health.text}"
-    finally:
-        assert _stopped_cleanly(_stop(proc))
-        assert_processes_gone(pids)
+    yield from served(["--model", model, "--load-format", "dummy", "--max-num-seqs", "16",
+                       "--max-model-len", "256"])
 
 
 @pytest.fixture(scope="module")
