@@ -58,7 +58,7 @@ from ..perf.workload import (Conversation, SampleRequest, approx_tokens, arrival
                              prefix_repetition_requests, random_requests)
 from .common import git_info, hardware_info, write_result
 from .serve_report import (format_per_turn, format_table, import_pyplot, jsonable, plot_runs,
-                           rate_label)
+                           rate_label, warn_failures)
 
 
 # ---- one request -------------------------------------------------------------------------------
@@ -584,10 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         if multi:
             run.update(num_conversations=len(convs), turns=a.multi_turn_turns)
         runs.append(run)
-        if m["failed"]:
-            first = next(e for e in m["errors"] if e)
-            print(f"rate {rate_label(rate)}: {m['failed']} of {n_req} requests failed; "
-                  f"first error: {first}", file=sys.stderr, flush=True)
+        warn_failures(run)
 
     payload: dict[str, Any] = {
         "benchmark": "serve", "date": datetime.now().isoformat(timespec="seconds"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,15 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     return x
+
+
+def warn_failures(run: dict[str, Any]) -> None:
+    """One line on stderr when requests of a run (a sweep's rate) failed: how many, and the first
+    error."""
+    if run["failed"]:
+        first = next(e for e in run["errors"] if e)
+        print(f"rate {run['request_rate']}: {run['failed']} of {run['num_prompts']} requests "
+              f"failed; first error: {first}", file=sys.stderr, flush=True)
 
 
 def format_table(runs: list[dict[str, Any]], percentiles: list[float]) -> str:

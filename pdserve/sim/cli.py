@@ -153,7 +153,7 @@ def _policy(a: argparse.Namespace, dep: Deployment, profile: CostProfile):
 def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], list[dict]]:
     """Runs the sweep; returns the payload (bench serve's shape) and its runs. ValueError on
     bad input."""
-    from ..bench.serve_report import jsonable, rate_label
+    from ..bench.serve_report import jsonable, rate_label, warn_failures
     percentiles = [float(x) for x in a.metric_percentiles.split(",") if x.strip()]
     if any(not 0 <= x <= 100 for x in percentiles):
         raise ValueError(f"--metric-percentiles: numbers in [0, 100], got {a.metric_percentiles!r}")
@@ -202,10 +202,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         run = {"request_rate": rate_label(rate), "burstiness": a.burstiness,
                "max_concurrency": None, "num_prompts": len(reqs), **m, "simulation": facts}
         runs.append(run)
-        if m["failed"]:
-            first = next(e for e in m["errors"] if e)
-            print(f"rate {rate_label(rate)}: {m['failed']} of {len(reqs)} requests failed; "
-                  f"first error: {first}", file=sys.stderr, flush=True)
+        warn_failures(run)
     payload: dict[str, Any] = {
         "benchmark": "simulate", "date": datetime.now().isoformat(timespec="seconds"),
         "deployment": dep.label, "routing_policy": policy_name,
