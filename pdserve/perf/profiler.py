@@ -233,15 +233,13 @@ def _transfer_rows(a, cfg, kvb: int) -> tuple[list[dict], dict[str, Any]]:
     if base.max_model_len is not None and base.max_model_len < longest + 2:
         base = dataclasses.replace(base, max_model_len=longest + 2)
     info: dict[str, Any] = {"connector": a.kv_connector, "kv_transfer_mode": base.kv_transfer_mode}
-    specs = plan_workers(base, 1, 1, 0, kv_connector=a.kv_connector)
     dev = base.torch_device
+    one_gpu = dev.type == "cuda" and torch.cuda.device_count() < 2   # both workers on it
+    specs = plan_workers(base, 1, 1, 0, kv_connector=a.kv_connector,
+                         num_gpus=1 if one_gpu else None)
     if dev.type == "cuda":
         specs = [dataclasses.replace(s, config=dataclasses.replace(
             s.config, kv_cache_memory_gb=a.transfer_kv_gb)) for s in specs]
-        if torch.cuda.device_count() < 2:   # both workers on the one GPU
-            one = f"cuda:{dev.index or 0}"
-            specs = [dataclasses.replace(s, config=dataclasses.replace(s.config, device=one))
-                     for s in specs]
         info["devices"] = [s.config.device for s in specs]
         info["note"] = ("both workers on one GPU (CUDA IPC, same-device pull)"
                         if len({s.config.device for s in specs}) == 1

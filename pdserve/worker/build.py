@@ -71,11 +71,24 @@ def _kv_budget_bytes(cfg: EngineConfig) -> int:
     if cfg.kv_cache_memory_gb is not None:
         return int(cfg.kv_cache_memory_gb * (1 << 30))
     if cfg.torch_device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(cfg.torch_device)
-        used = total - free
-        # Leave room for activations and CUDA graphs: they are not in the budget yet.
-        return max(0, int(total * cfg.gpu_memory_utilization) - used - (2 << 30))
+        return cuda_kv_budget_bytes(cfg.gpu_memory_utilization,
+                                    *torch.cuda.mem_get_info(cfg.torch_device),
+                                    torch.cuda.memory_reserved(cfg.torch_device))
     return 1 << 30
+
+
+# Room left for activations and CUDA graphs: they are not in the budget yet.
+ACTIVATION_RESERVE_BYTES = 2 << 30
+
+
+def cuda_kv_budget_bytes(utilization: float, free: int, total: int, own: int) -> int:
+    """The KV budget of one worker on a GPU: its share of the GPU (utilization x total, as
+    vLLM's per-instance gpu_memory_utilization) less what this process already holds (`own`:
+    the weights, and what loading left in torch's cache) and the activation reserve, and never
+    more than the GPU has free (less the reserve). Workers sharing a GPU each take their own
+    share: what the others hold bounds a worker's pool only through `free`."""
+    share = int(total * utilization) - own - ACTIVATION_RESERVE_BYTES
+    return max(0, min(share, free - ACTIVATION_RESERVE_BYTES))
 
 
 def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
