@@ -17,8 +17,8 @@ from pdserve.perf.workload import arrival_times, mixed_requests
 from pdserve.routing.adaptive import AdaptivePolicy
 from pdserve.routing.cost_model import CostModel
 from pdserve.sampling_params import SamplingParams
-from pdserve.sim import (CostModelRunner, Deployment, SimClock, SimRequest, Simulator,
-                         parse_deployment)
+from pdserve.sim import (CostModelRunner, Deployment, SimClock, SimConversation, SimRequest,
+                         Simulator, parse_deployment)
 from pdserve.sim.cli import main as simulate_main
 
 from .test_adaptive_routing import profile as _profile
@@ -94,6 +94,47 @@ def test_a_lone_request_takes_the_profiles_step_times(L):
     assert r.ttft * 1e3 == pytest.approx(sum(prof.prefill_ms(n) for n in chunks), rel=1e-9)
     assert np.array(r.itl) * 1e3 == pytest.approx(service_ms(prof, L, O)[1], rel=1e-9)
     assert r.output_len == O
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_lone_conversation_turn_by_turn(cache):
+    """One conversation of three turns on one worker: turn k is sent when turn k - 1's last
+    token is out, its prompt is the history (system, messages, the answers' tokens) and its
+    message. By hand: with the prefix cache, turn k prefills only what the tree lacks -- the
+    last answer's final token (sampled, never fed, so it has no KV) and the new message;
+    without it, the whole history. Each answer's tokens then follow as lone decode steps."""
+    p = profile()
+    system, users, outs = 100, [20, 30, 40], [5, 6, 7]
+    rng = np.random.default_rng(3)
+    conv = SimConversation(0.25, rng.integers(1, 30000, size=system).tolist(),
+                           [rng.integers(1, 30000, size=n).tolist() for n in users], outs)
+    res = simulator(enable_prefix_caching=cache).run_conversations([conv])
+    assert [(r.conversation, r.turn, r.success) for r in res.results] == \
+        [(0, 0, True), (0, 1, True), (0, 2, True)]
+    start, history = 0.25, system
+    for k, r in enumerate(res.results):
+        prompt = history + users[k]
+        computed = prompt - (history - 1) if cache and k else prompt
+        first, decodes = p.prefill_ms(computed), [p.decode_ms(1, prompt + j)
+                                                  for j in range(1, outs[k])]
+        assert r.prompt_len == prompt
+        assert r.start == pytest.approx(start, abs=1e-12)
+        assert r.ttft * 1e3 == pytest.approx(first, rel=1e-9)
+        assert r.latency * 1e3 == pytest.approx(first + sum(decodes), rel=1e-9)
+        start, history = start + r.latency, prompt + outs[k]
+
+
+def test_the_turns_after_a_failed_turn_are_not_sent():
+    """Turn 1's message alone is longer than max_model_len (8192): it is rejected, and turn 2
+    is never sent; the other conversation is untouched."""
+    ok = SimConversation(0.0, [], [[5] * 10, [6] * 10, [7] * 10], [3, 3, 3])
+    bad = SimConversation(0.0, [], [[5] * 10, [6] * 9000, [7] * 10], [3, 3, 3])
+    res = simulator().run_conversations([bad, ok])
+    got = [(r.conversation, r.turn, r.success) for r in res.results]
+    assert got == [(0, 0, True), (0, 1, False), (0, 2, False),
+                   (1, 0, True), (1, 1, True), (1, 2, True)]
+    assert "max_model_len" in res.results[1].error
+    assert res.results[2].error.startswith("not sent")
 
 
 def test_deterministic_arrivals_below_capacity_never_queue():

@@ -2,7 +2,8 @@
 cost-model runner (runner.py) and a discrete-event loop (simulator.py); `pdserve simulate`
 (cli.py). Plain Python: no torch, no zmq."""
 from .runner import CostModelRunner, SimClock
-from .simulator import Deployment, SimRequest, SimResult, Simulator, parse_deployment
+from .simulator import (Deployment, SimConversation, SimRequest, SimResult, Simulator,
+                        parse_deployment)
 
-__all__ = ["CostModelRunner", "Deployment", "SimClock", "SimRequest", "SimResult", "Simulator",
-           "parse_deployment"]
+__all__ = ["CostModelRunner", "Deployment", "SimClock", "SimConversation", "SimRequest",
+           "SimResult", "Simulator", "parse_deployment"]

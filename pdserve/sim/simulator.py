@@ -106,6 +106,25 @@ class SimRequest:
     arrival: float          # seconds from the start of the run
 
 
+@dataclass(frozen=True)
+class SimConversation:
+    """A multi-turn chat of a simulated run, as `bench serve --dataset-name multi-turn` plays
+    one: it starts at `start` (s), turn k is sent when the answer to turn k - 1 has ended, and
+    its prompt is the conversation so far: the system prompt, then each earlier turn's user
+    message and answer (the tokens the simulated engine produced), then this turn's message
+    (token ids; no chat template around them)."""
+    start: float
+    system: list[int]
+    user_messages: list[list[int]]
+    output_lens: list[int]
+
+    def __post_init__(self):
+        if not self.user_messages or len(self.user_messages) != len(self.output_lens):
+            raise ValueError("conversation: need one output length per user message, and at "
+                             f"least one turn (got {len(self.user_messages)} messages, "
+                             f"{len(self.output_lens)} output lengths)")
+
+
 @dataclass
 class SimWorker:
     name: str
@@ -126,6 +145,8 @@ class _Track:
     itl: list[float] = field(default_factory=list)
     done: bool = False
     error: str = ""
+    # multi-turn: (conversation index, turn, prompt token ids) of this request
+    turn: tuple[int, int, list[int]] | None = None
 
 
 @dataclass
@@ -186,19 +207,67 @@ class Simulator:
             ) -> SimResult:
         """Serve `requests` (each with max_tokens = its output_len, ignore_eos, greedy)."""
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        base = params or SamplingParams(temperature=0.0, ignore_eos=True)
-        reqs = []
+        self._base = params or SamplingParams(temperature=0.0, ignore_eos=True)
         for i, r in enumerate(requests):
             if not r.arrival >= 0:
                 raise ValueError(f"request {i}: arrival must be >= 0 s, got {r.arrival!r}")
-            p = dataclasses.replace(base, max_tokens=int(r.output_len))
-            # final-only: the user's outputs come when a request ends (a load-aware policy
-            # still follows every token: the router core streams them to itself); each token's
-            # time is its step's end, which the runners record (what a streaming client sees)
-            reqs.append(AddRequest(f"r{i}", {"prompt_token_ids": list(r.prompt_token_ids)}, p,
-                                   final_only=True, arrival_time=r.arrival))
-            self._tracks[f"r{i}"] = _Track(r.arrival)
-            self._push(r.arrival, 0, reqs[-1])
+            self._arrive(f"r{i}", r.prompt_token_ids, r.output_len, r.arrival)
+        self._loop()
+        results = [self._result(rid, len(r.prompt_token_ids), r.output_len)
+                   for rid, r in zip(self._tracks, requests)]
+        return self._finish(results, min(r.arrival for r in requests), wall0, cpu0)
+
+    def run_conversations(self, conversations: Sequence[SimConversation],
+                          params: SamplingParams | None = None) -> SimResult:
+        """Play multi-turn `conversations` (see SimConversation). Results: one per turn,
+        conversation by conversation, with `conversation` and `turn` set; the turns after a
+        failed one are failed ("not sent"), as the serving benchmark counts them."""
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        self._base = params or SamplingParams(temperature=0.0, ignore_eos=True)
+        self._convs = list(conversations)
+        for i, c in enumerate(self._convs):
+            if not c.start >= 0:
+                raise ValueError(f"conversation {i}: start must be >= 0 s, got {c.start!r}")
+            self._send_turn(i, 0, list(c.system), c.start)
+        self._loop()
+        results = []
+        for i, c in enumerate(self._convs):
+            for k, n_out in enumerate(c.output_lens):
+                tr = self._tracks.get(f"c{i}t{k}")
+                if tr is None:   # an earlier turn failed
+                    r = RequestResult(0, int(n_out), start=c.start, error="not sent: "
+                                      "an earlier turn of this conversation failed")
+                else:
+                    r = self._result(f"c{i}t{k}", len(tr.turn[2]), n_out)
+                r.conversation, r.turn = i, k
+                results.append(r)
+        return self._finish(results, min(c.start for c in self._convs), wall0, cpu0)
+
+    def _arrive(self, rid: str, prompt: Sequence[int], output_len: int, at: float,
+                turn: tuple[int, int, list[int]] | None = None) -> None:
+        p = dataclasses.replace(self._base, max_tokens=int(output_len))
+        # final-only: the user's outputs come when a request ends (a load-aware policy still
+        # follows every token: the router core streams them to itself); each token's time is
+        # its step's end, which the runners record (what a streaming client sees)
+        req = AddRequest(rid, {"prompt_token_ids": list(prompt)}, p, final_only=True,
+                         arrival_time=at)
+        self._tracks[rid] = _Track(at, turn=turn)
+        self._push(at, 0, req)
+
+    def _send_turn(self, i: int, k: int, history: list[int], at: float) -> None:
+        c = self._convs[i]
+        prompt = history + list(c.user_messages[k])
+        self._arrive(f"c{i}t{k}", prompt, c.output_lens[k], at, (i, k, prompt))
+
+    def _finish(self, results: list[RequestResult], first_arrival: float, wall0: float,
+                cpu0: float) -> SimResult:
+        ends = [x.latency + x.start for x in results if x.success]
+        duration = max(ends) - first_arrival if ends else 0.0
+        facts = self._facts(time.perf_counter() - wall0)
+        facts["cpu_s"] = time.process_time() - cpu0
+        return SimResult(results, duration, facts)
+
+    def _loop(self) -> None:
         heap = self._heap
         while heap:
             t, _, kind, arg = heapq.heappop(heap)
@@ -222,12 +291,6 @@ class Simulator:
                 for w in dirty.values():
                     self._try_step(w)
         self._token_times()
-        results = [self._result(rid, r) for rid, r in zip(self._tracks, requests)]
-        ends = [x.latency + x.start for x in results if x.success]
-        duration = max(ends) - min(r.arrival for r in requests) if ends else 0.0
-        facts = self._facts(time.perf_counter() - wall0)
-        facts["cpu_s"] = time.process_time() - cpu0
-        return SimResult(results, duration, facts)
 
     def _try_step(self, w: SimWorker) -> None:
         """Start w's next step now, if it is idle and has anything to do."""
@@ -312,6 +375,10 @@ class Simulator:
             tr.done = True
             if out.error or o.finish_reason == "abort":
                 tr.error = out.error or "aborted"
+            elif tr.turn is not None:   # the next turn goes now, when this answer has ended
+                i, k, prompt = tr.turn
+                if k + 1 < len(self._convs[i].user_messages):
+                    self._send_turn(i, k + 1, prompt + list(o.token_ids), self.now)
 
     def _token_times(self) -> None:
         """Each finished request's token times from the runners (P/D: its first token from the
@@ -330,9 +397,9 @@ class Simulator:
             tr.first, tr.last = ts[0], ts[-1]
             tr.itl = [b - a for a, b in zip(ts, ts[1:])]
 
-    def _result(self, rid: str, req: SimRequest) -> RequestResult:
+    def _result(self, rid: str, prompt_len: int, output_len: int) -> RequestResult:
         tr = self._tracks[rid]
-        r = RequestResult(len(req.prompt_token_ids), int(req.output_len), start=tr.arrival)
+        r = RequestResult(prompt_len, int(output_len), start=tr.arrival)
         if tr.done and not tr.error and tr.first is not None:
             r.success = True
             r.output_len = tr.seen
