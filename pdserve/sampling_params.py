@@ -6,6 +6,8 @@ names the field and the offending value. Normalisations done in ``__post_init__`
 * ``top_k=None`` -> ``-1`` (disabled);
 * ``stop`` (None, str or list of str) -> ``tuple[str, ...]`` (empty when None);
 * ``stop_token_ids`` (None or list of int) -> ``tuple[int, ...]`` (empty when None);
+* ``logit_bias`` (None or a mapping token id -> bias) -> a new ``dict[int, float]``, or None when
+  empty;
 * ints passed as floats where a float is expected are converted to ``float``.
 
 Turning a batch of these into tensors happens in exactly one place:
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .checks import is_int, is_number
 
 # Temperatures below this are treated as greedy (argmax) sampling.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+# OpenAI's bound on a logit_bias value: -100 bans a token in practice, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None   # logprob of each prompt token (+ top-k) given its prefix
     skip_special_tokens: bool = True
+    # token id -> added to its logit before penalties and sampling (OpenAI's logit_bias; the
+    # returned logprobs stay the model's own)
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise through object.__setattr__
@@ -127,6 +134,21 @@ class SamplingParams:
             if not is_int(i) or i < 0:
                 bad("stop_token_ids", self.stop_token_ids, "entries must be integers >= 0")
         set_(self, "stop_token_ids", ids)
+
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                bad("logit_bias", bias, "must be None or a mapping of token ids to numbers")
+            norm = {}
+            for tok, v in bias.items():
+                if not is_int(tok) or tok < 0:
+                    bad("logit_bias", bias, f"keys must be token ids (integers >= 0); {tok!r} "
+                                            "is not")
+                if not is_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                    bad("logit_bias", bias, f"values must be numbers in [-100, 100]; token "
+                                            f"{tok}'s is {v!r}")
+                norm[int(tok)] = float(v)
+            set_(self, "logit_bias", norm or None)
 
         for field in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):

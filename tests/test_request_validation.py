@@ -1,7 +1,7 @@
 """The server's request schema against a live `pdserve serve` (embedded SmolLM2, one worker):
 values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean);
 chat roles and content parts are OpenAI's; stop_token_ids outside the vocabulary are the
-engine's 400; fields pdserve cannot honour (response_format, tools, logit_bias, guided decoding,
+engine's 400; fields pdserve cannot honour (response_format, tools, guided decoding,
 ...) are refused by name instead of ignored. Every 400 carries the OpenAI error body, and the
 server keeps answering normal requests after each."""
 import pytest
@@ -110,7 +110,27 @@ OUT_OF_VOCAB = [
     ("/v1/completions", _cmpl(stop_token_ids=[-1]), "stop_token_ids"),
     ("/v1/chat/completions", _chat(stop_token_ids=[10 ** 6]), "stop_token_ids"),
     ("/v1/completions", _cmpl(stop_token_ids=[VOCAB], stream=True), "stop_token_ids"),
+    ("/v1/completions", _cmpl(logit_bias={str(VOCAB): 5}), "logit_bias: token id 49152 is "
+                                                           "outside the vocabulary"),
+    ("/v1/chat/completions", _chat(logit_bias={str(10 ** 12): -1}), "outside the vocabulary"),
+    ("/v1/chat/completions", _chat(logit_bias={"9" * 30: -1}), "logit_bias keys"),
+    ("/v1/completions", _cmpl(logit_bias={"-3": 5}), "logit_bias keys"),
+    ("/v1/completions", _cmpl(logit_bias={"tok": 5}), "logit_bias keys"),
+    ("/v1/completions", _cmpl(logit_bias={"50": 101}), "[-100, 100]"),
+    ("/v1/chat/completions", _chat(logit_bias={"50": "5"}), "logit_bias"),
+    ("/v1/chat/completions", _chat(logit_bias=[50]), "logit_bias"),
 ]
+
+
+def test_logit_bias_forces_a_token(server):
+    """A +100 bias outweighs any logit of the model: greedy output is that token, repeated; on
+    another token, that one (so the bias, not the prompt, decides)."""
+    for tok in (1234, 777):
+        r = _post(server, "/v1/completions", _cmpl(prompt="The sea is", max_tokens=3,
+                                                  logit_bias={str(tok): 100}))
+        assert r.status_code == 200, r.text
+        want = _post(server, "/detokenize", {"tokens": [tok] * 3}).json()["prompt"]
+        assert r.json()["choices"][0]["text"] == want
 
 JSON_SCHEMA = {"type": "json_schema",
                "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
@@ -133,8 +153,6 @@ REFUSED = [
     ("/v1/chat/completions", _chat(functions=[TOOL["function"]]), "functions"),
     ("/v1/chat/completions", _chat(function_call="auto"), "function_call"),
     ("/v1/chat/completions", _chat(parallel_tool_calls=True), "parallel_tool_calls"),
-    ("/v1/chat/completions", _chat(logit_bias={"50": -100}), "logit_bias"),
-    ("/v1/completions", _cmpl(logit_bias={"50": 5}), "logit_bias"),
     ("/v1/chat/completions", _chat(guided_json={"type": "object"}), "guided_json"),
     ("/v1/completions", _cmpl(guided_regex="[a-z]+"), "guided_regex"),
     ("/v1/completions", _cmpl(guided_choice=["yes", "no"]), "guided_choice"),

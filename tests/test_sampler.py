@@ -107,6 +107,9 @@ BAD_PARAMS = [
     ("logprobs", -1), ("logprobs", 21),
     ("stop", ["ok", 3]), ("stop", [None]), ("stop", 5),
     ("stop_token_ids", [1, -2]), ("stop_token_ids", [-1]),
+    ("logit_bias", {3: 101}), ("logit_bias", {3: -100.5}), ("logit_bias", {3: float("nan")}),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {2.5: 1.0}),
+    ("logit_bias", [(3, 1.0)]), ("logit_bias", {3: "1"}),
 ]
 
 
@@ -255,6 +258,52 @@ def test_penalty_changes_greedy_choice():
     assert out.token_ids.item() == 5     # 2.0 - 0.6 = 1.4 < 1.5
     out = Sampler()(logits, build([SP(temperature=0, presence_penalty=0.3)], [[]], [[4, 4]], V=V))
     assert out.token_ids.item() == 4     # 2.0 - 0.3 = 1.7 > 1.5
+
+
+def test_logit_bias_is_added_before_greedy_and_sampling_and_logprobs_stay_raw():
+    """Greedy rows: argmax of logits + the row's bias (a float64 reference); a random row with
+    temperature 1: its distribution is softmax(logits + bias) (empirical check); every row's
+    logprobs are the unbiased model's. Rows without a bias are untouched."""
+    V = 40
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, V, generator=g) * 2
+    top = logits.argmax(dim=-1).tolist()
+    biases = [{top[0]: -100.0, 7: 3.5}, None, {5: 2.0, 9: -1.0, 11: 4.0}, {top[3]: -7.25}]
+    params = [SP(temperature=0, logprobs=1, logit_bias=b) for b in biases]
+    out = Sampler()(logits, build(params, V=V))
+    ref = logits.double().clone()
+    for r, b in enumerate(biases):
+        for t, v in (b or {}).items():
+            ref[r, t] += v
+    assert out.token_ids.tolist() == ref.argmax(dim=-1).tolist()
+    assert out.token_ids[0].item() != top[0] and out.token_ids[1].item() == top[1]
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert out.logprobs.double().numpy() == pytest.approx(
+        raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1).numpy(), abs=1e-5)
+
+    row, n = logits[2], 4000
+    p = SP(temperature=1.0, logit_bias=biases[2])
+    samples = _sample_configs([p], [row], n, seed=9)[0]
+    biased = row.double().clone()
+    for t, v in biases[2].items():
+        biased[t] += v
+    check_empirical(samples, torch.softmax(biased, dim=-1).numpy(), "logit_bias, T=1")
+
+
+def test_logit_bias_of_minus_100_excludes_and_plus_100_forces():
+    V = 30
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(4))
+    banned = SP(temperature=1.0, seed=1, logit_bias={t: -100 for t in range(V - 1)})
+    forced = SP(temperature=1.5, seed=2, logit_bias={17: 100})
+    out = Sampler()(logits, build([banned] * 4 + [forced] * 4, V=V,
+                                  gens=[torch.Generator().manual_seed(i) for i in range(8)]))
+    assert out.token_ids.tolist() == [V - 1] * 4 + [17] * 4
+
+
+def test_logit_bias_normalised():
+    assert SP(logit_bias={}).logit_bias is None
+    p = SP(logit_bias={3: 1, 5: -2.5})
+    assert p.logit_bias == {3: 1.0, 5: -2.5} and all(type(k) is int for k in p.logit_bias)
 
 
 def test_min_tokens_bans_stop_and_eos():

@@ -135,6 +135,8 @@ class EngineCore:
                              "sequences can run at once")
         # (SamplingParams checked that they are integers >= 0; the vocabulary is known here)
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        if params.logit_bias:
+            check_token_ids("logit_bias", params.logit_bias.keys(), self.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "

@@ -17,6 +17,7 @@ Design
 Processing order (vLLM / HF semantics)::
 
     raw logprobs  <- log_softmax(logits)
+    logit_bias    -> logit[token] += bias, per row (OpenAI's logit_bias)
     min_tokens    -> ban EOS / stop_token_ids while len(output) < min_tokens   (optional, see build)
     repetition    -> over prompt ∪ output tokens: logit > 0 ? logit / p : logit * p
     freq/presence -> over output tokens: logit -= freq * count + presence * (count > 0)
@@ -34,7 +35,8 @@ from torch import Tensor
 
 from pdserve.sampling_params import SamplingParams
 
-__all__ = ["SamplingBatch", "SamplerOutput", "Sampler", "apply_penalties", "apply_token_bans"]
+__all__ = ["SamplingBatch", "SamplerOutput", "Sampler", "apply_logit_bias", "apply_penalties",
+           "apply_token_bans"]
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
@@ -77,6 +79,9 @@ class SamplingBatch:
     vocab_size: int
     seeded_rows: tuple[int, ...] = ()      # random rows that own a generator
     any_shared_random: bool = False        # some random row uses the shared generator
+    # logit_bias of every row, flat: logits.view(-1)[bias_index] += bias_values (None: no row)
+    bias_index: Tensor | None = None       # [nnz] int64, row * V + token
+    bias_values: Tensor | None = None      # [nnz] float32
 
     @property
     def batch_size(self) -> int:
@@ -113,7 +118,7 @@ class SamplingBatch:
         device = torch.device(device)
 
         if all(p.greedy and p.logprobs is None and p.min_tokens == 0 and not p.has_penalty
-               for p in params):
+               and p.logit_bias is None for p in params):
             # Fast path (plain greedy decoding): nothing but an argmax will read the batch.
             return cls(temperature=None, top_k=None, top_p=None, min_p=None, presence=None,
                        frequency=None, repetition=None, greedy_mask=None, all_greedy=True,
@@ -172,6 +177,16 @@ class SamplingBatch:
         if any(bans):
             banned_mask = _mask_from_ids(bans, B, V, device)
 
+        bias_index = bias_values = None
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            flat = [(i * V + t, b) for i, bias in biased for t, b in bias.items() if 0 <= t < V]
+            if flat:
+                bias_index = torch.tensor([f for f, _ in flat], dtype=torch.int64).to(
+                    device, non_blocking=True)
+                bias_values = torch.tensor([b for _, b in flat], dtype=torch.float32).to(
+                    device, non_blocking=True)
+
         enabled_ks = [k for k in top_ks if k < V]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         gens = list(generators)
@@ -192,6 +207,7 @@ class SamplingBatch:
             seeded_rows=tuple(i for i, (g, gr) in enumerate(zip(gens, greedy))
                               if g is not None and not gr),
             any_shared_random=any(g is None and not gr for g, gr in zip(gens, greedy)),
+            bias_index=bias_index, bias_values=bias_values,
         )
 
 
@@ -221,6 +237,16 @@ def _mask_from_ids(rows: Sequence[Sequence[int]], B: int, V: int, device) -> Ten
 # =================================================================================================
 # Logit processing
 # =================================================================================================
+def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Each row's logit_bias added to its logits (a new tensor), or ``logits`` itself when no
+    row has one. (Every (row, token) appears once in the index: index_add_ adds each once.)"""
+    if batch.bias_index is None:
+        return logits
+    out = logits.clone(memory_format=torch.contiguous_format)
+    out.view(-1).index_add_(0, batch.bias_index, batch.bias_values)
+    return out
+
+
 def apply_token_bans(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Set banned tokens (min_tokens: EOS / stop ids) to -inf. Returns a new tensor if anything
     is banned, else ``logits`` itself."""
@@ -312,7 +338,7 @@ class Sampler:
         want_logprobs = batch.max_num_logprobs is not None
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        x = apply_penalties(apply_token_bans(logits, batch), batch)
+        x = apply_penalties(apply_token_bans(apply_logit_bias(logits, batch), batch), batch)
 
         greedy_ids = None if batch.all_random else x.argmax(dim=-1)
         if batch.all_greedy:

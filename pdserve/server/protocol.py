@@ -5,7 +5,7 @@ JSON types are taken at their word: an integer field takes a JSON integer (true 
 is not 5), a boolean field only true or false, a number field any JSON number. Chat roles and
 content parts are OpenAI's. Unknown fields are ignored, as OpenAI clients send extras (user,
 metadata, store, ...), except those that ask for something pdserve does not do (JSON output,
-tools, logit_bias, guided decoding, ...): they are refused by name (_REFUSED), never dropped.
+tools, guided decoding, ...): they are refused by name (_REFUSED), never dropped.
 """
 from __future__ import annotations
 
@@ -58,7 +58,6 @@ _REFUSED: dict[str, tuple[tuple, str]] = {
     "parallel_tool_calls": ((), f"parallel_tool_calls is not supported ({_NO_TOOLS})"),
     "functions": (([],), f"functions are not supported ({_NO_TOOLS})"),
     "function_call": (("none",), f"function_call other than 'none' is not supported ({_NO_TOOLS})"),
-    "logit_bias": (({},), "logit_bias is not supported"),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "modalities other than ['text'] are not supported"),
     "prompt_logprobs": ((), "prompt_logprobs is not supported; for the logprobs of a prompt use "
@@ -136,7 +135,8 @@ class _Sampling(BaseModel):
     # that the schema shows what is accepted.
     response_format: Optional[ResponseFormat] = None
     tool_choice: Optional[Literal["none"]] = None
-    logit_bias: Optional[Annotated[dict[str, Number], Field(max_length=0)]] = None
+    # OpenAI's: token ids as JSON object keys (strings of digits) -> a bias in [-100, 100]
+    logit_bias: Optional[dict[str, Number]] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -155,7 +155,21 @@ class _Sampling(BaseModel):
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
+        if self.logit_bias:
+            kw["logit_bias"] = _token_id_keys(self.logit_bias)
         return SamplingParams(**kw)
+
+
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias's keys as token ids: strings of decimal digits (as OpenAI takes them), small
+    enough for the engine's 64-bit messages (the engine checks them against the vocabulary)."""
+    out = {}
+    for k, v in bias.items():
+        if not (k.isascii() and k.isdigit()) or len(k) > 18:
+            raise ValueError(f"logit_bias keys must be token ids (decimal integers >= 0); "
+                             f"{_short(k)!r} is not")
+        out[int(k)] = v
+    return out
 
 
 def _prompt_kind(v: Any) -> str | None:
