@@ -3,6 +3,8 @@
     POST /v1/completions, /v1/chat/completions (SSE when stream=true)
     GET  /v1/models, /health, /metrics (Prometheus), /tokenizer_info
     POST /tokenize, /detokenize
+With --api-key, /v1/* needs "Authorization: Bearer KEY" (else 401); CORS headers as
+--allowed-origins says (every origin by default, as vLLM).
 
 The engine runs in worker processes behind a Router (one collocated worker, or a P/D
 deployment), driven through AsyncEngine; this process parses, tokenizes and renders chat
@@ -21,18 +23,21 @@ requests.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..worker.client import EngineDeadError
 from .async_engine import AsyncEngine
-from .http import (BodyLimit, BodyTooLarge, Busy, ServeOptions, error_response, too_large,
-                   validation_message)
+from .console import StatsLine, log_stats
+from .http import (BearerAuth, BodyLimit, BodyTooLarge, Busy, ServeOptions, error_response,
+                   too_large, validation_message)
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        ErrorResponse, TokenizeRequest)
 from .serving import OpenAIServing
@@ -45,7 +50,13 @@ def build_app(engine: AsyncEngine, model_name: str,
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        stats_task = None
+        if options.log_stats_interval_s is not None:
+            line = StatsLine(srv.metrics.registry.get_sample_value, lambda: engine.stats)
+            stats_task = asyncio.create_task(log_stats(line, options.log_stats_interval_s))
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         # uvicorn has let in-flight requests finish (or end at the drain deadline)
         await engine.shutdown(5.0)
         srv.pool.shutdown(wait=False, cancel_futures=True)
@@ -54,6 +65,13 @@ def build_app(engine: AsyncEngine, model_name: str,
                   responses={400: {"model": ErrorResponse}})
     app.state.server = srv
     app.add_middleware(BodyLimit, limit=options.max_request_bytes)
+    if options.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=options.api_key)
+    if options.allowed_origins:   # (added last: outermost, so preflights need no key)
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_credentials=options.allow_credentials,
+                           allow_methods=list(options.allowed_methods),
+                           allow_headers=list(options.allowed_headers))
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):

@@ -1,7 +1,8 @@
-"""HTTP plumbing of the server: OpenAI error bodies, server-sent events, the body-size limit
-and the options that protect the server and its clients (ServeOptions)."""
+"""HTTP plumbing of the server: OpenAI error bodies, server-sent events, the body-size limit,
+the API key check and the options that protect the server and its clients (ServeOptions)."""
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 import msgspec
@@ -20,7 +21,7 @@ def sse(obj: dict) -> bytes:
 
 def error_response(status: int, message: str, param: str | None = None,
            headers: dict | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error",
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             413: "invalid_request_error"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                    "code": status}}, status_code=status, headers=headers)
@@ -39,6 +40,13 @@ class ServeOptions:
     shutdown_timeout_s: float = 120.0    # SIGTERM: streams get this long to finish
     keepalive_s: float = 10.0            # an SSE comment after this long without an event
     tokenizer_threads: int = 4           # tokenization and chat templates run there
+    api_key: str | None = None           # /v1/* needs "Authorization: Bearer <api_key>"
+    # CORS (as vLLM: every origin by default); an empty tuple adds no CORS headers
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    log_stats_interval_s: float | None = None  # the console's stats line (None: none)
 
     def __post_init__(self):
         for name in ("max_request_bytes", "tokenizer_threads"):
@@ -46,6 +54,14 @@ class ServeOptions:
         check_int("max_queued_requests", self.max_queued_requests, minimum=0, allow_none=True)
         for name in ("shutdown_timeout_s", "keepalive_s"):
             check_number(name, getattr(self, name))
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string (or None: no authentication)")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not all(isinstance(x, str) and x for x in v):
+                raise ValueError(f"{name} must be a tuple of non-empty strings, got {v!r}")
+        if self.log_stats_interval_s is not None:
+            check_number("log_stats_interval_s", self.log_stats_interval_s)
 
 
 class Busy(Exception):
@@ -69,6 +85,25 @@ def validation_message(exc: RequestValidationError) -> str:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
     return "; ".join(parts) or "invalid request"
+
+
+class BearerAuth:
+    """ASGI middleware: /v1/* answers 401 unless the request carries "Authorization: Bearer
+    <api_key>" (compared in constant time). Other paths (health, metrics, tokenize) stay open,
+    as in vLLM."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") \
+                and scope.get("method") != "OPTIONS":
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return await error_response(
+                    401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                    headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

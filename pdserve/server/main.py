@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import sys
 from typing import Callable
 
 from .api import build_app
 from .async_engine import AsyncEngine
+from .console import startup_summary
 from .http import ServeOptions
+
+
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form: '["http://a.example", "http://b.example"]')."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of non-empty strings, got {text!r}")
+    return v
 
 
 def _uvicorn_server(config, on_exit: Callable[[], None]):
@@ -26,9 +40,11 @@ def _uvicorn_server(config, on_exit: Callable[[], None]):
     return Server(config)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..args import add_deployment_args, add_engine_args, deployment_args, engine_config
+def build_parser() -> argparse.ArgumentParser:
+    from ..args import add_deployment_args, add_engine_args
     p = argparse.ArgumentParser(prog="pdserve serve")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve, as vLLM takes it (the same as --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -47,17 +63,53 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of silence after which a stream gets an SSE comment")
     p.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
                    help="threads that tokenize prompts and render chat templates")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="clients of /v1/* must send 'Authorization: Bearer KEY' (default: "
+                        "$PDSERVE_API_KEY; unset: no key)")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='CORS: origins allowed, a JSON list (default ["*"]; [] sends no CORS '
+                        "headers)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                   help="CORS: methods allowed, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                   help="CORS: headers allowed, a JSON list")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between the console's stats lines (throughput, running and "
+                        "waiting, KV use, prefix cache hit rate), printed while there is traffic")
+    p.add_argument("--disable-log-stats", action="store_true", help="no stats lines")
     add_engine_args(p)
     add_deployment_args(p)
-    a = p.parse_args(argv)
-    import os
+    return p
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with the positional MODEL (vLLM's `serve MODEL`) moved into --model."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.model_tag is not None:
+        if a.model is not None and a.model != a.model_tag:
+            p.error(f"the model is given twice: {a.model_tag!r} and --model {a.model!r}")
+        a.model = a.model_tag
+    return a
+
+
+def serve_options(a: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
+        a.max_request_bytes, a.max_queued_requests, a.shutdown_timeout, a.keepalive,
+        a.tokenizer_threads, a.api_key or None, tuple(a.allowed_origins), a.allow_credentials,
+        tuple(a.allowed_methods), tuple(a.allowed_headers),
+        None if a.disable_log_stats else a.log_stats_interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..args import deployment_args, engine_config
+    a = parse_args(argv)
     import uvicorn
 
     from ..deploy import build
     try:
-        options = ServeOptions(a.max_request_bytes, a.max_queued_requests, a.shutdown_timeout,
-                               a.keepalive, a.tokenizer_threads)
+        options = serve_options(a)
         config, deployment = engine_config(a), deployment_args(a)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -77,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                            timeout_graceful_shutdown=options.shutdown_timeout_s + 5),
             lambda: loop.call_soon_threadsafe(srv.begin_shutdown))
+        for line in startup_summary(client, name):
+            print(line, file=sys.stderr)
         print(f"pdserve: serving {name!r} on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
         await server.serve()
 

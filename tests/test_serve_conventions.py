@@ -1,0 +1,179 @@
+"""vLLM's serving conventions on `pdserve serve` without starting an engine: the positional
+MODEL, --api-key (Bearer auth on /v1/*), CORS, the start-up summary and the periodic stats
+line. The middleware runs in a small ASGI app driven in-process by httpx; expectations are
+hand-written (status codes and headers as the RFCs and vLLM's server give them, numbers
+computed by hand)."""
+import asyncio
+import io
+from types import SimpleNamespace
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+from fastapi import FastAPI  # noqa: E402
+from fastapi.middleware.cors import CORSMiddleware  # noqa: E402
+
+from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.protocol import WorkerStats  # noqa: E402
+from pdserve.server.console import StatsLine, log_stats, startup_summary  # noqa: E402
+from pdserve.server.http import BearerAuth, ServeOptions  # noqa: E402
+from pdserve.server.main import parse_args, serve_options  # noqa: E402
+
+
+# ---- flags ---------------------------------------------------------------------------------
+def test_positional_model_is_the_model(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    a = parse_args(["/models/qwen"])
+    assert a.model == "/models/qwen"
+    o = serve_options(a)
+    assert o.api_key is None and o.allowed_origins == ("*",) and o.log_stats_interval_s == 10.0
+    assert parse_args(["/m", "--model", "/m"]).model == "/m"
+    assert parse_args([]).model is None
+
+
+def test_model_given_twice_differently_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["/a", "--model", "/b"])
+    assert e.value.code == 2 and "given twice" in capsys.readouterr().err
+
+
+def test_server_flags_become_options(monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    o = serve_options(parse_args(["--allowed-origins", '["http://a.example"]',
+                                  "--allow-credentials", "--allowed-methods", '["GET", "POST"]',
+                                  "--disable-log-stats"]))
+    assert o.api_key == "from-env" and o.allowed_origins == ("http://a.example",)
+    assert o.allow_credentials and o.allowed_methods == ("GET", "POST")
+    assert o.log_stats_interval_s is None
+    assert serve_options(parse_args(["--api-key", "k2"])).api_key == "k2"
+
+
+@pytest.mark.parametrize("flag, value", [("--allowed-origins", "http://a"),
+                                         ("--allowed-origins", '{"a": 1}'),
+                                         ("--allowed-headers", '[""]')])
+def test_bad_cors_lists_are_argparse_errors(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args([flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_bad_options_are_value_errors():
+    with pytest.raises(ValueError, match="api_key"):
+        ServeOptions(api_key="")
+    with pytest.raises(ValueError, match="log_stats_interval_s"):
+        ServeOptions(log_stats_interval_s=0)
+
+
+# ---- auth and CORS -------------------------------------------------------------------------
+def _app(api_key="sekret", origins=("http://a.example",)):
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                       allow_headers=["*"])
+    return app
+
+
+def _get(app, path, **kw):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as c:
+            return await c.request(kw.pop("method", "GET"), path, **kw)
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "sekret", "Bearer sekret2",
+                                    "bearer sekret"])
+def test_v1_needs_the_bearer_key(header):
+    r = _get(_app(), "/v1/models", headers={"Authorization": header} if header else {})
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"] == "Bearer"
+    err = r.json()["error"]
+    assert err["code"] == 401 and err["type"] == "authentication_error"
+    assert "API key" in err["message"]
+
+
+def test_the_right_key_passes_and_health_stays_open():
+    assert _get(_app(), "/v1/models", headers={"Authorization": "Bearer sekret"}).json() == \
+        {"ok": True}
+    assert _get(_app(), "/health").status_code == 200
+
+
+def test_cors_preflight_needs_no_key_and_names_the_origin():
+    r = _get(_app(), "/v1/models", method="OPTIONS",
+             headers={"Origin": "http://a.example", "Access-Control-Request-Method": "POST",
+                      "Access-Control-Request-Headers": "authorization"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "http://a.example"
+    r = _get(_app(), "/health", headers={"Origin": "http://other.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+# ---- console -------------------------------------------------------------------------------
+def _stats(running, waiting, used, total, queries, hits):
+    return WorkerStats(running, waiting, used, total, 0, 0, 0, queries, hits, 0)
+
+
+def test_stats_line_over_the_interval():
+    """Between two lines 10 s apart: 5,000 prompt and 1,200 generated tokens -> 500.0 and
+    120.0 tok/s; 300 of 400 prompt tokens looked up were cached -> 75.0%; 25 of 200 blocks
+    used -> 12.5%. An idle interval prints nothing."""
+    t = [100.0]
+    counters = {"pdserve:prompt_tokens_total": 1000.0, "pdserve:generation_tokens_total": 50.0}
+    stats = [_stats(0, 0, 0, 200, 100, 10)]
+    line = StatsLine(counters.get, lambda: stats[0], clock=lambda: t[0])
+    t[0] = 110.0
+    counters["pdserve:prompt_tokens_total"] += 5000
+    counters["pdserve:generation_tokens_total"] += 1200
+    stats[0] = _stats(3, 2, 25, 200, 500, 310)
+    assert line.line() == ("pdserve: prompt 500.0 tok/s, generation 120.0 tok/s, running 3, "
+                           "waiting 2, KV cache 12.5% used, prefix cache hit rate 75.0%")
+    t[0] = 120.0
+    stats[0] = _stats(0, 0, 0, 200, 500, 310)
+    assert line.line() is None
+
+
+def test_stats_line_without_workers_or_lookups():
+    t = [0.0]
+    counters = {"pdserve:prompt_tokens_total": 0.0, "pdserve:generation_tokens_total": 0.0}
+    line = StatsLine(counters.get, lambda: None, clock=lambda: t[0])
+    t[0] = 4.0
+    counters["pdserve:generation_tokens_total"] = 10.0
+    assert line.line() == ("pdserve: prompt 0.0 tok/s, generation 2.5 tok/s, running 0, "
+                           "waiting 0, KV cache 0.0% used, prefix cache hit rate -")
+
+
+def test_log_stats_prints_each_interval():
+    out = io.StringIO()
+    lines = iter(["one", None, "two"])
+    fake = SimpleNamespace(line=lambda: next(lines))
+
+    async def go():
+        task = asyncio.create_task(log_stats(fake, 0.001, out))
+        while out.getvalue().count("\n") < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+    asyncio.run(go())
+    assert out.getvalue() == "one\ntwo\n"
+
+
+def test_startup_summary_names_each_worker():
+    info = SimpleNamespace(num_kv_blocks=1024, block_size=16, tensor_parallel_size=1,
+                           kv_bytes_per_token_per_rank=28672)
+    worker = SimpleNamespace(spec=SimpleNamespace(name="collocated-0", role="collocated",
+                                                  config=EngineConfig(device="cpu")),
+                             client=SimpleNamespace(info=info))
+    lines = startup_summary(SimpleNamespace(workers={"c": worker}, max_model_len=8192), "m")
+    # 1024 x 16 = 16384 tokens x 28672 B = 0.4375 GiB
+    assert lines == [
+        "pdserve: model 'm', 1 worker, max_model_len 8192",
+        "  collocated-0: collocated on cpu (TP 1), float32, KV pool 1024 blocks x 16 = 16384 "
+        "tokens (0.44 GiB per rank), prefix caching on, no CUDA graphs"]
