@@ -154,9 +154,13 @@ def plot_comparison(measured: Mapping, simulated: Mapping[str, Mapping], path: s
             ax.plot(xs, ys, marker="o" if i == 0 else "s", linestyle="-" if i == 0 else "--",
                     label=name)
         ax.set_xscale("log")
+        ticks = sorted({r for s in series.values() for r in s})
+        ax.set_xticks([inf_x if math.isinf(r) else r for r in ticks],
+                      [_label(r) for r in ticks])
+        ax.minorticks_off()
         if logy:
             ax.set_yscale("log")
-        ax.set_xlabel(f"offered rate (req/s; inf drawn at {inf_x:g})")
+        ax.set_xlabel("offered request rate (req/s)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
