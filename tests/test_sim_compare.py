@@ -142,3 +142,20 @@ def test_compare_flag_stores_and_prints_the_comparison(tmp_path, capsys):
                         "--result-file", out])
     assert rc == 2 and "cannot read" in capsys.readouterr().err
     assert math.isfinite(c["saturation"]["measured"])
+
+
+def test_the_validation_script_maps_a_bench_serve_config_to_simulate_flags():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sim_validation", "scripts/sim_validation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = {"num_prompts": 200, "seed": 0, "dataset_name": "random", "vocab_size": 151936,
+           "random_input_len": 1280, "request_rate": [2.0, "inf"], "goodput": ["ttft:500"],
+           "max_concurrency": None, "burstiness": 1.0}
+    args = mod.workload_args(cfg)
+    a = __import__("pdserve.sim.cli", fromlist=["x"]).build_parser().parse_args(
+        ["--profile", "p.json", *args])
+    assert (a.num_prompts, a.vocab_size, a.random_input_len) == (200, 151936, 1280)
+    assert a.request_rate == [2.0, math.inf] and a.goodput == ["ttft:500"]
+    with pytest.raises(ValueError, match="max-concurrency"):
+        mod.workload_args({**cfg, "max_concurrency": 8})

@@ -20,7 +20,9 @@ runs one step at a time; between steps it takes what the router sent it meanwhil
 worker process takes its messages at a step boundary). A step without chunks costs nothing; a
 worker whose only work is KV in flight sleeps until the first load ends. The engine cores run
 synchronously (async_scheduling off: with no device there is nothing to overlap; the
-scheduler's decisions are those of a synchronous engine).
+scheduler's decisions are those of a synchronous engine). pipelined_pickup=True models what
+async scheduling does to admissions (a request reaching a busy worker joins the step after the
+next); its other effect, steps at the device's time, is the profile's (device_time_profile).
 
 P/D: the prefill worker runs max_tokens=1 with kv_hold (the router core does that), the
 decode worker's EngineCore has a KV coordinator, and its runner's loads end transfer_ms(tokens)
@@ -322,6 +324,8 @@ class Simulator:
                 elif isinstance(a, act.Release):
                     w.core.release_kv(a.request_ids)
                 elif isinstance(a, act.Abort):
+                    if w.deferred:      # (requests still held: the core takes them first)
+                        self._flush_deferred(w)
                     w.core.abort_request(a.request_ids)
                 else:
                     raise TypeError(f"the simulator does not carry out {a!r} (one-sided KV only)")
