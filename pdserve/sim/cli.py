@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="adaptive: TTFT SLO")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="adaptive: TPOT SLO")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="model a server with async scheduling (pdserve serve's default on "
-                        "CUDA): steps take the profile's device time (--step-time device) and "
+                   help="model a server with async scheduling (pdserve serve's default): "
+                        "steps take the profile's device time (--step-time device) and "
                         "a request reaching a busy worker joins the step after the next "
                         "(GPU profiles only; default off: synchronous steps)")
     g.add_argument("--step-time", choices=["wall", "device"], default=None,
