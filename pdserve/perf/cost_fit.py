@@ -347,3 +347,38 @@ def refit(profile):
     return profile_from_samples(profile.samples, model=profile.model, hardware=profile.hardware,
                                 engine_config=profile.engine_config, commit=profile.commit,
                                 transfer_estimate=est, extra=profile.extra)
+
+
+def device_time_profile(profile):
+    """The profile refitted on its rows' device time ("gpu_ms": the forward's CUDA-event
+    bracket) in place of their synced wall time: the step period when async scheduling hides
+    the host's part of a step behind the device's (the host's work per step is shorter than the
+    device's, and a server runs steps back to back). The bracket includes the input staging
+    done after its start event, so it is an upper bound of the device's time. Transfer terms
+    are carried over. ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU
+    profile: nothing runs beside the host there)."""
+    samples: dict[str, list[dict]] = {}
+    for term in ("prefill", "decode", "mixed"):
+        rows = []
+        for i, r in enumerate(profile.samples.get(term) or ()):
+            g = r.get("gpu_ms")
+            if not isinstance(g, (int, float)) or not g > 0:
+                raise ValueError(f"profile {term} row {i} has no gpu_ms (device time): "
+                                 "--step-time device needs a GPU profile")
+            row = {k: v for k, v in r.items() if k not in ("wall_ms_samples", "decode_wall_ms")}
+            row["wall_ms"], row["synced_wall_ms"] = float(g), r["wall_ms"]
+            rows.append(row)
+        samples[term] = rows
+    if profile.samples.get("transfer"):
+        samples["transfer"] = list(profile.samples["transfer"])
+    tr = profile.fit.get("transfer", {})
+    est = None if samples.get("transfer") else {
+        "transfer_fixed_ms": profile.transfer_fixed_ms,
+        "transfer_gb_per_s": profile.transfer_gb_per_s,
+        "kv_bytes_per_token": profile.kv_bytes_per_token,
+        "note": tr.get("note") or "carried over from the profile"}
+    extra = dict(profile.extra)
+    extra["step_time"] = "device (gpu_ms rows)"
+    return profile_from_samples(samples, model=profile.model, hardware=profile.hardware,
+                                engine_config=profile.engine_config, commit=profile.commit,
+                                transfer_estimate=est, extra=extra)

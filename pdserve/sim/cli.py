@@ -6,7 +6,8 @@ Each rate of a sweep is simulated on a fresh deployment (empty caches). Every re
 with max_tokens = its dataset output length, ignore_eos, greedy; a token reaches the client
 when its step ends (TTFT, ITL and e2e from those times, as a streaming client measures them). Text prompts (ShareGPT)
 become seeded random token ids of their approximate length (the simulator has no tokenizer).
-The simulated cores run without async scheduling. Per-role profiles (--prefill-profile ...)
+The simulated cores run without async scheduling; --async-scheduling models its two effects on
+timing (steps at the device's time, requests joining the step after the next). Per-role profiles (--prefill-profile ...)
 stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.
 
 Determinism: the same flags and seed give the same "runs" (and the same file but for "date"
@@ -56,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "workers, else collocated)")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="adaptive: TTFT SLO")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="adaptive: TPOT SLO")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="model a server with async scheduling (pdserve serve's default): "
+                        "steps take the profile's device time (--step-time device) and "
+                        "a request reaching a busy worker joins the step after the next "
+                        "(GPU profiles only; default off: synchronous steps)")
+    g.add_argument("--step-time", choices=["wall", "device"], default=None,
+                   help="wall: a step takes the profile's synced wall time; device: the "
+                        "profile refitted on its rows' device time (gpu_ms), the step period "
+                        "when async scheduling hides the host's work behind the device's "
+                        "(default: device with --async-scheduling, else wall)")
     g = p.add_argument_group("engine (per worker)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -96,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
     g.add_argument("--metric-percentiles", default="50,90,99")
+    g.add_argument("--compare", default=None, metavar="MEASURED.json",
+                   help="a measured `bench serve` sweep of the same workload: print and store "
+                        "(key \"comparison\") each field's relative error per rate")
+    g.add_argument("--compare-plot", default=None, metavar="PATH.png",
+                   help="with --compare: measured vs simulated TTFT, TPOT and throughput vs rate")
     g.add_argument("--result-file", default=None,
                    help="default: bench/results/simulate-<deployment>-<timestamp>.json")
     return p
@@ -164,13 +180,18 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         raise ValueError("--burstiness must be > 0")
     if a.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    if a.compare_plot and not a.compare:
+        raise ValueError("--compare-plot needs --compare MEASURED.json")
+    measured = _load_measured(a.compare) if a.compare else None
+    if a.step_time is None:
+        a.step_time = "device" if a.async_scheduling else "wall"
     dep = _deployment(a)
-    profile = CostProfile.from_json(a.profile)
+    profile = _load_profile(a.profile, a.step_time)
     profiles = {"default": profile}
     for role in ("prefill", "decode", "collocated"):
         path = getattr(a, f"{role}_profile")
         if path:
-            profiles[role] = CostProfile.from_json(path)
+            profiles[role] = _load_profile(path, a.step_time)
     ec = profile.engine_config if isinstance(profile.engine_config, dict) else {}
     blocks = a.num_kv_blocks if a.num_kv_blocks is not None else (
         ec.get("num_kv_blocks") if isinstance(ec.get("num_kv_blocks"), int) else DEFAULT_NUM_KV_BLOCKS)
@@ -193,7 +214,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
     for rate in a.request_rate:
         offsets = arrival_times(len(reqs), rate, a.burstiness, a.seed)
         sim = Simulator(dep, profiles, config, blocks, max_len, _policy(a, dep, profile)[1],
-                        a.vocab_size)
+                        a.vocab_size, pipelined_pickup=a.async_scheduling)
         res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
         m = compute_metrics(res.results, res.duration, percentiles, slos)
         facts = dict(res.facts)
@@ -207,13 +228,43 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         "benchmark": "simulate", "date": datetime.now().isoformat(timespec="seconds"),
         "deployment": dep.label, "routing_policy": policy_name,
         "profile": {"model": profile.model, "hardware": profile.hardware_label,
-                    "file": a.profile},
+                    "file": a.profile, "step_time": a.step_time},
+        "async_scheduling": a.async_scheduling,
         "dataset_name": a.dataset_name, "percentiles": percentiles, "runs": runs}
     if len(runs) == 1:
         payload.update({k: v for k, v in runs[0].items() if k not in payload})
     payload.update(command=["pdserve", "simulate", *argv], config=vars(a),
                    simulation_wall=walls)
-    return jsonable(payload), runs
+    payload = jsonable(payload)
+    if measured is not None:
+        from .compare import compare
+        payload["comparison"] = {"measured_file": a.compare, **compare(payload, measured)}
+    return payload, runs
+
+
+def _load_profile(path: str, step_time: str) -> CostProfile:
+    profile = CostProfile.from_json(path)
+    if step_time == "device":
+        from ..perf.cost_fit import device_time_profile
+        try:
+            profile = device_time_profile(profile)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return profile
+
+
+def _load_measured(path: str) -> dict:
+    import json
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--compare {path}: cannot read it: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--compare {path}: not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--compare {path}: not a bench serve JSON object")
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         s = run["simulation"]
         print(f"rate {w['request_rate']}: simulated {s['simulated_s']:.2f} s, {s['events']} events, "
               f"{s['transfers']} KV transfers, wall {w['wall_s']:.2f} s (CPU {w['cpu_s']:.2f} s)")
+    if "comparison" in payload:
+        from .compare import format_comparison, plot_comparison
+        print(f"against {a.compare} (measured / simulated, relative error):")
+        print(format_comparison(payload["comparison"]))
+        if a.compare_plot:
+            try:
+                print("wrote", plot_comparison(_load_measured(a.compare), {a.step_time: payload},
+                                               a.compare_plot))
+            except RuntimeError as e:   # matplotlib missing: the numbers are still written
+                print(f"warning: {e}", file=sys.stderr)
     out = a.result_file or (f"bench/results/simulate-{payload['deployment'].replace('+', '_')}-"
                             f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     print("wrote", write_json(out, payload, allow_nan=False))

@@ -20,7 +20,9 @@ runs one step at a time; between steps it takes what the router sent it meanwhil
 worker process takes its messages at a step boundary). A step without chunks costs nothing; a
 worker whose only work is KV in flight sleeps until the first load ends. The engine cores run
 synchronously (async_scheduling off: with no device there is nothing to overlap; the
-scheduler's decisions are those of a synchronous engine).
+scheduler's decisions are those of a synchronous engine). pipelined_pickup=True models what
+async scheduling does to admissions (a request reaching a busy worker joins the step after the
+next); its other effect, steps at the device's time, is the profile's (device_time_profile).
 
 P/D: the prefill worker runs max_tokens=1 with kv_hold (the router core does that), the
 decode worker's EngineCore has a KV coordinator, and its runner's loads end transfer_ms(tokens)
@@ -134,6 +136,7 @@ class SimWorker:
     core: EngineCore
     busy: bool = False
     wake_at: float | None = None
+    deferred: list = field(default_factory=list)   # Sends held for the step after next
 
 
 @dataclass
@@ -160,10 +163,18 @@ class Simulator:
     """One deployment, simulated. profiles: role -> CostProfile ("default" for the rest);
     config: the engine options every worker takes (budgets, blocks, prefix caching; its
     async_scheduling is ignored: the simulated cores run synchronously); policy: a name or a
-    RoutingPolicy instance (the adaptive policy with a CostModel over the profile)."""
+    RoutingPolicy instance (the adaptive policy with a CostModel over the profile).
+
+    pipelined_pickup: what async scheduling does to a request's start. A worker under async
+    scheduling schedules step N+1 as soon as step N is launched, so requests that reach it while
+    N runs can join N+2 at the earliest (a sync worker takes them into N+1). With it on, requests
+    sent to a busy worker are handed to its core right after its next step starts (an idle
+    worker takes them at once, as both kinds do). Pair it with a device-time profile
+    (perf.cost_fit.device_time_profile): the step period under async scheduling."""
 
     def __init__(self, deployment: Deployment, profiles: Mapping[str, Any], config: EngineConfig,
-                 num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000):
+                 num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000,
+                 *, pipelined_pickup: bool = False):
         if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
             raise ValueError("profiles: give a 'default' profile or one per role")
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
@@ -171,6 +182,7 @@ class Simulator:
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         self.deployment = deployment
+        self.pipelined_pickup = bool(pipelined_pickup)
         self.config = dataclasses.replace(config, async_scheduling=False)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -294,13 +306,21 @@ class Simulator:
 
     def _try_step(self, w: SimWorker) -> None:
         """Start w's next step now, if it is idle and has anything to do."""
-        if w.busy or not w.core.has_work():
+        if w.busy:
             return
+        if not w.core.has_work():
+            if not w.deferred:
+                return
+            self._flush_deferred(w)     # nothing in flight: the requests are taken at once
+            if not w.core.has_work():
+                return
         w.clock.t = self.now
         outs = w.core.step()
         if w.core.last_step_ran:
             w.busy = True
             self._push(w.clock.t, 1, (w, outs))
+            if w.deferred:              # scheduled after this step's launch: the next one
+                self._flush_deferred(w)
             return
         # no forward: nothing ran, it cost nothing; KV loads may have ended
         progressed = self._collect(w, outs)
@@ -311,6 +331,11 @@ class Simulator:
         if nxt is not None and w.wake_at != nxt:
             w.wake_at = max(nxt, self.now)
             self._push(w.wake_at, 2, w)
+
+    def _flush_deferred(self, w: SimWorker) -> None:
+        sends, w.deferred = w.deferred, []
+        for a in sends:
+            self._do(self.router.accepted(a.batch, w.core.add_requests(a.requests)))
 
     def _step_ended(self, w: SimWorker, outs: list[RequestOutput]) -> None:
         w.busy = False
@@ -354,11 +379,16 @@ class Simulator:
             else:
                 w = self.workers[a.worker]
                 w.clock.t = max(w.clock.t, self.now) if not w.busy else w.clock.t
+                if isinstance(a, act.Send) and self.pipelined_pickup and w.busy:
+                    w.deferred.append(a)
+                    continue
                 if isinstance(a, act.Send):
                     more = self.router.accepted(a.batch, w.core.add_requests(a.requests))
                 elif isinstance(a, act.Release):
                     w.core.release_kv(a.request_ids)
                 elif isinstance(a, act.Abort):
+                    if w.deferred:      # (requests still held: the core takes them first)
+                        self._flush_deferred(w)
                     w.core.abort_request(a.request_ids)
                 else:
                     raise TypeError(f"the simulator does not carry out {a!r} (one-sided KV only)")
