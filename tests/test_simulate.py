@@ -270,6 +270,26 @@ def test_same_seed_same_json(profile_file, tmp_path, capsys):
     assert "TTFT ms" in capsys.readouterr().out
 
 
+def test_multi_turn_on_the_command_line(profile_file, tmp_path, capsys):
+    """bench serve's multi-turn flags: 3 conversations x 4 turns, a 40-token system prompt,
+    30-token messages, 5-token answers, conversations far apart (rate 0.001/s). By hand: turn
+    k's prompt is 40 + k (30 + 5) + 30 tokens; the cache holds the conversation so far but for
+    its last answer's final token, 40 + k (30 + 5) - 1 tokens, for every k >= 1; at turn 0 the
+    second and third conversations find the system prompt (40), the first nothing."""
+    out = str(tmp_path / "mt.json")
+    assert simulate_main(["--dataset-name", "multi-turn", "--multi-turn-conversations", "3",
+                          "--multi-turn-turns", "4", "--multi-turn-user-len", "30",
+                          "--multi-turn-output-len", "5", "--multi-turn-system-len", "40",
+                          "--request-rate", "0.001", "--profile", profile_file,
+                          "--result-file", out]) == 0
+    d = json.load(open(out))
+    assert d["completed"] == 12 and d["failed"] == 0 and d["num_prompts"] == 12
+    turns = d["per_turn"]
+    assert [t["mean_input_tokens"] for t in turns] == [40 + k * 35 + 30 for k in range(4)]
+    assert [t["cached_tokens"] for t in turns] == [80] + [3 * (40 + k * 35 - 1)
+                                                          for k in range(1, 4)]
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--deployment", "2X"], "unknown deployment"),
     (["--deployment", "2P"], "need decode workers"),

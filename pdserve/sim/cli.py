@@ -28,8 +28,9 @@ from ..perf.files import write_json
 from ..perf.metrics import compute_metrics
 from ..perf.slo import parse_goodput
 from ..perf.workload import (arrival_times, load_sharegpt, mixed_requests,
-                             prefix_repetition_requests, random_requests)
-from .simulator import Deployment, SimRequest, Simulator, parse_deployment
+                             multi_turn_conversations, prefix_repetition_requests,
+                             random_requests)
+from .simulator import Deployment, SimConversation, SimRequest, Simulator, parse_deployment
 
 DEFAULT_NUM_KV_BLOCKS = 65536
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "prefix-repetition", "mixed"])
+                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "mixed"])
     g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
     g.add_argument("--vocab-size", type=int, default=32000)
     g.add_argument("--random-input-len", type=int, default=1024)
@@ -98,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--multi-turn-conversations", type=int, default=64,
+                   help="multi-turn: conversations (their starts follow --request-rate)")
+    g.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns each")
+    g.add_argument("--multi-turn-user-len", type=int, default=128,
+                   help="multi-turn: tokens of each new user message")
+    g.add_argument("--multi-turn-output-len", type=int, default=128,
+                   help="multi-turn: answer tokens per turn")
+    g.add_argument("--multi-turn-range-ratio", type=float, default=0.0,
+                   help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--multi-turn-system-len", type=int, default=0,
+                   help="multi-turn: tokens of a system prompt shared by all conversations")
     g.add_argument("--mixed-long-share", type=float, default=0.2)
     g.add_argument("--mixed-short-input-len", type=int, default=256)
     g.add_argument("--mixed-short-output-len", type=int, default=128)
@@ -115,6 +127,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--result-file", default=None,
                    help="default: bench/results/simulate-<deployment>-<timestamp>.json")
     return p
+
+
+def build_conversations(a: argparse.Namespace) -> list[tuple[list[int], list[list[int]],
+                                                              list[int]]]:
+    """multi-turn: (system prompt ids, user messages' ids, answer lengths) per conversation:
+    bench serve's conversations (perf/workload.multi_turn_conversations, the same lengths for
+    the same seed), their words as seeded random token ids (one per word; the system prompt's
+    the same in all of them, as its text is). No chat template around the turns."""
+    convs = multi_turn_conversations(a.multi_turn_conversations, a.multi_turn_turns,
+                                     a.multi_turn_user_len, a.multi_turn_output_len,
+                                     a.multi_turn_range_ratio, a.multi_turn_system_len,
+                                     a.vocab_size, a.seed)
+    rng = np.random.default_rng([a.seed, 0x3D8])
+    system = rng.integers(0, a.vocab_size, size=a.multi_turn_system_len).tolist()
+    return [(system, [rng.integers(0, a.vocab_size, size=n).tolist() for n in c.user_lens],
+             list(c.output_lens)) for c in convs]
 
 
 def build_requests(a: argparse.Namespace) -> list[tuple[list[int], int]]:
@@ -203,25 +231,37 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
     max_len = a.max_model_len if a.max_model_len is not None else (
         ec.get("max_model_len") if isinstance(ec.get("max_model_len"), int) else blocks * a.block_size)
     policy_name, _ = _policy(a, dep, profile)   # (checks the flags once)
-    reqs = build_requests(a)
-    n_in = sum(len(p) for p, _ in reqs)
-    n_out = sum(o for _, o in reqs)
-    print(f"pdserve simulate: {len(reqs)} {a.dataset_name} requests ({n_in} prompt / {n_out} "
-          f"output tokens) on {dep.label} ({policy_name}); rates "
-          f"{', '.join(rate_label(x) for x in a.request_rate)} req/s, burstiness "
-          f"{a.burstiness:g}", flush=True)
+    rates = ", ".join(rate_label(x) for x in a.request_rate)
+    if a.dataset_name == "multi-turn":
+        convs = build_conversations(a)
+        n = sum(len(u) for _, u, _ in convs)
+        print(f"pdserve simulate: {len(convs)} conversations, {n} turns, on {dep.label} "
+              f"({policy_name}); conversation starts at {rates} /s, burstiness "
+              f"{a.burstiness:g}", flush=True)
+    else:
+        reqs = build_requests(a)
+        n = len(reqs)
+        print(f"pdserve simulate: {n} {a.dataset_name} requests "
+              f"({sum(len(p) for p, _ in reqs)} prompt / {sum(o for _, o in reqs)} output "
+              f"tokens) on {dep.label} ({policy_name}); rates {rates} req/s, burstiness "
+              f"{a.burstiness:g}", flush=True)
     runs, walls = [], []
     for rate in a.request_rate:
-        offsets = arrival_times(len(reqs), rate, a.burstiness, a.seed)
         sim = Simulator(dep, profiles, config, blocks, max_len, _policy(a, dep, profile)[1],
                         a.vocab_size, pipelined_pickup=a.async_scheduling)
-        res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
+        if a.dataset_name == "multi-turn":
+            offsets = arrival_times(len(convs), rate, a.burstiness, a.seed)
+            res = sim.run_conversations([SimConversation(float(t), s, u, o)
+                                         for (s, u, o), t in zip(convs, offsets)])
+        else:
+            offsets = arrival_times(len(reqs), rate, a.burstiness, a.seed)
+            res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
         m = compute_metrics(res.results, res.duration, percentiles, slos)
         facts = dict(res.facts)
         walls.append({"request_rate": rate_label(rate), "wall_s": facts.pop("wall_s"),
                       "cpu_s": facts.pop("cpu_s")})
         run = {"request_rate": rate_label(rate), "burstiness": a.burstiness,
-               "max_concurrency": None, "num_prompts": len(reqs), **m, "simulation": facts}
+               "max_concurrency": None, "num_prompts": n, **m, "simulation": facts}
         runs.append(run)
         warn_failures(run)
     payload: dict[str, Any] = {

@@ -150,6 +150,7 @@ class _Track:
     error: str = ""
     # multi-turn: (conversation index, turn, prompt token ids) of this request
     turn: tuple[int, int, list[int]] | None = None
+    cached: int | None = None       # prompt tokens the engine found cached (usage's)
 
 
 @dataclass
@@ -403,6 +404,7 @@ class Simulator:
         if out.finished:
             tr.seen = len(o.token_ids)
             tr.done = True
+            tr.cached = out.num_cached_tokens
             if out.error or o.finish_reason == "abort":
                 tr.error = out.error or "aborted"
             elif tr.turn is not None:   # the next turn goes now, when this answer has ended
@@ -436,6 +438,7 @@ class Simulator:
             r.ttft = tr.first - tr.arrival
             r.latency = tr.last - tr.arrival
             r.itl = tr.itl
+            r.cached_tokens = tr.cached
         else:
             r.error = tr.error or "not finished (the simulation ran out of events)"
         return r
