@@ -29,7 +29,7 @@ for stage in "$@"; do
                --device cuda --port 8000 --gpu-memory-utilization 0.8) > "$OUT/serve-$side.log" 2>&1 &
              pid=$!
              wait_up $pid || { tail -5 "$OUT"/serve-*.log; continue; }
-             python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
+             python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
                --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-16 32 inf} --goodput ttft:500 tpot:50 \
                --disable-tqdm --result-file "$OUT/serve-compare-$side${SERVE_TAG:-}.json" 2>&1 | tail -6
@@ -68,7 +68,7 @@ for stage in "$@"; do
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
              --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-server.log" 2>&1 &
            wait_up $! || { tail -5 "$OUT/serve-server.log"; continue; }
-           python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-200} \
+           python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-200} \
              --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
              --vocab-size 151936 --request-rate ${SERVE_RATES:-2 4 8 16 32 64 inf} --goodput ttft:500 tpot:50 \
              --disable-tqdm --plot "$OUT/serve-h200.png" --result-file "$OUT/serve-h200.json" 2>&1 | tail -30
@@ -81,7 +81,7 @@ for stage in "$@"; do
                --device cuda --port 8000 --gpu-memory-utilization 0.8 $flags > "$OUT/serve-$name.log" 2>&1 &
              pid=$!
              wait_up $pid || { tail -5 "$OUT"/serve-*.log; continue; }
-             python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
+             python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
                --random-input-len ${SERVE_IN:-1280} --random-output-len ${SERVE_OUT:-320} --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-8 16 inf} --goodput ttft:500 tpot:50 \
                --disable-tqdm --result-file "$OUT/serve-$name${SERVE_TAG:-}.json" 2>&1 | tail -6
@@ -129,7 +129,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
                IFS=: read name ulen olen <<< "$shape"
                for rate in ${MT_RATES:-1 2 4 8 16 inf}; do
                  curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
-                 python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --dataset-name multi-turn \
+                 python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --dataset-name multi-turn \
                    --multi-turn-conversations 64 --multi-turn-turns 6 --multi-turn-user-len $ulen \
                    --multi-turn-output-len $olen --request-rate $rate --goodput ttft:${MT_TTFT:-200} \
                    --disable-tqdm --result-file "$OUT/serve-mt-$name-$cache-$rate.json" 2>&1 | tail -3
@@ -157,7 +157,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              pid=$!
              wait_up $pid || { tail -5 "$OUT/serve-adaptive-$name.log"; continue; }
              slo=${pol#*:}; [ "$slo" = "$pol" ] && slo=50
-             python3 -m pdserve bench serve --base-url http://127.0.0.1:8000 --dataset-name mixed \
+             python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --dataset-name mixed \
                --num-prompts ${MIXED_PROMPTS:-300} --random-range-ratio 0.5 --vocab-size ${MIXED_VOCAB:-151936} \
                --request-rate ${MIXED_RATES:-4 8 16 32} --goodput ttft:500 tpot:$slo \
                --disable-tqdm --result-file "$OUT/serve-mixed-$name.json" 2>&1 | tail -8

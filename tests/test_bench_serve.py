@@ -322,7 +322,7 @@ def test_main_rate_sweep_end_to_end(server, tmp_path, capsys):
                   "49152", "--request-rate", "40", "inf", "--max-concurrency", "4",
                   "--goodput", "ttft:1000", "tpot:1000", "--model", "fake-model",
                   "--extra-body", '{"ttft_ms": 30, "itl_ms": 5}', "--seed", "4",
-                  "--result-file", str(out), "--disable-tqdm"])
+                  "--result-file", str(out), "--disable-tqdm", "--ignore-eos"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert [r["request_rate"] for r in res["runs"]] == ["40", "inf"]
@@ -351,6 +351,28 @@ def test_main_rate_sweep_end_to_end(server, tmp_path, capsys):
     assert received[0]["max_tokens"] <= 8
     printed = capsys.readouterr().out
     assert "TTFT ms" in printed and "goodput" in printed and str(out) in printed
+
+
+def test_vllm_flags_backend_result_dir_and_eos_default(server, tmp_path):
+    """vLLM's bench flags: --backend openai-chat is the chat endpoint, --result-dir and
+    --result-filename name the file, and ignore_eos is not sent unless asked for."""
+    _clear_received(server)
+    rc = bs.main(["--base-url", server, "--backend", "openai-chat", "--num-prompts", "2",
+                  "--random-input-len", "8", "--random-output-len", "3", "--no-token-ids",
+                  "--skip-preflight", "--disable-tqdm", "--save-result",
+                  "--result-dir", str(tmp_path / "d"), "--result-filename", "r.json"])
+    assert rc == 0
+    res = json.loads((tmp_path / "d" / "r.json").read_text())
+    assert res["endpoint"] == "/v1/chat/completions" and res["completed"] == 2
+    received = _received(server)
+    assert len(received) == 2
+    assert all("messages" in b and "ignore_eos" not in b for b in received)
+
+
+def test_result_file_and_result_dir_together_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bs.main(["--result-file", "a.json", "--result-dir", "d"])
+    assert e.value.code == 2 and "not both" in capsys.readouterr().err
 
 
 def test_main_chat_sharegpt_single_run(server, tmp_path):

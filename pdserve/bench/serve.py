@@ -372,6 +372,18 @@ async def preflight(target: Target, req: SampleRequest, wait_s: float = 0.0) -> 
 
 
 # ---- command line ------------------------------------------------------------------------------
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions",
+                     "openai-chat": "/v1/chat/completions"}
+
+
+def result_path(a: argparse.Namespace, host: str, now: datetime) -> str:
+    """--result-file, else --result-dir / --result-filename with their defaults."""
+    if a.result_file:
+        return a.result_file
+    name = a.result_filename or f"serve-{host}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    return os.path.join(a.result_dir or "bench/results", name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve bench serve",
@@ -381,8 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (else --host/--port)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--endpoint", default="/v1/completions",
-                   help="/v1/completions or /v1/chat/completions")
+    g.add_argument("--endpoint", default=None,
+                   help="/v1/completions or /v1/chat/completions (default: --backend's)")
+    g.add_argument("--backend", default="openai", choices=sorted(BACKEND_ENDPOINTS),
+                   help="vLLM's names for the API: openai and vllm send /v1/completions, "
+                        "openai-chat /v1/chat/completions")
     g.add_argument("--model", default=None, help="model name to send (omitted when not given)")
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=float, default=3600.0,
@@ -403,8 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("requests")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos so every request produces max_tokens tokens")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                   help="send ignore_eos so every request produces max_tokens tokens (off by "
+                        "default, as in vLLM's benchmark: a request may end at EOS)")
     g.add_argument("--extra-body", default=None,
                    help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
     g = p.add_argument_group("dataset")
@@ -451,7 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metric-percentiles", default="50,90,99",
                    help="comma-separated percentiles to report")
     g.add_argument("--result-file", default=None,
-                   help="default: bench/results/serve-<host>-<timestamp>.json")
+                   help="default: RESULT_DIR/RESULT_FILENAME, RESULT_DIR "
+                        "bench/results/, RESULT_FILENAME serve-<host>-<timestamp>.json")
+    g.add_argument("--save-result", action="store_true",
+                   help="vLLM's flag, accepted: the result is always written")
+    g.add_argument("--result-dir", default=None, help="the result's folder (vLLM's flag)")
+    g.add_argument("--result-filename", default=None, help="the result's file name (vLLM's flag)")
     g.add_argument("--plot", default=None, metavar="PATH.png",
                    help="latency CDFs and, for a sweep, throughput/latency vs rate (matplotlib)")
     g.add_argument("--disable-tqdm", action="store_true")
@@ -524,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if a.result_file and (a.result_dir or a.result_filename):
+        p.error("--result-file or --result-dir/--result-filename, not both")
+    if a.endpoint is None:
+        a.endpoint = BACKEND_ENDPOINTS[a.backend]
     base_url = a.base_url or f"http://{a.host}:{a.port}"
     if not urlparse(base_url).scheme:
         base_url = "http://" + base_url
@@ -595,8 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     payload.update(command=["pdserve", "bench", "serve", *argv], config=vars(a),
                    hardware=hardware_info(), **git_info())
     host = (urlparse(base_url).hostname or "local").replace(":", "_")
-    out = a.result_file or \
-        f"bench/results/serve-{host}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out = result_path(a, host, datetime.now())
     print(format_table(runs, percentiles))
     for run in runs:
         extra = format_per_turn(run)
