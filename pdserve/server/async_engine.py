@@ -130,6 +130,19 @@ class AsyncEngine:
             self._command(("abort", ids))
         return len(ids)
 
+    def end(self, request_id: str, why: BaseException) -> bool:
+        """Ends request_id's stream now, raising `why` to its consumer, and aborts the request;
+        False when no such stream is open."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        stream.put_nowait(why)
+        self._command(("abort", request_id))
+        return True
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     @property
     def num_streams(self) -> int:
         return len(self._streams)
