@@ -3,7 +3,7 @@ q/k RMSNorm before RoPE, head_dim 32 where hidden / heads is 16, tied embeddings
 with attention_bias (q/k/v and o_proj biases), untied, its second layer sliding over 8 tokens.
 Same safetensors weights; fp32 logits within 1e-4 relative error (one prefill, chunked prefill,
 one token at a time through the paged KV cache); greedy tokens equal to HF generate for a batch
-sharing forwards; the Triton backend under the interpreter.
+sharing forwards; the Triton backend under the interpreter; a qwen3 GGUF of the same tensors.
 Config defaults, the preset and the MoE refusal are checked against transformers' config."""
 import json
 
@@ -177,3 +177,55 @@ def test_gpu_fp32_greedy_matches_hf(tmp_path, eager):
     assert (llm.llm_engine.runner.graphs is not None) == (not eager)
     llm.llm_engine.check_integrity()
 
+
+def test_gguf_qwen3_matches_hf(tied, tmp_path):
+    """A GGUF of arch "qwen3" written with gguf.GGUFWriter from the HF model's tensors (F32, names
+    as llama.cpp's converter writes them: blk.N.attn_q_norm / attn_k_norm, q/k rows not permuted,
+    head_dim in key_length, tied embeddings as no output.weight) gives HF's logits."""
+    gguf = pytest.importorskip("gguf")
+    folder, hf = tied
+    c = hf.config
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    path = tmp_path / "tiny-qwen3.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    names = 0
+    for name, p in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue   # tied
+        name = name.removeprefix("model.")
+        if name.startswith("layers."):
+            _, n, rest = name.split(".", 2)
+            part, kind = rest.rsplit(".", 1)
+            gname = f"blk.{n}.{parts[part]}.{kind}"
+        else:
+            gname = {"embed_tokens.weight": "token_embd.weight",
+                     "norm.weight": "output_norm.weight"}[name]
+        w.add_tensor(gname, p.detach().numpy().astype("float32"))
+        names += 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert names == 2 + 11 * c.num_hidden_layers   # embed, final norm; 11 per layer
+    llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=32, block_size=4)
+    assert llm.llm_engine.model.config.qk_norm
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0].double()
+    ours = paged_logits(llm.llm_engine, IDS, 11).double()
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
