@@ -34,6 +34,12 @@ QWEN2_1KV = {  # QKV bias, one KV head: replicated on both ranks (tp > num_kv_he
     "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
     "num_key_value_heads": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
     "rope_theta": 1e6, "tie_word_embeddings": False, "eos_token_id": 0, "bos_token_id": 1}
+QWEN3_BIAS = {  # q/k norms (replicated), head_dim 32 != 64 / 4, q/k/v and o_proj biases
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 400, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "attention_bias": True,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "tie_word_embeddings": True, "eos_token_id": 0, "bos_token_id": 1}
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42] * 9,
            list(range(30, 70))]
@@ -67,7 +73,8 @@ def _assert_same_model(ref, got):
                 assert abs(lr[tid].logprob - lg[tid].logprob) < 1e-4, (tid, lr[tid], lg[tid])
 
 
-@pytest.mark.parametrize("cfg", [LLAMA_8Q_2KV, QWEN2_1KV], ids=["llama-8q2kv", "qwen2-1kv"])
+@pytest.mark.parametrize("cfg", [LLAMA_8Q_2KV, QWEN2_1KV, QWEN3_BIAS],
+                         ids=["llama-8q2kv", "qwen2-1kv", "qwen3-bias"])
 def test_tp2_equals_tp1_dummy(tmp_path, cfg):
     path = _folder(tmp_path, cfg)
     ref = _generate(LLM(path, load_format="dummy", **ENGINE))

@@ -29,9 +29,9 @@ def paged_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tens
 
 
 def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0, **overrides):
-    """A small random HF model saved as safetensors: Qwen2 (QKV bias, untied), Llama (tied) or
-    Mistral (untied); `overrides` go to the transformers config class. Returns the transformers
-    model (eval, fp32)."""
+    """A small random HF model saved as safetensors: Qwen2 (QKV bias, untied), Llama (tied),
+    Mistral (untied) or Qwen3 (q/k norms, tied, head_dim 32); `overrides` go to the transformers
+    config class. Returns the transformers model (eval, fp32)."""
     import transformers
     torch.manual_seed(seed)
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -42,7 +42,10 @@ def save_tiny_hf_model(path, kind: str = "qwen2", seed: int = 0, **overrides):
                 "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                           dict(rope_theta=5e5, tie_word_embeddings=True, head_dim=16)),
                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                            dict(rope_theta=1e4, tie_word_embeddings=False, head_dim=16))}
+                            dict(rope_theta=1e4, tie_word_embeddings=False, head_dim=16)),
+                # head_dim 32 is not hidden / heads (8): a config read as Qwen2 would not load
+                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                          dict(rope_theta=1e6, tie_word_embeddings=True, head_dim=32))}
     config_cls, model_cls, extra = per_kind[kind]
     model = model_cls(config_cls(**{**common, **extra, **overrides}))
     with torch.no_grad():  # biases are zero and norms one at init: make them count

@@ -156,7 +156,7 @@ def skinny_shapes(preset: str) -> list[tuple[str, int, int, bool, bool]]:
     c = ModelConfig.from_hf(PRESETS[preset])
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     return [("qkv", q + 2 * kv, c.hidden_size, c.attention_bias),
-            ("o", c.hidden_size, q, False),
+            ("o", c.hidden_size, q, c.o_proj_bias),
             ("gate_up", 2 * c.intermediate_size, c.hidden_size, False),
             ("down", c.hidden_size, c.intermediate_size, False),
             ("lm_head", c.vocab_size, c.hidden_size, False)]

@@ -1,4 +1,4 @@
-"""Read Llama / Qwen2 GGUF files into Hugging-Face-named float32 tensors.
+"""Read Llama / Qwen2 / Qwen3 (dense) GGUF files into Hugging-Face-named float32 tensors.
 
 ``load_gguf(path)`` parses the file with ``GGUFFile`` (gguf_file.py: the metadata read
 directly, the tensors memory-mapped) and returns a ``GGUFModel`` holding
@@ -30,7 +30,10 @@ What it does to the weights
   ``TextModel`` (not ``LlamaModel``) and its ``modify_tensors`` only renames,
   and llama.cpp runs ``LLM_ARCH_QWEN2`` with NEOX (rotate-half) RoPE, the same
   pairing as HF. They are returned as stored -- matching transformers, whose
-  GGUF loader un-permutes only for ``llama``.
+  GGUF loader un-permutes only for ``llama``. ``qwen3`` is the same (its converter
+  class derives from the Qwen2 one, llama.cpp runs it with NEOX RoPE); it adds the
+  per-head norms ``blk.N.attn_q_norm`` / ``attn_k_norm`` and its head_dim comes
+  from ``key_length`` (128 in Qwen3-0.6B, where hidden / heads is 64).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ __all__ = [
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 
 # Architectures whose q/k rows llama.cpp's converter permutes (see module docstring).
@@ -100,6 +104,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",   # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -303,10 +309,10 @@ def _build_config(reader: GGUFFile, arch: str, path: str, names: set[str]) -> di
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFModel:
-    """Open a Llama or Qwen2 GGUF file; metadata is parsed now, tensors are read lazily.
+    """Open a Llama, Qwen2 or Qwen3 GGUF file; metadata is parsed now, tensors are read lazily.
 
     Raises ValueError for a missing file, a file that is not GGUF or is truncated/corrupt,
-    an architecture other than llama/qwen2, split (multi-file) GGUFs, and any mapped
+    an architecture other than llama/qwen2/qwen3, split (multi-file) GGUFs, and any mapped
     tensor whose type is not in ``SUPPORTED_GGUF_TYPES``.
 
     Parsing a 50k-token vocabulary takes a fraction of a second, and the last few opened

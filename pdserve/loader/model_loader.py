@@ -102,8 +102,13 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device
             shapes.append((pre + f"self_attn.{proj}_proj.weight", (rows, h)))
             if cfg.attention_bias:
                 shapes.append((pre + f"self_attn.{proj}_proj.bias", (rows,)))
-        shapes += [(pre + "self_attn.o_proj.weight", (h, cfg.num_heads * d)),
-                   (pre + "post_attention_layernorm.weight", (h,)),
+        if cfg.qk_norm:
+            shapes += [(pre + "self_attn.q_norm.weight", (d,)),
+                       (pre + "self_attn.k_norm.weight", (d,))]
+        shapes.append((pre + "self_attn.o_proj.weight", (h, cfg.num_heads * d)))
+        if cfg.o_proj_bias:
+            shapes.append((pre + "self_attn.o_proj.bias", (h,)))
+        shapes += [(pre + "post_attention_layernorm.weight", (h,)),
                    (pre + "mlp.gate_proj.weight", (i, h)), (pre + "mlp.up_proj.weight", (i, h)),
                    (pre + "mlp.down_proj.weight", (h, i))]
     shapes.append(("model.norm.weight", (h,)))

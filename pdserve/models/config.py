@@ -1,10 +1,10 @@
 """ModelConfig: the architecture facts the model forward needs, read from an HF-style config dict.
 
-from_hf reads config.json the way transformers 5 does for Llama, Mistral and Qwen2, including its
-defaults (checked against transformers 5.24): RoPE scaling from `rope_parameters` or the older
-`rope_scaling`, and which layers use sliding-window attention. What pdserve cannot run faithfully
-(quantized checkpoints, dynamic NTK, unknown rope types) is refused with a ValueError rather than
-loaded as something else."""
+from_hf reads config.json the way transformers 5 does for Llama, Mistral, Qwen2 and Qwen3 (dense),
+including its defaults (checked against transformers 5.24): RoPE scaling from `rope_parameters` or
+the older `rope_scaling`, and which layers use sliding-window attention. What pdserve cannot run
+faithfully (quantized checkpoints, dynamic NTK, unknown rope types, mixture-of-experts models) is
+refused with a ValueError rather than loaded as something else."""
 from __future__ import annotations
 
 import math
@@ -14,19 +14,26 @@ from typing import Any
 from ..layers.rotary import RopeScaling
 
 # HF architecture name -> the HF model it follows. All share one forward (models/llama.py):
-# Qwen2 adds the QKV bias; Mistral and Qwen2 may have sliding-window layers.
+# Qwen2 adds the QKV bias; Qwen3 an RMSNorm over each q and k head (qk_norm), biases only with
+# attention_bias (then on o_proj too, as Llama); Mistral, Qwen2 and Qwen3 may have sliding-window
+# layers.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}   # HF model -> our family
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",   # HF model -> our family
+            "qwen3": "qwen3"}
+# Known relatives whose forward differs (mixture-of-experts MLPs): refused by name.
+_UNSUPPORTED = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 # transformers' config defaults for keys a config.json may leave out
 _DEFAULT_THETA = 10000.0
 _MISTRAL_DEFAULT_WINDOW = 4096
 _QWEN2_DEFAULT_WINDOW = 4096
-_QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
+_QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28   # Qwen3Config's defaults are the same
+_QWEN3_DEFAULT_HEAD_DIM = 128           # Qwen3Config.head_dim (not hidden / heads) when absent
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool            # q/k/v projections carry a bias
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -51,6 +58,10 @@ class ModelConfig:
     # own and the window - 1 before it). None / () when every layer attends to the full context.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    o_proj_bias: bool = False       # the attention output projection carries a bias
+    # Qwen3: RMSNorm (weights [head_dim], eps rms_norm_eps) over each head of q and of k, after the
+    # projections and before RoPE
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -93,6 +104,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
+        moe = next((a for a in archs if a in _UNSUPPORTED), None) or \
+            (d.get("model_type") if d.get("model_type") in _UNSUPPORTED.values() else None)
+        if moe is not None:
+            raise ValueError(f"architecture {moe!r} (mixture of experts) is not supported; pdserve "
+                             f"supports the dense {sorted(ARCHITECTURES)}")
         hf_model = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if hf_model is None:
             hf_model = d.get("model_type") if d.get("model_type") in FAMILIES else None
@@ -105,7 +121,8 @@ class ModelConfig:
         heads = _int_field(d, "num_attention_heads")
         num_layers = _int_field(d, "num_hidden_layers")
         max_pos = _int_field(d, "max_position_embeddings", 4096)
-        head_dim = _int_field(d, "head_dim", None)
+        head_dim = _int_field(d, "head_dim",
+                              _QWEN3_DEFAULT_HEAD_DIM if hf_model == "qwen3" else None)
         if head_dim is None:
             if hidden % heads:
                 raise ValueError(f"model config: hidden_size ({hidden}) is not a multiple of "
@@ -128,6 +145,9 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's o_proj never has one
+            o_proj_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
             rope_scaling=scaling,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -265,15 +285,17 @@ def _sliding_from_hf(d: dict, hf_model: str, num_layers: int) -> tuple[int | Non
     """(window, sliding layer indices) as transformers 5 builds them.
 
     Mistral: every layer, when sliding_window is set (absent means 4096, MistralConfig's default;
-    null means off). Qwen2: only with use_sliding_window; the layers marked "sliding_attention" in
-    layer_types, or when layer_types is absent the layers i >= max_window_layers. Llama: never."""
+    null means off). Qwen2 and Qwen3: only with use_sliding_window; the layers marked
+    "sliding_attention" in layer_types, or when layer_types is absent the layers
+    i >= max_window_layers. Llama: never."""
     if hf_model == "mistral":
         window = _int_field(d, "sliding_window", None) if "sliding_window" in d \
             else _MISTRAL_DEFAULT_WINDOW
         return (None, ()) if window is None else (window, tuple(range(num_layers)))
-    if hf_model != "qwen2":
+    if hf_model not in ("qwen2", "qwen3"):
         return None, ()
-    window = None   # Qwen2Config drops sliding_window unless use_sliding_window is set
+    # Qwen2Config (and Qwen3Config) drops sliding_window unless use_sliding_window is set
+    window = None
     if d.get("use_sliding_window", False):
         window = _int_field(d, "sliding_window", None) if "sliding_window" in d \
             else _QWEN2_DEFAULT_WINDOW

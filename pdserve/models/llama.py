@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and Qwen2 (the same with QKV bias), with
-per-layer sliding-window attention where the config asks for it (Mistral, Qwen2),
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral), Qwen2 (the same with QKV bias) and Qwen3
+dense (per-head RMSNorm on q and k before RoPE), with per-layer sliding-window attention where the
+config asks for it (Mistral, Qwen2, Qwen3),
 written on torch ops. forward() takes tensors only; batch layout arrives through
 attention.metadata.forward_context. The model never mentions ranks: the TP layers do."""
 from __future__ import annotations
@@ -26,7 +27,11 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.o_proj_bias)
+        # Qwen3: one RMSNorm over each head's head_dim values (weights shared by the heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -41,9 +46,12 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
              self.num_kv_heads * self.head_dim], dim=-1)
-        o = self.backend.forward(q.view(t, self.num_heads, self.head_dim),
-                                 k.view(t, self.num_kv_heads, self.head_dim),
-                                 v.view(t, self.num_kv_heads, self.head_dim), positions,
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:   # rows of [T * heads, head_dim] (a copy out of the fused qkv)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), positions,
                                  self.rotary.cos_sin, self.kv_cache, get_attention_metadata(),
                                  self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, -1))

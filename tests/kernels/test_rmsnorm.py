@@ -168,7 +168,7 @@ def test_rms_norm_rejects_bad_inputs(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [1536, 3584])
+@pytest.mark.parametrize("n", [128, 1536, 3584])   # 128: Qwen3 q/k norm rows (head_dim)
 @pytest.mark.parametrize("t", [1, 7, 512, 4096])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_rms_norm_gpu(dtype, n, t, with_residual):
