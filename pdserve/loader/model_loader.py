@@ -4,6 +4,7 @@
     None                       embedded SmolLM2 GGUF    the GGUF                 GGUF metadata
     path/to/x.gguf             GGUF metadata            the GGUF                 GGUF metadata
     HF folder                  config.json              *.safetensors / dummy    tokenizer.json
+    HF repo id ("org/name")    the folder of its snapshot in the local Hugging Face cache
     preset name (dummy only)   models/presets.py        dummy                    none
 """
 from __future__ import annotations
@@ -47,6 +48,14 @@ def resolve_source(spec: str | None) -> ModelSource:
                 return ModelSource("hf", spec, json.load(f))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    from .hf_cache import cached_snapshot, hub_cache_dir, looks_like_repo_id
+    if looks_like_repo_id(spec):
+        snapshot = cached_snapshot(spec)
+        if snapshot is not None:
+            return resolve_source(snapshot)
+        raise ValueError(f"model {spec!r} is not a file, a folder or a preset, and the Hugging "
+                         f"Face cache ({hub_cache_dir()}) does not hold it; pdserve downloads "
+                         f"nothing: fetch it first (huggingface-cli download {spec})")
     raise ValueError(f"model {spec!r} is neither a file, a folder nor a preset "
                      f"(presets: {', '.join(sorted(PRESETS))})")
 

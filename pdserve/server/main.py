@@ -114,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = a.served_model_name or (os.path.basename(os.path.normpath(a.model)) if a.model
-                                   else "SmolLM2-135M-Instruct")
+    # (a path's last part; a repo id or preset as given, as vLLM names it)
+    name = a.served_model_name or (
+        "SmolLM2-135M-Instruct" if not a.model else
+        os.path.basename(os.path.normpath(a.model)) if os.path.exists(a.model) else a.model)
 
     async def serve():
         # always behind a router, one worker too: it turns a worker's death into errors for
