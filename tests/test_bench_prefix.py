@@ -8,17 +8,18 @@ pytest.importorskip("transformers")
 
 from pdserve.bench.prefix import main  # noqa: E402
 
-from .utils import save_tiny_hf_model  # noqa: E402
+from .utils import frozen_heap, save_tiny_hf_model  # noqa: E402
 
 
 def test_bench_prefix_cases(tmp_path):
     model = tmp_path / "qwen2"
     save_tiny_hf_model(model, "qwen2")
     out = tmp_path / "prefix.json"
-    rc = main(["--model", str(model), "--device", "cpu", "--max-model-len", "512",
-               "--system-len", "60", "--questions", "2", "--conversations", "3", "--turns", "3",
-               "--turn-output", "3", "--random-prompts", "3", "--random-output", "2", "--random-max-len", "200",
-               "--output", str(out)])
+    with frozen_heap():
+        rc = main(["--model", str(model), "--device", "cpu", "--max-model-len", "512",
+                   "--system-len", "60", "--questions", "2", "--conversations", "3", "--turns",
+                   "3", "--turn-output", "3", "--random-prompts", "3", "--random-output", "2",
+                   "--random-max-len", "200", "--output", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     on, off = r["results"]["on"], r["results"]["off"]

@@ -15,6 +15,8 @@ from pdserve.cli import main
 from pdserve.engine.core import EngineCore
 from pdserve.worker.model_runner import ModelRunner
 
+from .utils import frozen_heap
+
 CONTEXT, CHUNK, BUDGET = 32, 16, 32
 
 
@@ -56,9 +58,10 @@ def _run(tmp_path, name, args, log):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelRunner, "execute", log.wrap(ModelRunner.execute))
         try:
-            rc = main(["bench", "step", "--device", "cpu", "--threads", "1", "--skip-bandwidth",
-                       "--num-kv-blocks", "64",
-                       "--output", str(out), *args])
+            with frozen_heap():
+                rc = main(["bench", "step", "--device", "cpu", "--threads", "1",
+                           "--skip-bandwidth", "--num-kv-blocks", "64", "--output", str(out),
+                           *args])
         finally:
             torch.set_num_threads(threads)
     return rc, json.loads(out.read_text())

@@ -15,6 +15,7 @@ from pdserve.perf.cost_fit import refit
 from pdserve.perf.cost_profile import CostProfile
 
 from .test_tp import LLAMA_8Q_2KV, _folder
+from .utils import frozen_heap
 
 QUICK = profiler.PRESETS["cpu-quick"]
 
@@ -22,8 +23,9 @@ QUICK = profiler.PRESETS["cpu-quick"]
 def _profile(args, out):
     threads = torch.get_num_threads()
     try:
-        rc = main(["profile", "--load-format", "dummy", "--device", "cpu", "--threads", "1",
-                   "--output", str(out), *args])
+        with frozen_heap():
+            rc = main(["profile", "--load-format", "dummy", "--device", "cpu", "--threads", "1",
+                       "--output", str(out), *args])
     finally:
         torch.set_num_threads(threads)
     return rc

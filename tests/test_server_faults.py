@@ -85,95 +85,95 @@ SURROGATE = [
 ]
 
 
-@pytest.mark.parametrize("deployment", ["single", "1p1d"])
-def test_text_that_is_not_unicode_is_a_400_and_breaks_nothing(model, deployment):
-    """A lone surrogate (valid JSON, not valid Unicode) anywhere a text goes: 400 naming the
-    problem; on the 1P1D server it once killed the engine's I/O thread for good."""
-    extra = ["--prefill", "1", "--decode", "1"] if deployment == "1p1d" else []
+@pytest.fixture(scope="module", params=["single", "1p1d"])
+def server(model, request):
+    """A collocated and a 1P1D server, each shared by the two tests below (one start-up per
+    deployment): (deployment, base URL). At the end it must stop cleanly within 15 s and leave
+    no worker process behind, the restarted ones included."""
+    extra = ["--prefill", "1", "--decode", "1"] if request.param == "1p1d" else []
     proc, base = _serve(model, *extra)
+    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
     try:
-        for path, body in SURROGATE:
-            # json.dumps writes a lone surrogate as the escape \ud800: valid JSON
-            r = httpx.post(base + path, content=json.dumps(body).encode(),
-                           headers={"content-type": "application/json"}, timeout=30)
-            assert r.status_code == 400, (path, body, r.text)
-            err = r.json()["error"]
-            assert any(w in err["message"] for w in ("surrogate", "role")), err
-            assert _health(base)[0] == 200
-            ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
-                            timeout=30)
-            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-        assert _clean(base)
-    finally:
-        pids = httpx.get(base + "/admin/check").json()["worker_pids"]
-        code, took = _stop(proc)
-    assert _stopped_cleanly(code) and took < 15
-    assert_processes_gone(pids)
-
-
-@pytest.mark.parametrize("deployment", ["single", "1p1d"])
-def test_a_killed_worker_ends_its_requests_and_comes_back(model, deployment):
-    """kill -9 the collocated (or the decode) worker with streams in flight: every stream
-    ends within seconds with an error event and [DONE]; /health and the metrics say which
-    worker is down; new requests get a 503 (single) or run whole on the prefill worker
-    (1P1D); the worker is restarted and serves again; SIGTERM then exits promptly."""
-    extra = ["--prefill", "1", "--decode", "1"] if deployment == "1p1d" else []
-    proc, base = _serve(model, *extra)
-    pids = []
-    try:
-        pids = httpx.get(base + "/admin/check").json()["worker_pids"]
-        victim = pids[-1]   # collocated-0, or decode-0 (started after prefill-0)
-        streams = [[] for _ in range(4)]
-        threads = [threading.Thread(target=_sse_lines, args=(base, LONG, out)) for out in streams]
-        for t in threads:
-            t.start()
-        _wait(lambda: all(sum(line.startswith("data: {\"id\"") for _, line in out) >= 2
-                          for out in streams), 60, "tokens on every stream")
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        for t in threads:
-            t.join(max(0.1, killed + 15 - time.monotonic()))
-        assert not any(t.is_alive() for t in threads), "a stream did not end after the kill"
-        for out in streams:
-            assert out[-1][1] == "data: [DONE]" and '"error"' in out[-2][1], out[-3:]
-            assert "died" in out[-2][1]
-        # the truth about the deployment while the worker is down (or already back)
-        code, body = _health(base)
-        states = {w["name"]: w for w in body.get("workers", [])}
-        name = "collocated-0" if deployment == "single" else "decode-0"
-        if states[name]["state"] != "up":
-            assert body["status"] == ("unavailable" if deployment == "single" else "degraded")
-            assert code == (503 if deployment == "single" else 200)
-            metrics = httpx.get(base + "/metrics").text
-            assert f'pdserve:worker_up{{role="{states[name]["role"]}",state="' in metrics
-            assert any(line.startswith("pdserve:worker_up") and f'worker="{name}"' in line
-                       and line.endswith(" 0.0") for line in metrics.splitlines()), metrics
-            r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
-                           timeout=30)
-            if deployment == "single":
-                assert r.status_code in (200, 503), r.text
-                if r.status_code == 503:
-                    assert r.headers.get("retry-after") and "collocated-0" in r.text
-            else:  # served whole by the prefill worker (unless decode-0 came back meanwhile)
-                assert r.status_code == 200, r.text
-        _wait(lambda: _health(base)[1]["status"] == "ok", 60, "the restarted worker")
-        code, body = _health(base)
-        assert code == 200 and {w["name"]: w["restarts"] for w in body["workers"]}[name] == 1
-        assert "-9" in {w["name"]: w["error"] for w in body["workers"]}[name]
-        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 5},
-                       timeout=30)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
-        if deployment == "1p1d":   # the hand-off works again, with the new decode worker
-            before = _metric(base, "pdserve:kv_transfers")
-            httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4},
-                       timeout=30)
-            assert _metric(base, "pdserve:kv_transfers") == before + 1
-        _wait(lambda: _clean(base), 10, "no KV in use")
+        yield request.param, base
         pids = pids + httpx.get(base + "/admin/check").json()["worker_pids"]
     finally:
         code, took = _stop(proc)
     assert _stopped_cleanly(code) and took < 15, (code, took)
     assert_processes_gone(pids)
+
+
+def test_text_that_is_not_unicode_is_a_400_and_breaks_nothing(server):
+    """A lone surrogate (valid JSON, not valid Unicode) anywhere a text goes: 400 naming the
+    problem; on the 1P1D server it once killed the engine's I/O thread for good."""
+    _, base = server
+    for path, body in SURROGATE:
+        # json.dumps writes a lone surrogate as the escape \ud800: valid JSON
+        r = httpx.post(base + path, content=json.dumps(body).encode(),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (path, body, r.text)
+        err = r.json()["error"]
+        assert any(w in err["message"] for w in ("surrogate", "role")), err
+        assert _health(base)[0] == 200
+        ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                        timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert _clean(base)
+
+
+def test_a_killed_worker_ends_its_requests_and_comes_back(server):
+    """kill -9 the collocated (or the decode) worker with streams in flight: every stream
+    ends within seconds with an error event and [DONE]; /health and the metrics say which
+    worker is down; new requests get a 503 (single) or run whole on the prefill worker
+    (1P1D); the worker is restarted and serves again; SIGTERM then exits promptly (`server`)."""
+    deployment, base = server
+    pids = httpx.get(base + "/admin/check").json()["worker_pids"]
+    victim = pids[-1]   # collocated-0, or decode-0 (started after prefill-0)
+    streams = [[] for _ in range(4)]
+    threads = [threading.Thread(target=_sse_lines, args=(base, LONG, out)) for out in streams]
+    for t in threads:
+        t.start()
+    _wait(lambda: all(sum(line.startswith("data: {\"id\"") for _, line in out) >= 2
+                      for out in streams), 60, "tokens on every stream")
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(max(0.1, killed + 15 - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a stream did not end after the kill"
+    for out in streams:
+        assert out[-1][1] == "data: [DONE]" and '"error"' in out[-2][1], out[-3:]
+        assert "died" in out[-2][1]
+    # the truth about the deployment while the worker is down (or already back)
+    code, body = _health(base)
+    states = {w["name"]: w for w in body.get("workers", [])}
+    name = "collocated-0" if deployment == "single" else "decode-0"
+    if states[name]["state"] != "up":
+        assert body["status"] == ("unavailable" if deployment == "single" else "degraded")
+        assert code == (503 if deployment == "single" else 200)
+        metrics = httpx.get(base + "/metrics").text
+        assert f'pdserve:worker_up{{role="{states[name]["role"]}",state="' in metrics
+        assert any(line.startswith("pdserve:worker_up") and f'worker="{name}"' in line
+                   and line.endswith(" 0.0") for line in metrics.splitlines()), metrics
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                       timeout=30)
+        if deployment == "single":
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 503:
+                assert r.headers.get("retry-after") and "collocated-0" in r.text
+        else:  # served whole by the prefill worker (unless decode-0 came back meanwhile)
+            assert r.status_code == 200, r.text
+    _wait(lambda: _health(base)[1]["status"] == "ok", 60, "the restarted worker")
+    code, body = _health(base)
+    assert code == 200 and {w["name"]: w["restarts"] for w in body["workers"]}[name] == 1
+    assert "-9" in {w["name"]: w["error"] for w in body["workers"]}[name]
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 5},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    if deployment == "1p1d":   # the hand-off works again, with the new decode worker
+        before = _metric(base, "pdserve:kv_transfers")
+        httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4},
+                   timeout=30)
+        assert _metric(base, "pdserve:kv_transfers") == before + 1
+    _wait(lambda: _clean(base), 10, "no KV in use")
 
 
 def _metric(base, name):

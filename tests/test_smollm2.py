@@ -47,13 +47,15 @@ def test_greedy_matches_hf_generate(hf, llm):
     prompts.append(tok.encode(TEXTS[1]))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     for p, o in zip(prompts, outs):
+        ours = o.outputs[0].token_ids
+        assert len(ours) == 32   # ignore_eos: EOS neither stops nor is banned
         with torch.no_grad():
-            # eos_token_id=-1: never stop and never ban EOS (ignore_eos semantics); HF's
-            # min_new_tokens would instead ban EOS and change the greedy path.
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                              eos_token_id=-1, pad_token_id=0)
-        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
-        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
+            # HF's greedy continuation, checked in one forward instead of 32 generate steps:
+            # greedy picks each token as the argmax after the prompt and the tokens before it,
+            # so HF's generate gives exactly `ours` iff every such argmax is the next of `ours`
+            logits = hf(torch.tensor([p + ours])).logits[0, len(p) - 1:-1]
+        assert logits.argmax(-1).tolist() == ours
+        assert o.outputs[0].text == tok.decode(ours)
 
 
 def test_batch_invariance_with_chunked_prefill_and_preemption(llm):
@@ -86,13 +88,28 @@ def test_stop_string_cut_and_chat(llm):
     assert word not in cut.text
 
 
-def test_cli_generate_and_chat(capsys):
+def test_cli_generate_and_chat(capsys, monkeypatch):
+    from pdserve import cli
+    from pdserve.args import engine_config
     from pdserve.cli import main
+    real, made = cli._make_llm, []
+
+    def once(a):
+        """The CLI's own LLM, loaded once: chat reuses generate's when the engine arguments
+        are the same (an in-process LLM's shutdown at the end of a command frees nothing)."""
+        cfg = engine_config(a)
+        for c, built in made:
+            if c == cfg:
+                return built
+        made.append((cfg, real(a)))
+        return made[-1][1]
+    monkeypatch.setattr(cli, "_make_llm", once)
     assert main(["generate", "The capital of France is", "--max-tokens", "8"]) == 0
     out = capsys.readouterr()
     assert "The capital of France is" in out.out and "tokens/s" in out.err
     assert main(["chat", "--message", "Hi!", "--max-tokens", "8"]) == 0
     out = capsys.readouterr()
     assert "> Hi!" in out.out and "tokens/s" in out.err
+    assert len(made) == 1   # both commands asked for the same engine
     assert main(["generate", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err

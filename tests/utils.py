@@ -1,6 +1,8 @@
 """Test helpers: run the engine's model over a token sequence through the paged KV cache."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 
 import torch
@@ -111,3 +113,18 @@ def save_tiny_model_with_tokenizer(path) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return str(path)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """For in-process runs of a command that collects garbage before each row it measures
+    (pdserve profile, bench step, bench prefix): the objects the test session holds already
+    (models, tensors and modules of the tests before: seconds of scanning per collection late
+    in a whole-suite run) are set aside meanwhile, gc.freeze's permanent generation, and handed
+    back to the collector after. What the command creates is collected as without it."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
