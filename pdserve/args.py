@@ -51,6 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
                         "default on)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer (token-id prompts only; for dummy presets)")
+    g.add_argument("--tokenizer", default=None,
+                   help="the tokenizer to use instead of the model's: an HF folder, a .gguf "
+                        "file or a repo id in the local Hugging Face cache")
+    g.add_argument("--chat-template", default=None,
+                   help="the chat template to use instead of the tokenizer's: a file, or the "
+                        "Jinja template itself")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes")
     g.add_argument("--disable-custom-all-reduce", action="store_true",

@@ -50,6 +50,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_model_len: int | None = None    # default: the model's context length, capped by the pool
     skip_tokenizer_init: bool = False
+    tokenizer: str | None = None        # another tokenizer: HF folder, .gguf or cached repo id
+    chat_template: str | None = None    # the chat template: a file, or the Jinja text itself
     attention_backend: str = "auto"     # "auto": triton on CUDA, torch on CPU
     enforce_eager: bool = False         # CUDA: no CUDA graphs
     # Async scheduling: step() schedules and launches step N+1 before it reads step N's sampled
@@ -96,6 +98,10 @@ class EngineConfig:
                              f"int32), got {self.num_kv_blocks}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be a path or a preset name, got {self.model!r}")
+        for name in ("tokenizer", "chat_template"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (str, os.PathLike)) or not os.fspath(v)):
+                raise ValueError(f"{name} must be None or a non-empty string, got {v!r}")
         # torch.Generator.manual_seed takes [-2**63, 2**64)
         if not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")

@@ -159,6 +159,43 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     return model.eval()
 
 
+def engine_tokenizer(config, source: ModelSource):
+    """The tokenizer an engine with `config` uses: None with skip_tokenizer_init; else
+    config.tokenizer's (an HF folder with tokenizer.json, a .gguf file, or a repo id in the
+    local Hugging Face cache) or the model's, with config.chat_template (a file, or the template
+    text) in place of its own. ValueError when one of them cannot be had."""
+    if config.skip_tokenizer_init:
+        return None
+    tok = load_tokenizer(_tokenizer_source(os.fspath(config.tokenizer))
+                         if config.tokenizer is not None else source)
+    if config.chat_template is not None:
+        tok.chat_template = read_chat_template(os.fspath(config.chat_template))
+    return tok
+
+
+def _tokenizer_source(spec: str) -> ModelSource:
+    from .hf_cache import cached_snapshot, looks_like_repo_id
+    if os.path.isfile(spec):
+        return ModelSource("gguf", spec, {})
+    if os.path.isdir(spec):
+        return ModelSource("hf", spec, {})
+    snapshot = cached_snapshot(spec) if looks_like_repo_id(spec) else None
+    if snapshot is None:
+        raise ValueError(f"tokenizer {spec!r} is neither a file, a folder nor a repo id in the "
+                         "local Hugging Face cache")
+    return ModelSource("hf", snapshot, {})
+
+
+def read_chat_template(spec: str) -> str:
+    """A chat template from a file, or spec itself when it is Jinja text (vLLM's rule)."""
+    if os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise ValueError(f"chat_template {spec[:60]!r} is neither a file nor a Jinja template")
+
+
 def load_tokenizer(source: ModelSource):
     from .tokenizer import Tokenizer
     if source.kind == "gguf":

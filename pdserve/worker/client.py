@@ -25,7 +25,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..protocol import AddRequest
-from ..loader.model_loader import load_tokenizer, resolve_source
+from ..loader.model_loader import engine_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..outputs import RequestOutput
 from . import messages as m
@@ -116,7 +116,7 @@ class EngineClient:
                 raise ValueError(f"tensor_parallel_size {tp} from cuda:{first} needs "
                                  f"{first + tp} GPUs; {torch.cuda.device_count()} visible")
         self.config = config
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
+        self.tokenizer = engine_tokenizer(config, source)
         self._tmp = tempfile.mkdtemp(prefix="pdserve-worker-")
         addrs = WorkerAddresses(
             requests=f"ipc://{self._tmp}/requests", outputs=f"ipc://{self._tmp}/outputs",

@@ -15,7 +15,7 @@ from typing import Callable
 from ..config import EngineConfig
 from ..engine.core import EngineCore
 from ..engine.scheduler import SchedulerOutput
-from ..loader.model_loader import load_tokenizer, resolve_source
+from ..loader.model_loader import engine_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..protocol import KVDrop, KVPeer
 from .build import build_model_runner, kv_export
@@ -30,7 +30,7 @@ class LLMEngine(EngineCore):
                  on_schedule: Callable[[SchedulerOutput], None] | None = None,
                  kv_dir: str | None = None):
         source = resolve_source(config.model)
-        tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
+        tokenizer = engine_tokenizer(config, source)
         if tokenizer is not None:
             eos_ids = tuple(sorted(tokenizer.stop_token_ids))
         else:
