@@ -584,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rows(payload["candidates"], a.top))
     b = payload["best"]
     s = payload["search"]
-    print(f"best: {b['copies']} x {b['unit']} (chunk {b['chunk']}, {b['policy']}): "
+    dep = f"{b['copies']} x {b['unit']}" if b["copies"] > 1 else b["unit"]
+    print(f"best: {dep} (chunk {b['chunk']}, {b['policy']}): "
           f"{b['goodput_rps']:.3f} req/s on {a.num_gpus} GPUs ({b['goodput_per_gpu_rps']:.3f} "
           f"per GPU); {s['simulations']} simulations in {s['wall_s']:.1f} s")
     if s["short_probes"]:
