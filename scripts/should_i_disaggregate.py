@@ -46,12 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=1500, help="the pool (most per probe)")
     p.add_argument("--min-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="a what-if: replace the profile's KV bytes per token (e.g. 524288, a "
+                        "7B model without GQA: 32 layers x 2 x 4096 x 2 B), step costs kept")
     p.add_argument("--out", default="bench/results/should-i-disaggregate.json")
     p.add_argument("--plot", default="bench/results/should-i-disaggregate.png")
     a = p.parse_args(argv)
     try:
         check_gpus(a.num_gpus)
         base = load_profile(a.profile)
+        if a.kv_bytes_per_token is not None:
+            import dataclasses
+            base = dataclasses.replace(base, kv_bytes_per_token=a.kv_bytes_per_token)
     except ValueError as e:
         p.error(str(e))
     t_start = time.perf_counter()
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                **git_info(), "hardware_of_run": hardware_info(),
                "profile": {"source": a.profile, "model": base.model,
                            "hardware": base.hardware_label, "commit": base.commit,
+                           "kv_bytes_per_token": base.kv_bytes_per_token,
+                           "kv_bytes_per_token_replaced": a.kv_bytes_per_token is not None,
                            "transfer_note": base.fit.get("transfer", {}).get("note")},
                "num_gpus": a.num_gpus,
                "goodput_definition": "pdserve plan's: the largest Poisson rate on the grid "
@@ -151,7 +159,9 @@ def plot(payload: dict, path: str) -> None:
         ax.set_title(f"TPOT SLO {tpot:g} ms")
     fig.colorbar(im, ax=axes[0].tolist(), label="best P/D goodput / best collocated")
     prof = payload["profile"]
-    fig.suptitle(f"Should I disaggregate? {prof['model']} on {prof['hardware']} profile, "
+    what_if = (f", KV {prof['kv_bytes_per_token'] // 1024} KiB/token (what-if)"
+               if prof.get("kv_bytes_per_token_replaced") else "")
+    fig.suptitle(f"Should I disaggregate? {prof['model']} on {prof['hardware']} profile{what_if}, "
                  f"{payload['num_gpus']} GPUs, output {payload['config']['output_len']} tokens "
                  f"(simulated; >1: disaggregate)", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
