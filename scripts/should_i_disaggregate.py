@@ -51,7 +51,15 @@ def main(argv: list[str] | None = None) -> int:
                         "7B model without GQA: 32 layers x 2 x 4096 x 2 B), step costs kept")
     p.add_argument("--out", default="bench/results/should-i-disaggregate.json")
     p.add_argument("--plot", default="bench/results/should-i-disaggregate.png")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only draw --plot from an earlier run's JSON")
     a = p.parse_args(argv)
+    if a.replot:
+        import json
+        with open(a.replot) as f:
+            plot(json.load(f), a.plot)
+        print("wrote", a.plot)
+        return 0
     try:
         check_gpus(a.num_gpus)
         base = load_profile(a.profile)
@@ -138,8 +146,8 @@ def plot(payload: dict, path: str) -> None:
     bws = sorted({p["interconnect_gb_s"] for p in pts})
     ratios = [p["ratio"] for p in pts if p["ratio"] is not None and math.isfinite(p["ratio"])]
     hi = max([2.0, *ratios])
-    fig, axes = plt.subplots(1, len(tpots), figsize=(4.6 * len(tpots), 3.6), squeeze=False)
-    for ax, tpot in zip(axes[0], tpots):
+    fig, axes = plt.subplots(1, len(tpots), figsize=(5.0 * len(tpots), 3.6), squeeze=False)
+    for n, (ax, tpot) in enumerate(zip(axes[0], tpots)):
         grid = [[math.nan] * len(bws) for _ in lens]
         for p in pts:
             if p["slo_tpot_ms"] == tpot and p["ratio"] is not None:
@@ -155,7 +163,8 @@ def plot(payload: dict, path: str) -> None:
         ax.set_xticks(range(len(bws)), [f"{b:g}" for b in bws])
         ax.set_yticks(range(len(lens)), [str(n) for n in lens])
         ax.set_xlabel("KV interconnect (GB/s)")
-        ax.set_ylabel("prompt tokens")
+        if n == 0:
+            ax.set_ylabel("prompt tokens")
         ax.set_title(f"TPOT SLO {tpot:g} ms")
     fig.colorbar(im, ax=axes[0].tolist(), label="best P/D goodput / best collocated")
     prof = payload["profile"]
