@@ -121,3 +121,27 @@ def test_bad_input_is_a_clear_error(args, message, capsys, tmp_path):
     argv = [x for kv in base.items() for x in kv] + ["--result-file", str(tmp_path / "p.json")]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_overloaded_needs_a_shortfall_beyond_the_counts_noise():
+    from pdserve.perf.metrics import RequestResult
+
+    def run(n_late_done):
+        # 300 arrivals evenly over [0, 3) s; 100 of them in the last third (2, 3]; every
+        # request takes 0.5 s except that only n_late_done of those ending in (2, 3] do
+        rs = []
+        for i in range(300):
+            t = 3.0 * (i + 1) / 300
+            r = RequestResult(1, 2, success=True, start=t, latency=0.5)
+            rs.append(r)
+        ending = [r for r in rs if 2 < r.start + r.latency <= 3]
+        for r in ending[n_late_done:]:
+            r.latency = 10.0
+        return rs, len(ending)
+
+    from pdserve.sim.planner import overloaded
+    rs, ending = run(10 ** 6)
+    assert ending == 100 and not overloaded(rs)
+    # 100 arrived in the last third: overloaded below 85 done and below 100 - 3 * 10 = 70
+    assert not overloaded(run(71)[0]) and not overloaded(run(70)[0])
+    assert overloaded(run(69)[0])

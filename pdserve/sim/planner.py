@@ -224,19 +224,21 @@ def check_gpus(num_gpus: Any) -> int:
 
 
 # ---- the search ----------------------------------------------------------------------------
-def overloaded(results: Sequence, share: float = 0.85) -> bool:
+def overloaded(results: Sequence, share: float = 0.85, sigmas: float = 3.0) -> bool:
     """A finite run can meet the SLOs at a rate the deployment cannot sustain: the backlog
     grows through the run, and a short run ends before it shows in TTFT or TPOT (a P/D
     request's wait for a decode slot is spread over its TPOT). Overloaded: over the last third
-    of the arrival window, fewer requests complete than `share` x those that arrive in it (a
-    stable run, past its fill, completes as many as arrive; the probe's span is long enough to
-    be past the fill by then)."""
+    of the arrival window, the requests completed fall short of those that arrived in it by
+    more than (1 - share) of them and by more than `sigmas` x sqrt(arrived) (a stable run, past
+    its fill, completes as many as arrive, give or take the counts' Poisson noise: in a window
+    of ~100 arrivals a stable run falls 15% short now and then)."""
     t0 = min(r.start for r in results)
     t1 = max(r.start for r in results)
     a = t0 + 2 * (t1 - t0) / 3
     arrived = sum(a < r.start <= t1 for r in results)
     done = sum(r.success and a < r.start + r.latency <= t1 for r in results)
-    return done < share * arrived
+    short = arrived - done
+    return short > (1 - share) * arrived and short > sigmas * math.sqrt(arrived)
 
 
 @dataclass(frozen=True)
