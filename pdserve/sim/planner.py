@@ -129,7 +129,9 @@ def parse_tp_profile(item: str) -> tuple[int, str]:
     return n, path
 
 
-def tp_profiles(base: CostProfile, extra: Sequence[tuple[int, CostProfile]]) -> dict[int, CostProfile]:
+def tp_profiles(base: CostProfile, extra: Sequence[tuple[int, CostProfile]]
+                ) -> dict[int, CostProfile]:
+    """TP size -> profile: base at TP 1, the --tp-profile ones (checked) at theirs."""
     out = {1: base}
     for tp, prof in extra:
         if tp in out:
