@@ -1,4 +1,4 @@
-"""`pdserve` command line: generate, chat, serve, bench, profile, simulate."""
+"""`pdserve` command line: generate, chat, serve, bench, profile, simulate, plan."""
 from __future__ import annotations
 
 import argparse
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["simulate"]:
         from .sim.cli import main as simulate
         return simulate(argv[1:])
+    if argv[:1] == ["plan"]:
+        from .sim.planner import main as plan
+        return plan(argv[1:])
     if argv[:1] == ["bench"]:
         sub = argv[1:2]
         if sub == ["offline"]:
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("profile", help="measure step and KV transfer costs, fit the cost model: "
                                    "pdserve profile --help")
     sub.add_parser("simulate", help="a serving benchmark on the simulator: pdserve simulate --help")
+    sub.add_parser("plan", help="search deployments for the best goodput per GPU under SLOs "
+                                "(simulated): pdserve plan --help")
     a = p.parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
