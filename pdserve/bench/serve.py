@@ -53,9 +53,10 @@ import numpy as np
 
 from ..perf.metrics import RequestResult, compute_metrics
 from ..perf.slo import parse_goodput
-from ..perf.workload import (Conversation, SampleRequest, approx_tokens, arrival_times,
-                             load_sharegpt, mixed_requests, multi_turn_conversations,
-                             prefix_repetition_requests, random_requests)
+from ..perf.workload import (Conversation, SampleRequest, add_multi_turn_args, approx_tokens,
+                             arrival_times, load_sharegpt, mixed_requests,
+                             multi_turn_conversations, prefix_repetition_requests,
+                             random_requests)
 from .common import git_info, hardware_info, write_result
 from .serve_report import (format_per_turn, format_table, import_pyplot, jsonable, plot_runs,
                            rate_label, warn_failures)
@@ -450,17 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mixed-long-input-len", type=int, default=4096)
     g.add_argument("--mixed-long-output-len", type=int, default=128,
                    help="mixed: lengths vary by --random-range-ratio")
-    g.add_argument("--multi-turn-conversations", type=int, default=64,
-                   help="multi-turn: conversations (their starts follow --request-rate)")
-    g.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns each")
-    g.add_argument("--multi-turn-user-len", type=int, default=128,
-                   help="multi-turn: tokens (words) of each new user message")
-    g.add_argument("--multi-turn-output-len", type=int, default=128,
-                   help="multi-turn: answer tokens asked for per turn")
-    g.add_argument("--multi-turn-range-ratio", type=float, default=0.0,
-                   help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)]")
-    g.add_argument("--multi-turn-system-len", type=int, default=0,
-                   help="multi-turn: tokens (words) of a system prompt shared by all conversations")
+    add_multi_turn_args(g)
     g = p.add_argument_group("output")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")

@@ -27,9 +27,9 @@ from ..perf.cost_profile import CostProfile
 from ..perf.files import write_json
 from ..perf.metrics import compute_metrics
 from ..perf.slo import parse_goodput
-from ..perf.workload import (arrival_times, load_sharegpt, mixed_requests,
-                             multi_turn_conversations, prefix_repetition_requests,
-                             random_requests)
+from ..perf.workload import (add_multi_turn_args, arrival_times, load_sharegpt,
+                             mixed_requests, multi_turn_conversations,
+                             prefix_repetition_requests, random_requests)
 from .simulator import Deployment, SimConversation, SimRequest, Simulator, parse_deployment
 
 DEFAULT_NUM_KV_BLOCKS = 65536
@@ -99,17 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    g.add_argument("--multi-turn-conversations", type=int, default=64,
-                   help="multi-turn: conversations (their starts follow --request-rate)")
-    g.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns each")
-    g.add_argument("--multi-turn-user-len", type=int, default=128,
-                   help="multi-turn: tokens of each new user message")
-    g.add_argument("--multi-turn-output-len", type=int, default=128,
-                   help="multi-turn: answer tokens per turn")
-    g.add_argument("--multi-turn-range-ratio", type=float, default=0.0,
-                   help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)]")
-    g.add_argument("--multi-turn-system-len", type=int, default=0,
-                   help="multi-turn: tokens of a system prompt shared by all conversations")
+    add_multi_turn_args(g)
     g.add_argument("--mixed-long-share", type=float, default=0.2)
     g.add_argument("--mixed-short-input-len", type=int, default=256)
     g.add_argument("--mixed-short-output-len", type=int, default=128)
