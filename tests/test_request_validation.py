@@ -276,10 +276,11 @@ def test_schema_states_the_constraints(server):
     assert fmt["properties"]["type"]["const"] == "text"
 
 
-def _metric(base: str, name: str) -> float:
+def _metric(base: str, query: str) -> float:
+    from .utils import metric_value
     text = httpx.get(base + "/metrics", timeout=30).text
-    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
-    return float(line.split()[1])
+    assert query.partition("{")[0] in text, f"{query} is not exposed"
+    return metric_value(text, query)
 
 
 def test_prefix_cache_usage_metrics_and_reset(server):
@@ -289,13 +290,13 @@ def test_prefix_cache_usage_metrics_and_reset(server):
     body = lambda q: {"messages": [system, {"role": "user", "content": q}],   # noqa: E731
                       "max_tokens": 2, "temperature": 0}
     assert _post(server, "/reset_prefix_cache", {}).status_code == 200
-    hits0 = _metric(server, "pdserve:prefix_cache_hits")
+    hits0 = _metric(server, "pdserve:prefix_cache_hits_total")
     first = _post(server, "/v1/chat/completions", body("One?")).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     second = _post(server, "/v1/chat/completions", body("Two?")).json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 30 < cached < second["usage"]["prompt_tokens"]
-    assert _metric(server, "pdserve:prefix_cache_hits") >= hits0 + cached
+    assert _metric(server, "pdserve:prefix_cache_hits_total") >= hits0 + cached
     assert _metric(server, "pdserve:prefix_cache_blocks") > 0
     prompt = "Completions share the cache too: " + "a fixed preamble, " * 12
     _post(server, "/v1/completions", {"prompt": prompt + "x", "max_tokens": 1, "temperature": 0})

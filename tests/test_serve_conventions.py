@@ -177,3 +177,31 @@ def test_startup_summary_names_each_worker():
         "pdserve: model 'm', 1 worker, max_model_len 8192",
         "  collocated-0: collocated on cpu (TP 1), float32, KV pool 1024 blocks x 16 = 16384 "
         "tokens (0.44 GiB per rank), prefix caching on, no CUDA graphs"]
+
+
+# ---- metrics as vLLM names them -----------------------------------------------------------
+def test_metrics_carry_model_name_and_totals_are_counters():
+    """Running totals from the workers become counters that grow by what the totals grew by
+    (100 -> 150 queries: 150; a total that fell, a worker gone from the sum, adds nothing and
+    counting resumes from it: 1 -> 4 preemptions after 2 -> 1 is 2 + 3 = 5); KV use is
+    used / total."""
+    from pdserve.server.metrics import Metrics
+    from .utils import metric_value
+    m = Metrics("my-model")
+    for q, h, pre in ((100, 40, 2), (150, 40, 1), (150, 70, 4)):
+        m.update_stats(WorkerStats(1, 0, 5, 20, pre, 0, 0, q, h, 3))
+    m.update_routes(SimpleNamespace(requests={"disagg": 3, "collocated": 1}, transfers=2,
+                                    transfer_bytes=10, transfer_seconds=0.5,
+                                    transfer_failures=0, rerouted=0, recomputed=1, failed=0))
+    text = m.render().decode()
+    assert metric_value(text, "pdserve:prefix_cache_queries_total") == 150
+    assert metric_value(text, "pdserve:prefix_cache_hits_total") == 70
+    assert metric_value(text, "pdserve:num_preemptions_total") == 5
+    assert metric_value(text, "pdserve:kv_cache_usage_perc") == 0.25
+    assert metric_value(text, 'pdserve:requests_by_path_total{path="disagg"}') == 3
+    assert metric_value(
+        text, 'pdserve:requests_after_worker_death_total{outcome="recomputed"}') == 1
+    assert "# TYPE pdserve:prefix_cache_hits_total counter" in text
+    samples = [ln for ln in text.splitlines() if ln.startswith("pdserve:")]
+    assert samples and all('model_name="my-model"' in ln for ln in samples)
+    assert m.sample("pdserve:prefix_cache_hits_total") == 70

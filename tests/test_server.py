@@ -81,13 +81,9 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
 
 
-def _metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def _metric(base: str, query: str) -> float:
+    from .utils import metric_value
+    return metric_value(httpx.get(base + "/metrics").text, query)
 
 
 def test_completion_and_stream_agree(client):
@@ -184,17 +180,17 @@ def test_side_endpoints(server, client):
 def test_metrics_move(server, client):
     before = _metric(server, "pdserve:generation_tokens_total")
     n_before = _metric(server, "pdserve:request_success_total")
-    pulls = _metric(server, "pdserve:kv_transfers")
+    pulls = _metric(server, "pdserve:kv_transfers_total")
     client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=7, temperature=0)
     assert _metric(server, "pdserve:generation_tokens_total") == before + 7
     assert _metric(server, "pdserve:request_success_total") == n_before + 1
     assert _metric(server, "pdserve:time_to_first_token_seconds_count") >= 1
     assert _metric(server, "pdserve:kv_cache_blocks_total") > 0
     if len(httpx.get(server + "/admin/check").json()["worker_pids"]) == 2:  # prefill + decode
-        assert _metric(server, 'pdserve:requests_by_path{path="disagg"}') >= 1
-        assert _metric(server, "pdserve:kv_transfers") == pulls + 1
-        assert _metric(server, "pdserve:kv_transfer_bytes") > 0
-        assert _metric(server, "pdserve:requests_after_worker_death") == 0
+        assert _metric(server, 'pdserve:requests_by_path_total{path="disagg"}') >= 1
+        assert _metric(server, "pdserve:kv_transfers_total") == pulls + 1
+        assert _metric(server, "pdserve:kv_transfer_bytes_total") > 0
+        assert _metric(server, "pdserve:requests_after_worker_death_total") == 0
 
 
 BAD = [

@@ -150,7 +150,9 @@ def test_a_killed_worker_ends_its_requests_and_comes_back(server):
         assert body["status"] == ("unavailable" if deployment == "single" else "degraded")
         assert code == (503 if deployment == "single" else 200)
         metrics = httpx.get(base + "/metrics").text
-        assert f'pdserve:worker_up{{role="{states[name]["role"]}",state="' in metrics
+        assert any(line.startswith("pdserve:worker_up{") and
+                   f'role="{states[name]["role"]}"' in line and 'state="' in line
+                   for line in metrics.splitlines()), metrics
         assert any(line.startswith("pdserve:worker_up") and f'worker="{name}"' in line
                    and line.endswith(" 0.0") for line in metrics.splitlines()), metrics
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
@@ -169,16 +171,16 @@ def test_a_killed_worker_ends_its_requests_and_comes_back(server):
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     if deployment == "1p1d":   # the hand-off works again, with the new decode worker
-        before = _metric(base, "pdserve:kv_transfers")
+        before = _metric(base, "pdserve:kv_transfers_total")
         httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4},
                    timeout=30)
-        assert _metric(base, "pdserve:kv_transfers") == before + 1
+        assert _metric(base, "pdserve:kv_transfers_total") == before + 1
     _wait(lambda: _clean(base), 10, "no KV in use")
 
 
-def _metric(base, name):
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(base + "/metrics").text
-               .splitlines() if line.startswith(name) and not line.startswith("#"))
+def _metric(base, query):
+    from .utils import metric_value
+    return metric_value(httpx.get(base + "/metrics").text, query)
 
 
 def test_admission_limits_and_the_drain_deadline(model):

@@ -128,3 +128,22 @@ def frozen_heap():
         yield
     finally:
         gc.unfreeze()
+
+
+def metric_value(text: str, query: str) -> float:
+    """The sum of the Prometheus samples in `text` (the exposition format) named as `query`
+    says, with at least its labels: 'pdserve:kv_transfers_total' or
+    'pdserve:requests_by_path_total{path="disagg"}' (whatever other labels, e.g. model_name,
+    a sample has)."""
+    import re
+    name, _, want = query.partition("{")
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', want))
+    total = 0.0
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        sname, _, labels = series.partition("{")
+        if sname == name and wanted.items() <= dict(re.findall(r'(\w+)="([^"]*)"', labels)).items():
+            total += float(value)
+    return total

@@ -52,7 +52,7 @@ def build_app(engine: AsyncEngine, model_name: str,
     async def lifespan(app):
         stats_task = None
         if options.log_stats_interval_s is not None:
-            line = StatsLine(srv.metrics.registry.get_sample_value, lambda: engine.stats)
+            line = StatsLine(srv.metrics.sample, lambda: engine.stats)
             stats_task = asyncio.create_task(log_stats(line, options.log_stats_interval_s))
         yield
         if stats_task is not None:

@@ -1,6 +1,7 @@
-"""Prometheus metrics of the server, named `pdserve:...` (vLLM's style). Request latencies are
-measured here, at the HTTP front, where a client feels them; running/waiting/KV come from the
-worker's stats after its last step."""
+"""Prometheus metrics of the server, named `pdserve:...` (vLLM's style, each with a model_name
+label; totals are counters, levels gauges). Request latencies are measured here, at the HTTP
+front, where a client feels them; running/waiting/KV come from the worker's stats after its
+last step, the P/D and routing totals from the router."""
 from __future__ import annotations
 
 import time
@@ -11,74 +12,120 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+class _Labelled:
+    """A metric with labels of its own, bound to one model_name: labels(*values) adds it."""
+
+    def __init__(self, metric, model_name: str):
+        self._metric, self._model = metric, model_name
+
+    def labels(self, *values):
+        return self._metric.labels(*values, self._model)
+
+    def clear(self) -> None:
+        self._metric.clear()
+
+
+class _Total:
+    """A Prometheus counter fed with a running total that lives elsewhere (a worker's or the
+    router's): set_total(v) adds what v grew by since the last call. A total that went down
+    (a worker died or restarted: its count left the sum) adds nothing; counting resumes from it."""
+
+    def __init__(self, counter):
+        self._counter, self._last = counter, 0.0
+
+    def set_total(self, v: float) -> None:
+        if v > self._last:
+            self._counter.inc(v - self._last)
+        self._last = v
+
+
 class Metrics:
-    def __init__(self):
+    """Every series carries model_name (the served name), as vLLM's do. Totals are counters
+    (exposed with _total), levels are gauges."""
+
+    def __init__(self, model_name: str = "pdserve"):
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve:request_success", "Finished requests by finish reason",
-                                ["finished_reason"], registry=r)
-        self.failed = Counter("pdserve:request_failure", "Requests that ended in an error",
-                              registry=r)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed",
-                                     registry=r)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.running = Gauge("pdserve:num_requests_running", "Sequences running", registry=r)
-        self.waiting = Gauge("pdserve:num_requests_waiting", "Sequences waiting", registry=r)
-        self.kv_used = Gauge("pdserve:kv_cache_blocks_used", "KV blocks in use", registry=r)
-        self.kv_total = Gauge("pdserve:kv_cache_blocks_total", "KV blocks in the pool", registry=r)
-        self.preemptions = Gauge("pdserve:num_preemptions", "Preemptions so far", registry=r)
-        # (gauges set from the workers' running totals, as the preemption count is)
-        self.prefix_queries = Gauge("pdserve:prefix_cache_queries",
-                                    "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Gauge("pdserve:prefix_cache_hits",
-                                 "Prompt tokens found in the prefix cache", registry=r)
-        self.prefix_blocks = Gauge("pdserve:prefix_cache_blocks",
-                                   "KV blocks held by the prefix cache", registry=r)
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve:time_per_output_token_seconds",
-                              "(e2e - TTFT) / (output tokens - 1) per request",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds",
-                             "Time between two chunks of a stream", buckets=_LATENCY_BUCKETS,
-                             registry=r)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        # P/D deployments (a Router): requests per path, KV hand-offs (totals since start)
-        self.path_requests = Gauge("pdserve:requests_by_path", "Requests routed per path",
-                                   ["path"], registry=r)
-        self.kv_transfers = Gauge("pdserve:kv_transfers", "KV pulls completed", registry=r)
-        self.kv_transfer_bytes = Gauge("pdserve:kv_transfer_bytes",
-                                       "KV bytes pulled (decode workers' rank 0)", registry=r)
-        self.kv_transfer_seconds = Gauge("pdserve:kv_transfer_seconds",
-                                         "Time spent in KV pulls", registry=r)
-        self.kv_transfer_failures = Gauge("pdserve:kv_transfer_failures",
-                                          "KV pulls that failed or timed out (recomputed)",
-                                          registry=r)
-        self.fault_requests = Gauge("pdserve:requests_after_worker_death",
+
+        def metric(kind, name, doc, labels=(), **kw):
+            m = kind(name, doc, [*labels, "model_name"], registry=r, **kw)
+            return _Labelled(m, model_name) if labels else m.labels(model_name)
+
+        def total(name, doc, labels=()):
+            if not labels:
+                return _Total(metric(Counter, name, doc))
+            m = metric(Counter, name, doc, labels)
+            totals: dict = {}
+
+            def by(*values):
+                if values not in totals:
+                    totals[values] = _Total(m.labels(*values))
+                return totals[values]
+            return by
+
+        self.requests = metric(Counter, "pdserve:request_success",
+                               "Finished requests by finish reason", ["finished_reason"])
+        self.failed = metric(Counter, "pdserve:request_failure", "Requests that ended in an error")
+        self.prompt_tokens = metric(Counter, "pdserve:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = metric(Counter, "pdserve:generation_tokens", "Tokens generated")
+        self.running = metric(Gauge, "pdserve:num_requests_running", "Sequences running")
+        self.waiting = metric(Gauge, "pdserve:num_requests_waiting", "Sequences waiting")
+        self.kv_used = metric(Gauge, "pdserve:kv_cache_blocks_used", "KV blocks in use")
+        self.kv_total = metric(Gauge, "pdserve:kv_cache_blocks_total", "KV blocks in the pool")
+        self.kv_usage = metric(Gauge, "pdserve:kv_cache_usage_perc",
+                               "Fraction of the KV pool in use (1 = full), as vLLM's")
+        self.preemptions = total("pdserve:num_preemptions", "Preemptions")
+        self.prefix_queries = total("pdserve:prefix_cache_queries",
+                                    "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = total("pdserve:prefix_cache_hits",
+                                 "Prompt tokens found in the prefix cache")
+        self.prefix_blocks = metric(Gauge, "pdserve:prefix_cache_blocks",
+                                    "KV blocks held by the prefix cache")
+        self.ttft = metric(Histogram, "pdserve:time_to_first_token_seconds",
+                           "Time to first token", buckets=_LATENCY_BUCKETS)
+        self.tpot = metric(Histogram, "pdserve:time_per_output_token_seconds",
+                           "(e2e - TTFT) / (output tokens - 1) per request",
+                           buckets=_LATENCY_BUCKETS)
+        self.itl = metric(Histogram, "pdserve:inter_token_latency_seconds",
+                          "Time between two chunks of a stream", buckets=_LATENCY_BUCKETS)
+        self.e2e = metric(Histogram, "pdserve:e2e_request_latency_seconds",
+                          "Arrival to last token", buckets=_LATENCY_BUCKETS)
+        # P/D deployments (a Router): requests per path, KV hand-offs
+        self.path_requests = total("pdserve:requests_by_path", "Requests routed per path",
+                                   ["path"])
+        self.kv_transfers = total("pdserve:kv_transfers", "KV pulls completed")
+        self.kv_transfer_bytes = total("pdserve:kv_transfer_bytes",
+                                       "KV bytes pulled (decode workers' rank 0)")
+        self.kv_transfer_seconds = total("pdserve:kv_transfer_seconds", "Time spent in KV pulls")
+        self.kv_transfer_failures = total("pdserve:kv_transfer_failures",
+                                          "KV pulls that failed or timed out (recomputed)")
+        self.fault_requests = total("pdserve:requests_after_worker_death",
                                     "Requests caught by a worker's death: routed again, handed "
-                                    "off without KV (recomputed) or failed", ["outcome"],
-                                    registry=r)
+                                    "off without KV (recomputed) or failed", ["outcome"])
 
         # the router's models: the output-length predictor, the adaptive policy's cost model
-        self.length_mae = Gauge("pdserve:output_length_mae", "Mean absolute error of the output-"
-                                "length prediction made before each request ran, and of the "
-                                "global mean's", ["predictor"], registry=r)
-        self.cost_error = Gauge("pdserve:cost_model_error", "Mean |observed / predicted - 1| "
-                                "per term (steps before correction, transfer, TTFT, TPOT)",
-                                ["term"], registry=r)
-        self.cost_samples = Gauge("pdserve:cost_model_samples", "Observations per term",
-                                  ["term"], registry=r)
-        self.cost_factor = Gauge("pdserve:cost_model_correction", "Online correction factor "
-                                 "per worker and step kind", ["worker", "kind"], registry=r)
-        self.decisions = Gauge("pdserve:routing_decisions", "Adaptive policy's choices: a path "
+        self.length_mae = metric(Gauge, "pdserve:output_length_mae", "Mean absolute error of the "
+                                 "output-length prediction made before each request ran, and "
+                                 "of the global mean's", ["predictor"])
+        self.cost_error = metric(Gauge, "pdserve:cost_model_error", "Mean |observed / predicted - "
+                                 "1| per term (steps before correction, transfer, TTFT, TPOT)",
+                                 ["term"])
+        self.cost_samples = metric(Gauge, "pdserve:cost_model_samples", "Observations per term",
+                                   ["term"])
+        self.cost_factor = metric(Gauge, "pdserve:cost_model_correction", "Online correction "
+                                  "factor per worker and step kind", ["worker", "kind"])
+        self.decisions = total("pdserve:routing_decisions", "Adaptive policy's choices: a path "
                                "meeting the SLOs (collocated, disagg) or the fallback",
-                               ["decision"], registry=r)
+                               ["decision"])
 
-        self.worker_up = Gauge("pdserve:worker_up", "1 while a worker serves, 0 while it is dead "
-                               "or restarting", ["worker", "role", "state"], registry=r)
-        self.worker_restarts = Gauge("pdserve:worker_restarts", "Restarts of a worker so far",
-                                     ["worker"], registry=r)
+        self.worker_up = metric(Gauge, "pdserve:worker_up", "1 while a worker serves, 0 while it "
+                                "is dead or restarting", ["worker", "role", "state"])
+        self.worker_restarts = metric(Gauge, "pdserve:worker_restarts",
+                                      "Restarts of a worker so far", ["worker"])
+
+    def sample(self, name: str, **labels) -> float | None:
+        """A sample's value by its exposed name (e.g. pdserve:prompt_tokens_total), None if none."""
+        return self.registry.get_sample_value(name, {**labels, "model_name": self.model_name})
 
     def update_workers(self, health) -> None:
         """From Router.health(): one series per worker, labelled with its state now."""
@@ -90,13 +137,13 @@ class Metrics:
     def update_routes(self, rs) -> None:
         """From a Router's RouterStats."""
         for path, n in rs.requests.items():
-            self.path_requests.labels(path).set(n)
-        self.kv_transfers.set(rs.transfers)
-        self.kv_transfer_bytes.set(rs.transfer_bytes)
-        self.kv_transfer_seconds.set(rs.transfer_seconds)
-        self.kv_transfer_failures.set(rs.transfer_failures)
+            self.path_requests(path).set_total(n)
+        self.kv_transfers.set_total(rs.transfers)
+        self.kv_transfer_bytes.set_total(rs.transfer_bytes)
+        self.kv_transfer_seconds.set_total(rs.transfer_seconds)
+        self.kv_transfer_failures.set_total(rs.transfer_failures)
         for outcome in ("rerouted", "recomputed", "failed"):
-            self.fault_requests.labels(outcome).set(getattr(rs, outcome))
+            self.fault_requests(outcome).set_total(getattr(rs, outcome))
 
     def update_models(self, ms: dict) -> None:
         """From a Router's model_stats."""
@@ -111,7 +158,7 @@ class Metrics:
             worker, _, kind = key.rpartition(":")
             self.cost_factor.labels(worker, kind).set(f)
         for decision, n in ms.get("decisions", {}).items():
-            self.decisions.labels(decision).set(n)
+            self.decisions(decision).set_total(n)
 
     def update_stats(self, stats) -> None:
         if stats is not None:
@@ -119,9 +166,11 @@ class Metrics:
             self.waiting.set(stats.num_waiting)
             self.kv_used.set(stats.num_kv_blocks_used)
             self.kv_total.set(stats.num_kv_blocks)
-            self.preemptions.set(stats.num_preemptions)
-            self.prefix_queries.set(stats.prefix_cache_queries)
-            self.prefix_hits.set(stats.prefix_cache_hits)
+            self.kv_usage.set(stats.num_kv_blocks_used / stats.num_kv_blocks
+                              if stats.num_kv_blocks else 0.0)
+            self.preemptions.set_total(stats.num_preemptions)
+            self.prefix_queries.set_total(stats.prefix_cache_queries)
+            self.prefix_hits.set_total(stats.prefix_cache_hits)
             self.prefix_blocks.set(stats.prefix_cache_blocks)
 
     def render(self) -> bytes:

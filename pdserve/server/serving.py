@@ -37,7 +37,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.options = options
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(options.tokenizer_threads,
                                        thread_name_prefix="pdserve-tokenize")
