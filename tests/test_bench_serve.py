@@ -369,6 +369,21 @@ def test_vllm_flags_backend_result_dir_and_eos_default(server, tmp_path):
     assert all("messages" in b and "ignore_eos" not in b for b in received)
 
 
+def test_percentile_metrics_choose_whose_percentiles_are_reported(server, tmp_path, capsys):
+    out = tmp_path / "pm.json"
+    assert bs.main(["--base-url", server, "--num-prompts", "3", "--random-input-len", "8",
+                    "--random-output-len", "3", "--skip-preflight", "--disable-tqdm",
+                    "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
+                    "--result-file", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"p50_ttft_ms", "p99_ttft_ms", "p50_e2el_ms", "p99_e2el_ms"} <= set(res)
+    assert not {"p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms"} & set(res)
+    assert "mean_tpot_ms" in res   # means and medians stay
+    with pytest.raises(SystemExit) as e:
+        bs.main(["--percentile-metrics", "ttft,latency"])
+    assert e.value.code == 2 and "--percentile-metrics" in capsys.readouterr().err
+
+
 def test_result_file_and_result_dir_together_is_an_error(capsys):
     with pytest.raises(SystemExit) as e:
         bs.main(["--result-file", "a.json", "--result-dir", "d"])

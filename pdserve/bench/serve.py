@@ -51,7 +51,7 @@ from urllib.parse import urlparse
 import aiohttp
 import numpy as np
 
-from ..perf.metrics import RequestResult, compute_metrics
+from ..perf.metrics import RequestResult, compute_metrics, percentile_label
 from ..perf.slo import parse_goodput
 from ..perf.workload import (Conversation, SampleRequest, add_multi_turn_args, approx_tokens,
                              arrival_times, load_sharegpt, mixed_requests,
@@ -373,6 +373,7 @@ async def preflight(target: Target, req: SampleRequest, wait_s: float = 0.0) -> 
 
 
 # ---- command line ------------------------------------------------------------------------------
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions",
                      "openai-chat": "/v1/chat/completions"}
 
@@ -457,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
     g.add_argument("--metric-percentiles", default="50,90,99",
                    help="comma-separated percentiles to report")
+    g.add_argument("--percentile-metrics", default=",".join(PERCENTILE_METRICS),
+                   help="comma-separated metrics whose percentiles are reported, of "
+                        f"{', '.join(PERCENTILE_METRICS)} (vLLM's flag; its default leaves "
+                        "e2el out)")
     g.add_argument("--result-file", default=None,
                    help="default: RESULT_DIR/RESULT_FILENAME, RESULT_DIR "
                         "bench/results/, RESULT_FILENAME serve-<host>-<timestamp>.json")
@@ -514,6 +519,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         p.error(f"--metric-percentiles: comma-separated numbers in [0, 100], got {a.metric_percentiles!r}")
+    chosen = [x.strip() for x in a.percentile_metrics.split(",") if x.strip()]
+    if not chosen or any(x not in PERCENTILE_METRICS for x in chosen):
+        p.error(f"--percentile-metrics: comma-separated names of {', '.join(PERCENTILE_METRICS)}"
+                f", got {a.percentile_metrics!r}")
+    dropped = [f"p{percentile_label(q)}_{m}_ms" for m in PERCENTILE_METRICS if m not in chosen
+               for q in percentiles]
     try:
         slos = parse_goodput(a.goodput)
     except ValueError as e:
@@ -595,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
                 target, requests, rate, a.burstiness, a.max_concurrency, a.seed, a.disable_tqdm,
                 desc=f"rate {rate_label(rate)}"))
         m = compute_metrics(results, duration, percentiles, slos)
+        for key in dropped:
+            m.pop(key, None)
         run = {"request_rate": rate_label(rate), "burstiness": a.burstiness,
                "max_concurrency": a.max_concurrency, "num_prompts": n_req, **m}
         if multi:
