@@ -23,13 +23,12 @@ heldout_mean_abs_rel_err, heldout_max_abs_rel_err, and whatever else the fit rep
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .files import write_json
+from .files import read_json_object, write_json
 
 VERSION = 1
 BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_token_ms")
@@ -153,16 +152,7 @@ class CostProfile:
         if isinstance(source, Mapping):
             where, data = "<dict>", dict(source)
         else:
-            where = os.fspath(source)
-            try:
-                with open(where) as f:
-                    data = json.load(f)
-            except OSError as e:
-                raise ValueError(f"{where}: cannot read the profile: {e}") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: a profile is a JSON object, got {type(data).__name__}")
+            where, data = os.fspath(source), read_json_object(source, "profile")
         _validate(data, where)
         if model is not None and data["model"] != model:
             raise ValueError(f"{where}: model is {data['model']!r}, but this deployment runs "

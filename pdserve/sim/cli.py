@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..perf.cost_profile import CostProfile
-from ..perf.files import write_json
+from ..perf.files import read_json_object, write_json
 from ..perf.metrics import compute_metrics
 from ..perf.slo import parse_goodput
 from ..perf.workload import (add_multi_turn_args, arrival_times, load_sharegpt,
@@ -33,6 +33,33 @@ from ..perf.workload import (add_multi_turn_args, arrival_times, load_sharegpt,
 from .simulator import Deployment, SimConversation, SimRequest, Simulator, parse_deployment
 
 DEFAULT_NUM_KV_BLOCKS = 65536
+
+
+def add_workload_args(g) -> None:
+    """The workload's flags (load and dataset), shared by simulate and plan."""
+    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times (1 = Poisson)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dataset-name", default="random",
+                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "mixed"])
+    g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
+    g.add_argument("--vocab-size", type=int, default=32000)
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--random-prefix-len", type=int, default=0)
+    g.add_argument("--sharegpt-output-len", type=int, default=None)
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    add_multi_turn_args(g)
+    g.add_argument("--mixed-long-share", type=float, default=0.2)
+    g.add_argument("--mixed-short-input-len", type=int, default=256)
+    g.add_argument("--mixed-short-output-len", type=int, default=128)
+    g.add_argument("--mixed-long-input-len", type=int, default=4096)
+    g.add_argument("--mixed-long-output-len", type=int, default=128)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,32 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the profile's engine_config, else the pool's tokens")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g = p.add_argument_group("load")
-    g.add_argument("--num-prompts", type=int, default=1000)
     g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests per second, one or more (a sweep); inf = all at once")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the inter-arrival times (1 = Poisson)")
-    g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "mixed"])
-    g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
-    g.add_argument("--vocab-size", type=int, default=32000)
-    g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0)
-    g.add_argument("--random-prefix-len", type=int, default=0)
-    g.add_argument("--sharegpt-output-len", type=int, default=None)
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    add_multi_turn_args(g)
-    g.add_argument("--mixed-long-share", type=float, default=0.2)
-    g.add_argument("--mixed-short-input-len", type=int, default=256)
-    g.add_argument("--mixed-short-output-len", type=int, default=128)
-    g.add_argument("--mixed-long-input-len", type=int, default=4096)
-    g.add_argument("--mixed-long-output-len", type=int, default=128)
+    add_workload_args(g)
     g = p.add_argument_group("output")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
@@ -148,6 +152,8 @@ def build_requests(a: argparse.Namespace) -> list[tuple[list[int], int]]:
         reqs = prefix_repetition_requests(
             a.num_prompts, a.prefix_repetition_num_prefixes, a.prefix_repetition_prefix_len,
             a.prefix_repetition_suffix_len, a.prefix_repetition_output_len, a.vocab_size, a.seed)
+    elif a.dataset_name == "multi-turn":
+        raise ValueError("multi-turn conversations are build_conversations'")
     else:
         if not a.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
@@ -284,17 +290,10 @@ def _load_profile(path: str, step_time: str) -> CostProfile:
 
 
 def _load_measured(path: str) -> dict:
-    import json
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--compare {path}: cannot read it: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--compare {path}: not JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--compare {path}: not a bench serve JSON object")
-    return data
+        return read_json_object(path, "bench serve result")
+    except ValueError as e:
+        raise ValueError(f"--compare {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

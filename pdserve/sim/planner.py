@@ -427,13 +427,6 @@ def candidates(unit_list: Sequence[Unit], chunks: Sequence[int],
 
 
 # ---- the command ---------------------------------------------------------------------------
-def _copy_flags(src: argparse.ArgumentParser, dst, dests: Sequence[str]) -> None:
-    """The simulate command's own flag definitions (one source for the workload flags)."""
-    by_dest = {a.dest: a for a in src._actions}
-    for d in dests:
-        dst._add_action(by_dest[d])
-
-
 _WORKLOAD = ("dataset_name", "dataset_path", "vocab_size", "random_input_len", "random_output_len",
              "random_range_ratio", "random_prefix_len", "sharegpt_output_len",
              "prefix_repetition_num_prefixes", "prefix_repetition_prefix_len",
@@ -443,7 +436,7 @@ _WORKLOAD = ("dataset_name", "dataset_path", "vocab_size", "random_input_len", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import build_parser as simulate_parser
+    from .cli import add_workload_args
     p = argparse.ArgumentParser(
         prog="pdserve plan",
         description="Search deployments (prefill/decode/collocated counts, TP per role, chunk "
@@ -488,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=65536)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     g = p.add_argument_group("workload (as pdserve simulate)")
-    _copy_flags(simulate_parser(), g, _WORKLOAD)
+    add_workload_args(g)   # (simulate's flags: one source)
     p.set_defaults(num_prompts=1500)
     g.add_argument("--min-prompts", type=int, default=100,
                    help="requests per probe at least; --num-prompts is the most (the pool)")
@@ -505,6 +498,9 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
     """Runs the search the flags describe; returns the JSON payload. ValueError on bad input."""
     from .cli import build_requests
     check_gpus(a.num_gpus)
+    if a.dataset_name == "multi-turn":
+        raise ValueError("pdserve plan takes independent requests; simulate multi-turn "
+                         "conversations with pdserve simulate --dataset-name multi-turn")
     slos = parse_goodput(a.goodput)
     if a.min_prompts < 20:
         raise ValueError("--min-prompts must be >= 20 (a 90% share of fewer is too coarse)")
