@@ -19,13 +19,12 @@ import itertools
 from typing import Any, AsyncIterator
 
 from ..args import DeploymentArgs
-from ..config import EngineConfig
 from ..deploy import build
 from ..outputs import RequestOutput
 from ..protocol import AddRequest, Prompt
 from ..sampling_params import SamplingParams
 from ..server.async_engine import AsyncEngine
-from .llm import _DEPLOYMENT_ARGS
+from .llm import split_engine_args
 
 
 class _Aborted(Exception):
@@ -38,9 +37,8 @@ class AsyncLLM:
     thread starts with the first request, on the event loop that makes it."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
-        config = EngineConfig(model=model, **engine_args)
-        self.client = build(config, DeploymentArgs(**deploy))   # always a Router
+        config, deployment = split_engine_args(model, engine_args)
+        self.client = build(config, deployment or DeploymentArgs())   # always a Router
         self._engine: AsyncEngine | None = None
         self._ids = itertools.count()
         self._closed = False

@@ -22,6 +22,14 @@ from ..sampling_params import SamplingParams
 _DEPLOYMENT_ARGS = {f.name for f in dataclasses.fields(DeploymentArgs)} - {"kv_connector"}
 
 
+def split_engine_args(model: str | None, engine_args: dict[str, Any]
+                      ) -> tuple[EngineConfig, DeploymentArgs | None]:
+    """LLM's (and AsyncLLM's) keyword arguments: the engine's config and, when any deployment
+    argument is among them, the deployment (None: none given)."""
+    deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
+    return EngineConfig(model=model, **engine_args), DeploymentArgs(**deploy) if deploy else None
+
+
 class LLM:
     """LLM(model=None, **engine_args): model is an HF folder, a .gguf file or a preset name
     (with load_format="dummy"); None loads the embedded SmolLM2-135M-Instruct. Engine args are
@@ -43,10 +51,7 @@ class LLM:
     shutdown() (or use `with LLM(...) as llm:`) to stop them, else they stop at exit."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        deploy = {k: engine_args.pop(k) for k in _DEPLOYMENT_ARGS if k in engine_args}
-        config = EngineConfig(model=model, **engine_args)
-        self.llm_engine: LLMEngine | EngineProtocol = build(
-            config, DeploymentArgs(**deploy) if deploy else None)
+        self.llm_engine: LLMEngine | EngineProtocol = build(*split_engine_args(model, engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
