@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 _WHERE = {"LLM": ".entrypoints.llm", "AsyncLLM": ".entrypoints.async_llm",
-          "SamplingParams": ".sampling_params",
+          "SamplingParams": ".sampling_params", "StructuredOutputsParams": ".sampling_params",
           "RequestOutput": ".outputs", "CompletionOutput": ".outputs", "Logprob": ".outputs"}
 
 

@@ -123,10 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["prefix"]:
             from .bench.prefix import main as bench_prefix
             return bench_prefix(argv[2:])
+        if sub == ["grammar"]:
+            from .bench.grammar import main as bench_grammar
+            return bench_grammar(argv[2:])
         if sub == ["predictor"]:
             from .bench.predictor import main as bench_predictor
             return bench_predictor(argv[2:])
-        print("usage: pdserve bench {offline,latency,step,tp,pd,serve,prefix,predictor} [options]   (pdserve bench offline --help)",
+        print("usage: pdserve bench {offline,latency,step,tp,pd,serve,prefix,predictor,grammar} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     from .args import add_engine_args

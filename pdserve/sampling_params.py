@@ -8,16 +8,18 @@ names the field and the offending value. Normalisations done in ``__post_init__`
 * ``stop_token_ids`` (None or list of int) -> ``tuple[int, ...]`` (empty when None);
 * ``logit_bias`` (None or a mapping token id -> bias) -> a new ``dict[int, float]``, or None when
   empty;
-* ints passed as floats where a float is expected are converted to ``float``.
+* ints passed as floats where a float is expected are converted to ``float``;
+* ``structured_outputs`` (None or a StructuredOutputsParams) -> None when it asks for nothing.
 
 Turning a batch of these into tensors happens in exactly one place:
 ``pdserve.layers.sampler.SamplingBatch.build``.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .checks import is_int, is_number
 
@@ -26,6 +28,75 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's bound on a logit_bias value: -100 bans a token in practice, 100 all but forces it.
 MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one of
+
+    * ``json``: a JSON schema (a dict, or its JSON text): the output is one JSON value that
+      validates against it;
+    * ``json_object=True``: any JSON object (OpenAI's ``response_format: json_object``);
+    * ``regex``: the whole output matches the regular expression;
+    * ``choice``: the output is one of these strings;
+    * ``grammar``: a context-free grammar in Lark syntax (or GBNF, llama.cpp's, recognised by
+      its ``::=`` rules).
+
+    The schema is kept as JSON text in the order it was given (properties are generated in
+    that order); equal texts share one compiled grammar. Whether the grammar engine can compile it is checked when the request is added
+    (ValueError there), not here."""
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
+                                 f"{type(schema).__name__}")
+            try:
+                set_(self, "json", json.dumps(schema, ensure_ascii=False))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json is not JSON-serialisable: {e}") from None
+        for field in ("regex", "grammar"):
+            v = getattr(self, field)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{field} must be a non-empty string, "
+                                 f"got {v!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) \
+                    or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"non-empty strings, got {self.choice!r}")
+            set_(self, "choice", tuple(self.choice))
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """Equal for equal constraints (the compiled-grammar cache's key)."""
+        return (self.kind, getattr(self, self.kind))
 
 
 @dataclass(frozen=True)
@@ -50,6 +121,9 @@ class SamplingParams:
     # token id -> added to its logit before penalties and sampling (OpenAI's logit_bias; the
     # returned logprobs stay the model's own)
     logit_bias: Mapping[int, float] | None = None
+    # a constraint on the output (JSON schema, regex, choice, grammar): the sampler masks the
+    # tokens that would break it (pdserve/structured)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise through object.__setattr__
@@ -149,6 +223,17 @@ class SamplingParams:
                                             f"{tok}'s is {v!r}")
                 norm[int(tok)] = float(v)
             set_(self, "logit_bias", norm or None)
+
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            if isinstance(so, Mapping):
+                unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
+                if unknown:
+                    bad("structured_outputs", so, f"has unknown fields {sorted(unknown)}")
+                so = StructuredOutputsParams(**so)
+            else:
+                bad("structured_outputs", so, "must be None or a StructuredOutputsParams")
+            set_(self, "structured_outputs", so)
 
         for field in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):

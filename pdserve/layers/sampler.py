@@ -17,6 +17,7 @@ Design
 Processing order (vLLM / HF semantics)::
 
     raw logprobs  <- log_softmax(logits)
+    token bitmask -> structured outputs: tokens the row's grammar does not allow get -inf
     logit_bias    -> logit[token] += bias, per row (OpenAI's logit_bias)
     min_tokens    -> ban EOS / stop_token_ids while len(output) < min_tokens   (optional, see build)
     repetition    -> over prompt ∪ output tokens: logit > 0 ? logit / p : logit * p
@@ -36,7 +37,7 @@ from torch import Tensor
 from pdserve.sampling_params import SamplingParams
 
 __all__ = ["SamplingBatch", "SamplerOutput", "Sampler", "apply_logit_bias", "apply_penalties",
-           "apply_token_bans"]
+           "apply_token_bans", "apply_token_bitmask"]
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
@@ -82,6 +83,9 @@ class SamplingBatch:
     # logit_bias of every row, flat: logits.view(-1)[bias_index] += bias_values (None: no row)
     bias_index: Tensor | None = None       # [nnz] int64, row * V + token
     bias_values: Tensor | None = None      # [nnz] float32
+    # structured outputs: bit j of word w of row i allows token 32 w + j (None: no row has a
+    # grammar; rows without one are all ones)
+    token_bitmask: Tensor | None = None    # [B, ceil(V / 32)] int32
 
     @property
     def batch_size(self) -> int:
@@ -98,6 +102,7 @@ class SamplingBatch:
         device,
         *,
         eos_token_ids: Sequence[int] = (),
+        token_bitmask: Tensor | None = None,
     ) -> "SamplingBatch":
         """Turn per-request params (+ the tokens seen so far) into batch tensors on ``device``.
 
@@ -106,6 +111,8 @@ class SamplingBatch:
         unless the row sets ``ignore_eos``. Banning happens before penalties and does not affect
         the returned (raw) logprobs.
         Token ids outside ``[0, vocab_size)`` in the prompt/output are ignored.
+        ``token_bitmask`` (structured outputs): an int32 [B, ceil(V / 32)] tensor of the tokens
+        each row may take (all ones on rows without a grammar), moved to ``device`` here.
         """
         B = len(params)
         V = int(vocab_size)
@@ -116,6 +123,12 @@ class SamplingBatch:
             if len(seq) != B:
                 raise ValueError(f"{name} has {len(seq)} rows, expected {B} (one per params)")
         device = torch.device(device)
+        if token_bitmask is not None:
+            if tuple(token_bitmask.shape) != (B, (V + 31) // 32) \
+                    or token_bitmask.dtype != torch.int32:
+                raise ValueError(f"token_bitmask must be int32 [{B}, {(V + 31) // 32}], got "
+                                 f"{token_bitmask.dtype} {tuple(token_bitmask.shape)}")
+            token_bitmask = token_bitmask.to(device, non_blocking=True)
 
         if all(p.greedy and p.logprobs is None and p.min_tokens == 0 and not p.has_penalty
                and p.logit_bias is None for p in params):
@@ -126,7 +139,7 @@ class SamplingBatch:
                        any_freq_presence=False, any_top_k=False, any_top_p=False,
                        any_min_p=False, max_top_k=V, generators=list(generators),
                        output_counts=None, prompt_mask=None, banned_mask=None,
-                       max_num_logprobs=None, vocab_size=V)
+                       max_num_logprobs=None, vocab_size=V, token_bitmask=token_bitmask)
 
         greedy = [p.greedy for p in params]
         temps, top_ks, top_ps, min_ps = [], [], [], []
@@ -207,7 +220,7 @@ class SamplingBatch:
             seeded_rows=tuple(i for i, (g, gr) in enumerate(zip(gens, greedy))
                               if g is not None and not gr),
             any_shared_random=any(g is None and not gr for g, gr in zip(gens, greedy)),
-            bias_index=bias_index, bias_values=bias_values,
+            bias_index=bias_index, bias_values=bias_values, token_bitmask=token_bitmask,
         )
 
 
@@ -237,6 +250,18 @@ def _mask_from_ids(rows: Sequence[Sequence[int]], B: int, V: int, device) -> Ten
 # =================================================================================================
 # Logit processing
 # =================================================================================================
+def apply_token_bitmask(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Tokens a row's bitmask does not allow get -inf (a new tensor), or ``logits`` itself when
+    no row has a grammar."""
+    mask = batch.token_bitmask
+    if mask is None:
+        return logits
+    B, V = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(B, -1)[:, :V].bool()
+    return logits.masked_fill(~allowed, _NEG_INF)
+
+
 def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Each row's logit_bias added to its logits (a new tensor), or ``logits`` itself when no
     row has one. (Every (row, token) appears once in the index: index_add_ adds each once.)"""
@@ -338,7 +363,8 @@ class Sampler:
         want_logprobs = batch.max_num_logprobs is not None
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        x = apply_penalties(apply_token_bans(apply_logit_bias(logits, batch), batch), batch)
+        x = apply_penalties(apply_token_bans(apply_logit_bias(
+            apply_token_bitmask(logits, batch), batch), batch), batch)
 
         greedy_ids = None if batch.all_random else x.argmax(dim=-1)
         if batch.all_greedy:

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 # GGUF token types (gguf.TokenType / llama_token_type)
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 
-_SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
+SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
 # ---------------------------------------------------------------------------------------------
 # Byte-level alphabet (GPT-2): every byte gets a printable character.  Printable Latin-1 bytes map
@@ -58,7 +58,7 @@ _BYTE_TO_CHAR = _byte_alphabet()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
-def _byte_level_bytes(token: str) -> bytes:
+def byte_level_bytes(token: str) -> bytes:
     """Bytes a byte-level-spelled token stands for (raw UTF-8 if it is not byte-level spelled)."""
     try:
         return bytes(_CHAR_TO_BYTE[c] for c in token)
@@ -66,7 +66,7 @@ def _byte_level_bytes(token: str) -> bytes:
         return token.encode("utf-8")
 
 
-_BYTE_TOKEN_RE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+BYTE_TOKEN_RE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def add_gguf_added_tokens(backend: _HFTokenizer, tokens: Sequence[str], types: Sequence[int]) -> None:
@@ -116,7 +116,7 @@ def build_gguf_bpe(tokens: list[str], types: list[int], reader: Any, pre: str | 
     )
     add_gguf_added_tokens(backend, tokens, types)
 
-    pieces = [token.encode("utf-8") if ttype in (TT_CONTROL, TT_USER_DEFINED) else _byte_level_bytes(token)
+    pieces = [token.encode("utf-8") if ttype in (TT_CONTROL, TT_USER_DEFINED) else byte_level_bytes(token)
               for token, ttype in zip(tokens, types)]
     return backend, pieces, False
 
@@ -155,19 +155,19 @@ def build_gguf_spm(tokens: list[str], types: list[int], reader: Any, unk: int | 
                      unk_token=tokens[unk] if unk is not None else None,
                      fuse_unk=True, byte_fallback=has_bytes)
     backend = _HFTokenizer(bpe)
-    steps = [normalizers.Replace(" ", _SPIECE_SPACE)]
+    steps = [normalizers.Replace(" ", SPIECE_SPACE)]
     if add_space_prefix:
-        steps.insert(0, normalizers.Prepend(_SPIECE_SPACE))
+        steps.insert(0, normalizers.Prepend(SPIECE_SPACE))
     backend.normalizer = normalizers.Sequence(steps)
     add_gguf_added_tokens(backend, tokens, types)
 
     pieces: list[bytes] = []
     for token, ttype in zip(tokens, types):
         if ttype == TT_BYTE:
-            m = _BYTE_TOKEN_RE.fullmatch(token)
+            m = BYTE_TOKEN_RE.fullmatch(token)
             pieces.append(bytes([int(m.group(1), 16)]) if m else token.encode("utf-8"))
         elif ttype in (TT_CONTROL, TT_UNKNOWN):
             pieces.append(token.encode("utf-8"))
         else:
-            pieces.append(token.replace(_SPIECE_SPACE, " ").encode("utf-8"))
+            pieces.append(token.replace(SPIECE_SPACE, " ").encode("utf-8"))
     return backend, pieces, add_space_prefix

@@ -23,7 +23,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from .chat_template import render_chat_template
 from .gguf_kv import GGUFMetadata, gguf_get
-from .gguf_vocab import TT_CONTROL, TT_NORMAL, TT_UNKNOWN, build_gguf_bpe, build_gguf_spm
+from .gguf_vocab import (BYTE_TOKEN_RE, SPIECE_SPACE, TT_CONTROL, TT_NORMAL, TT_UNKNOWN,
+                         build_gguf_bpe, build_gguf_spm, byte_level_bytes)
 from .pretokenizers import ADD_BOS_PRE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,6 +100,7 @@ class Tokenizer:
         self._id_to_text = list(id_to_text) if id_to_text is not None else None
         self._piece_bytes = list(piece_bytes) if piece_bytes is not None else None
         self._strip_leading_space = strip_leading_space
+        self._token_bytes: list[bytes] | None = None
         self.source = source
 
     def __repr__(self) -> str:
@@ -157,6 +159,21 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in specials]
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self) -> list[bytes]:
+        """What each id adds to decoded text, as bytes (b"" for a special token), one entry per
+        id below vocab_size: the vocabulary a grammar engine masks over. Computed once."""
+        if self._token_bytes is None:
+            if self._piece_bytes is not None:
+                out = list(self._piece_bytes)
+            else:
+                out = _backend_token_bytes(self._backend, self.vocab_size)
+            out += [b""] * (self.vocab_size - len(out))
+            for i in self._special_ids:
+                if 0 <= i < len(out):
+                    out[i] = b""
+            self._token_bytes = out[: self.vocab_size]
+        return self._token_bytes
 
     def id_to_token(self, token_id: int) -> str:
         """The raw vocabulary string of ``token_id`` (byte-level spelling for BPE vocabularies)."""
@@ -400,3 +417,39 @@ def _hf_chat_templates(folder: Path, config: Mapping[str, Any]) -> tuple[str | N
     if default is not None:
         named["default"] = default
     return default, named
+
+
+def _decoder_kinds(decoder: Any) -> set[str]:
+    """The types of a tokenizer.json decoder and of the decoders in its Sequence."""
+    if not isinstance(decoder, dict):
+        return set()
+    kinds = {str(decoder.get("type"))}
+    for d in decoder.get("decoders") or []:
+        kinds |= _decoder_kinds(d)
+    return kinds
+
+
+def _backend_token_bytes(backend: _HFTokenizer, vocab_size: int) -> list[bytes]:
+    """Each id's bytes from a tokenizers backend: byte-level BPE spells bytes as characters
+    (GPT-2's alphabet); SentencePiece-style vocabularies write a space as "▁" and bytes as
+    <0xNN>; added tokens are their own text."""
+    spec = json.loads(backend.to_str())
+    kinds = _decoder_kinds(spec.get("decoder"))
+    added = {int(t["id"]): t["content"] for t in spec.get("added_tokens") or []}
+    out: list[bytes] = []
+    for i in range(vocab_size):
+        tok = backend.id_to_token(i)
+        if tok is None:
+            out.append(b"")
+        elif i in added:
+            out.append(added[i].encode("utf-8"))
+        elif "ByteLevel" in kinds:
+            out.append(byte_level_bytes(tok))
+        elif "ByteFallback" in kinds and (m := BYTE_TOKEN_RE.fullmatch(tok)):
+            out.append(bytes([int(m.group(1), 16)]))
+        elif "Metaspace" in kinds or "Replace" in kinds or "ByteFallback" in kinds:
+            out.append(tok.replace(SPIECE_SPACE, " ").encode("utf-8"))
+        else:
+            out.append(backend.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return out
+

@@ -18,6 +18,8 @@ from ..engine.scheduler import SchedulerOutput
 from ..loader.model_loader import engine_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..protocol import KVDrop, KVPeer
+from ..sampling_params import SamplingParams
+from ..structured.grammar import GrammarCompiler
 from .build import build_model_runner, kv_export
 
 
@@ -42,12 +44,29 @@ class LLMEngine(EngineCore):
         self.runner = runner
         self.model = runner.model
         self.model_config = self.model.config
+        # structured outputs: checked here when a request is added, matched in the runner
+        self.grammar = None
+        if tokenizer is not None and eos_ids:
+            self.grammar = GrammarCompiler(tokenizer, self.model_config.vocab_size, eos_ids)
+        runner.grammar = self.grammar
         conn = runner.connector
         super().__init__(config, runner, num_kv_blocks=num_kv_blocks,
                          max_model_len=max_model_len, vocab_size=self.model_config.vocab_size,
                          eos_token_ids=eos_ids, tokenizer=tokenizer,
                          kv_transfer=conn is not None,
                          two_sided=conn is not None and conn.two_sided, on_schedule=on_schedule)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    *args, **kwargs) -> None:
+        """EngineCore.add_request, and a structured-outputs constraint compiled first (its
+        ValueError says why the grammar engine cannot)."""
+        spec = getattr(params, "structured_outputs", None)
+        if spec is not None:
+            if self.grammar is None:
+                raise ValueError("structured outputs need the model's tokenizer (this engine "
+                                 "was started without one: skip_tokenizer_init)")
+            self.grammar.check(spec)
+        super().add_request(request_id, prompt, params, *args, **kwargs)
 
     def shutdown(self, timeout_s: float = 0.0) -> None:
         """The EngineProtocol's stop: an in-process engine has no processes to stop (its

@@ -54,6 +54,7 @@ class _SeqState:
     params: object
     generator: torch.Generator | None
     prompt_logprobs_done: int = 0   # prompt positions whose next-token logprob was computed
+    matcher: object = None          # structured outputs: its grammar's state (structured/)
 
 
 # Prompt logprobs: rows of logits made at once (a long prompt's [rows, vocab] float32 adds up).
@@ -86,6 +87,8 @@ class StepResult:
         for j, (rid, s) in enumerate(zip(self._ids, self._seqs)):
             # (the state object itself: a finished sequence's id may be in use again)
             s.output_token_ids.append(tokens[j])
+            if s.matcher is not None and not s.matcher.done:
+                s.matcher.accept(tokens[j])
             k = self._want[j]
             top = None
             if k and top_ids is not None:
@@ -153,6 +156,10 @@ class ModelRunner:
             self.connector = cls(self.kv_cache, tp.rank, tp.size, cfg.num_kv_heads)
         model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        # structured outputs (the driver's; set by the engine that has the tokenizer): makes
+        # each constrained sequence's matcher and the batch's token bitmask
+        self.grammar = None
+        self._last_result: StepResult | None = None   # the last step that sampled
         self.seqs: dict[str, _SeqState] = {}
         self._prompt_logprobs: dict[str, list[SampledToken]] = {}
         # Forward timing (driver only): a CUDA event pair per forward, read once complete.
@@ -243,8 +250,21 @@ class ModelRunner:
                 noise = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
                 for _ in data.output_token_ids:
                     noise.exponential_(generator=gen)
+        matcher = None
+        spec = getattr(data.params, "structured_outputs", None)
+        if spec is not None and self.is_driver:
+            if self.grammar is None:
+                raise RuntimeError(f"{data.request_id}: structured outputs without a grammar "
+                                   "compiler (the engine checks this when the request is added)")
+            matcher = self.grammar.matcher(spec)
+            for t in data.output_token_ids:   # a continuation (P/D): where the producer stood
+                if not matcher.accept(t):
+                    logger.warning("%s: the grammar refused an earlier output token %d",
+                                   data.request_id, t)
+                    break
         self.seqs[data.request_id] = _SeqState(list(data.prompt_token_ids),
-                                               list(data.output_token_ids), data.params, gen)
+                                               list(data.output_token_ids), data.params, gen,
+                                               matcher=matcher)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Runs the step to the end: its new tokens (Executor.execute)."""
@@ -311,7 +331,8 @@ class ModelRunner:
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], [s.generator for s in seqs],
-            self.vocab_size, self.device, eos_token_ids=self.eos_token_ids)
+            self.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
+            token_bitmask=self._token_bitmask(seqs))
         res = self.sampler(logits, batch)
         if self.share_sampled:
             get_tp_group().broadcast(res.token_ids)
@@ -325,7 +346,23 @@ class ModelRunner:
         if cuda:
             event = torch.cuda.Event()
             event.record()
-        return StepResult(ids, seqs, want, host, event)
+        self._last_result = StepResult(ids, seqs, want, host, event)
+        return self._last_result
+
+    def _token_bitmask(self, seqs: list[_SeqState]) -> torch.Tensor | None:
+        """Structured outputs: the host bitmask of the rows about to be sampled (None when no
+        row has a grammar). Runs while this step's forward is on the device; under async
+        scheduling the step before may not have been read yet, so its tokens are read here
+        first (a wait for that step only: this one's forward stays queued behind it)."""
+        rows = [(s.matcher, j) for j, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        if self._last_result is not None:
+            self._last_result.result()     # advances the matchers by the previous tokens
+        bitmask = torch.full((len(seqs), self.grammar.bitmask_words), -1, dtype=torch.int32,
+                             pin_memory=self.device.type == "cuda")
+        self.grammar.fill_bitmask(rows, bitmask)
+        return bitmask
 
     def _pending_inputs(self, chunks, last) -> _PendingInputs | None:
         """The flat input positions of this step's pending tokens (each the last of its chunk)
