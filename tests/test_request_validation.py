@@ -1,8 +1,9 @@
 """The server's request schema against a live `pdserve serve` (embedded SmolLM2, one worker):
 values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean);
 chat roles and content parts are OpenAI's; stop_token_ids outside the vocabulary are the
-engine's 400; fields pdserve cannot honour (response_format, tools, guided decoding,
-...) are refused by name instead of ignored. Every 400 carries the OpenAI error body, and the
+engine's 400; fields pdserve cannot honour (tools, audio, beam search, ...) are refused by
+name instead of ignored, and an output constraint the grammar engine cannot compile is a 400
+with its reason. Every 400 carries the OpenAI error body, and the
 server keeps answering normal requests after each."""
 import pytest
 
@@ -132,17 +133,9 @@ def test_logit_bias_forces_a_token(server):
         want = _post(server, "/detokenize", {"tokens": [tok] * 3}).json()["prompt"]
         assert r.json()["choices"][0]["text"] == want
 
-JSON_SCHEMA = {"type": "json_schema",
-               "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
 TOOL = {"type": "function", "function": {"name": "get_weather",
                                          "parameters": {"type": "object", "properties": {}}}}
 REFUSED = [
-    ("/v1/chat/completions", _chat(response_format={"type": "json_object"}),
-     "response_format of type 'json_object' is not supported"),
-    ("/v1/chat/completions", _chat(response_format=JSON_SCHEMA),
-     "response_format of type 'json_schema' is not supported"),
-    ("/v1/completions", _cmpl(response_format={"type": "json_object"}),
-     "response_format of type 'json_object' is not supported"),
     ("/v1/chat/completions", _chat(tools=[TOOL]), "tools"),
     ("/v1/chat/completions", _chat(tools=[TOOL], tool_choice="auto"), "tools"),
     ("/v1/chat/completions", _chat(tool_choice="auto"), "tool_choice"),
@@ -153,13 +146,22 @@ REFUSED = [
     ("/v1/chat/completions", _chat(functions=[TOOL["function"]]), "functions"),
     ("/v1/chat/completions", _chat(function_call="auto"), "function_call"),
     ("/v1/chat/completions", _chat(parallel_tool_calls=True), "parallel_tool_calls"),
-    ("/v1/chat/completions", _chat(guided_json={"type": "object"}), "guided_json"),
-    ("/v1/completions", _cmpl(guided_regex="[a-z]+"), "guided_regex"),
-    ("/v1/completions", _cmpl(guided_choice=["yes", "no"]), "guided_choice"),
-    ("/v1/chat/completions", _chat(guided_grammar="root ::= 'a'"), "guided_grammar"),
-    ("/v1/chat/completions", _chat(guided_decoding_backend="xgrammar"), "guided_decoding_backend"),
-    ("/v1/chat/completions", _chat(structured_outputs={"choice": ["a", "b"]}),
-     "structured_outputs"),
+    # output constraints that cannot be honoured: the grammar engine's reason, or ours
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"not": {"type": "string"}}}}), "cannot be compiled"),
+    ("/v1/completions", _cmpl(structured_outputs={"json": {"type": "integer", "minimum": 5,
+                                                           "maximum": 1}}), "cannot be compiled"),
+    ("/v1/completions", _cmpl(guided_regex="([a-z"), "cannot be compiled"),
+    ("/v1/completions", _cmpl(structured_outputs={"grammar": "start: missing_rule"}),
+     "cannot be compiled"),
+    ("/v1/completions", _cmpl(structured_outputs={"regex": "a", "choice": ["b"]}),
+     "exactly one of"),
+    ("/v1/completions", _cmpl(structured_outputs={"json_schema": {}}), "unsupported fields"),
+    ("/v1/completions", _cmpl(structured_outputs={"choice": []}), "choice"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema"}), "json_schema"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_object"},
+                                   guided_choice=["a"]), "one output constraint"),
+    ("/v1/chat/completions", _chat(response_format={"type": "xml"}), "response_format"),
     ("/v1/completions", _cmpl(prompt_logprobs=1), "prompt_logprobs"),
     ("/v1/chat/completions", _chat(prompt_logprobs=1), "prompt_logprobs"),
     ("/v1/chat/completions", _chat(continue_final_message=True), "continue_final_message"),
@@ -273,7 +275,7 @@ def test_schema_states_the_constraints(server):
         roles |= {schemas[ref["$ref"].rsplit("/", 1)[1]]["properties"]["role"]["const"]}
     assert roles == {"system", "developer", "user", "assistant", "tool"}
     fmt = schemas[chat["response_format"]["anyOf"][0]["$ref"].rsplit("/", 1)[1]]
-    assert fmt["properties"]["type"]["const"] == "text"
+    assert set(fmt["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
 
 
 def _metric(base: str, query: str) -> float:

@@ -4,8 +4,12 @@ becomes SamplingParams.
 JSON types are taken at their word: an integer field takes a JSON integer (true is not 1 and "5"
 is not 5), a boolean field only true or false, a number field any JSON number. Chat roles and
 content parts are OpenAI's. Unknown fields are ignored, as OpenAI clients send extras (user,
-metadata, store, ...), except those that ask for something pdserve does not do (JSON output,
-tools, guided decoding, ...): they are refused by name (_REFUSED), never dropped.
+metadata, store, ...), except those that ask for something pdserve does not do (tools, audio,
+beam search, ...): they are refused by name (_REFUSED), never dropped.
+
+Structured outputs come three ways, each becoming one StructuredOutputsParams: OpenAI's
+response_format (json_object, json_schema), vLLM's structured_outputs object and vLLM's older
+guided_json / guided_regex / guided_choice / guided_grammar fields. A request gives one of them.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _json_int(v: Any) -> Any:
@@ -50,7 +54,6 @@ def _short(v: Any, limit: int = 40) -> str:
 
 # ---- refused fields ----------------------------------------------------------------------------
 _NO_TOOLS = "pdserve has no tool calling"
-_NO_GUIDED = "pdserve has no guided decoding"
 # field -> (values that ask for nothing, why any other value is refused). None asks for nothing.
 _REFUSED: dict[str, tuple[tuple, str]] = {
     "tools": (([],), f"tools are not supported ({_NO_TOOLS})"),
@@ -63,9 +66,8 @@ _REFUSED: dict[str, tuple[tuple, str]] = {
     "prompt_logprobs": ((), "prompt_logprobs is not supported; for the logprobs of a prompt use "
                             "/v1/completions with echo=true and logprobs"),
     # vLLM's extensions
-    **{name: ((), f"{name} is not supported ({_NO_GUIDED})") for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")},
+    "guided_whitespace_pattern": ((), "guided_whitespace_pattern is not supported (JSON is "
+                                      "generated without free whitespace)"),
     "use_beam_search": ((False,), "use_beam_search is not supported"),
     "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported"),
     "allowed_token_ids": ((), "allowed_token_ids is not supported"),
@@ -94,21 +96,36 @@ def _refuse(data: Any, table: dict[str, tuple[tuple, str]]) -> None:
             raise _unsupported(why)
 
 
-def _refuse_response_format(data: Any) -> None:
-    fmt = data.get("response_format") if isinstance(data, dict) else None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if isinstance(kind, str) and kind != "text":
-        raise _unsupported(f"response_format of type {_short(kind)!r} is not supported (only "
-                           "'text': pdserve has no JSON or schema-guided output)")
-
-
 # ---- requests ----------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # (the JSON field is "schema", which pydantic's BaseModel keeps for itself)
+    json_schema: Optional[Union[dict[str, Any], bool]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
 class ResponseFormat(BaseModel):
-    type: Literal["text"]  # json_object / json_schema are refused with their name
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
+
+
+# vLLM's older request fields, each one kind of StructuredOutputsParams
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 
 
 class _Sampling(BaseModel):
@@ -131,9 +148,17 @@ class _Sampling(BaseModel):
     skip_special_tokens: StrictBool = True
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    # Accepted only where they ask for nothing (_refuse_unsupported runs first); declared so
-    # that the schema shows what is accepted.
     response_format: Optional[ResponseFormat] = None
+    # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
+    # {"json_object": true} (StructuredOutputsParams checks the fields)
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None   # accepted and unused: one engine (llguidance)
+    # Accepted only where it asks for nothing (_refuse_unsupported runs first); declared so
+    # that the schema shows what is accepted.
     tool_choice: Optional[Literal["none"]] = None
     # OpenAI's: token ids as JSON object keys (strings of digits) -> a bias in [-100, 100]
     logit_bias: Optional[dict[str, Number]] = None
@@ -141,9 +166,24 @@ class _Sampling(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        _refuse_response_format(data)
         _refuse(data, _REFUSED)
         return data
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint (ValueError when it gives more than one)."""
+        found = []
+        if self.response_format is not None and self.response_format.type != "text":
+            found.append(("response_format", self.response_format.structured()))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs",
+                          StructuredOutputsParams(**_known(self.structured_outputs))))
+        for name, kind in _GUIDED.items():
+            v = getattr(self, name)
+            if v is not None:
+                found.append((name, StructuredOutputsParams(**{kind: v})))
+        if len(found) > 1:
+            raise ValueError("give one output constraint, not " + " and ".join(n for n, _ in found))
+        return found[0][1] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """ValueError (-> HTTP 400) for any bad value, from SamplingParams' own checks."""
@@ -157,7 +197,19 @@ class _Sampling(BaseModel):
                 kw[name] = v
         if self.logit_bias:
             kw["logit_bias"] = _token_id_keys(self.logit_bias)
+        kw["structured_outputs"] = self.structured()
         return SamplingParams(**kw)
+
+
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _known(fields: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(fields) - set(_STRUCTURED_FIELDS))
+    if unknown:
+        raise ValueError(f"structured_outputs has unsupported fields {unknown} (supported: "
+                         f"{', '.join(_STRUCTURED_FIELDS)})")
+    return fields
 
 
 def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
