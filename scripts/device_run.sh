@@ -152,7 +152,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              name=${pol/:/-tpot}; extra=""
              case $pol in adaptive:*) extra="--routing-policy adaptive --cost-model $OUT/profile-h200.json --slo-tpot-ms ${pol#*:}";;
                           *) extra="--routing-policy $pol";; esac
-             python3 -m pdserve serve $common --skip-tokenizer-init --port 8000 --prefill 1 --decode 1 --num-gpus 1 $extra \
+             python3 -m pdserve serve $common --skip-tokenizer-init --port 8000 --prefill 1 --decode 1 --num-gpus 1 ${ADAPTIVE_SERVER_ARGS:---no-enable-prefix-caching} $extra \
                > "$OUT/serve-adaptive-$name.log" 2>&1 &
              pid=$!
              wait_up $pid || { tail -5 "$OUT/serve-adaptive-$name.log"; continue; }
