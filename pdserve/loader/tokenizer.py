@@ -419,12 +419,12 @@ def _hf_chat_templates(folder: Path, config: Mapping[str, Any]) -> tuple[str | N
     return default, named
 
 
-def _decoder_kinds(decoder: Any) -> set[str]:
-    """The types of a tokenizer.json decoder and of the decoders in its Sequence."""
-    if not isinstance(decoder, dict):
+def _decoder_kinds(section: Any) -> set[str]:
+    """The types of a tokenizer.json decoder (or pre-tokenizer) and of those in its Sequence."""
+    if not isinstance(section, dict):
         return set()
-    kinds = {str(decoder.get("type"))}
-    for d in decoder.get("decoders") or []:
+    kinds = {str(section.get("type"))}
+    for d in (section.get("decoders") or []) + (section.get("pretokenizers") or []):
         kinds |= _decoder_kinds(d)
     return kinds
 
@@ -434,7 +434,9 @@ def _backend_token_bytes(backend: _HFTokenizer, vocab_size: int) -> list[bytes]:
     (GPT-2's alphabet); SentencePiece-style vocabularies write a space as "▁" and bytes as
     <0xNN>; added tokens are their own text."""
     spec = json.loads(backend.to_str())
-    kinds = _decoder_kinds(spec.get("decoder"))
+    # (a ByteLevel pre-tokenizer spells bytes so too, where the file has no decoder section)
+    kinds = _decoder_kinds(spec.get("decoder")) | (
+        {"ByteLevel"} & _decoder_kinds(spec.get("pre_tokenizer")))
     added = {int(t["id"]): t["content"] for t in spec.get("added_tokens") or []}
     out: list[bytes] = []
     for i in range(vocab_size):

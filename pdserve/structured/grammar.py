@@ -49,10 +49,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if kind == "choice":
         return M.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-    text = spec.grammar
-    if "::=" in text:   # GBNF (llama.cpp's EBNF): its rules are written name ::= ...
-        text = llguidance.gbnf_to_lark(text)
-    return M.grammar_from_lark(text)
+    from llguidance.gbnf_to_lark import any_to_lark   # Lark as it is; GBNF (::= rules) converted
+    return M.grammar_from_lark(any_to_lark(spec.grammar))
 
 
 class Matcher:
@@ -122,7 +120,7 @@ class GrammarCompiler:
         import llguidance
         try:
             text = grammar_text(spec)
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - the converters raise their own kinds
             raise ValueError(f"structured_outputs ({spec.kind}) cannot be compiled: "
                              f"{_one_line(e)}") from None
         m = llguidance.LLMatcher(self._ll(), text, log_level=0)
