@@ -57,6 +57,12 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--chat-template", default=None,
                    help="the chat template to use instead of the tokenizer's: a file, or the "
                         "Jinja template itself")
+    g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="default sampling values (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty; max_new_tokens as max_tokens) for requests that "
+                        "leave them out: auto: the model folder's generation_config.json; vllm: "
+                        "pdserve's own; FOLDER: that folder's generation_config.json (default "
+                        "%(default)s)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes")
     g.add_argument("--disable-custom-all-reduce", action="store_true",

@@ -175,8 +175,14 @@ def test_startup_summary_names_each_worker():
     # 1024 x 16 = 16384 tokens x 28672 B = 0.4375 GiB
     assert lines == [
         "pdserve: model 'm', 1 worker, max_model_len 8192",
+        "pdserve: default sampling values: pdserve's own (no generation config)",
         "  collocated-0: collocated on cpu (TP 1), float32, KV pool 1024 blocks x 16 = 16384 "
         "tokens (0.44 GiB per rank), prefix caching on, no CUDA graphs"]
+    lines = startup_summary(SimpleNamespace(workers={}, max_model_len=8192), "m",
+                            {"temperature": 0.6, "max_tokens": 5}, "/m/generation_config.json")
+    assert lines[1] == ("pdserve: default sampling values from /m/generation_config.json: "
+                        "temperature=0.6, max_tokens=5 (a request's own values override them; "
+                        "--generation-config vllm ignores the file)")
 
 
 # ---- metrics as vLLM names them -----------------------------------------------------------

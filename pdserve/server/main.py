@@ -108,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from ..deploy import build
+    from ..loader.generation_config import generation_defaults
     try:
         options = serve_options(a)
         config, deployment = engine_config(a), deployment_args(a)
+        defaults, source = generation_defaults(config.generation_config, config.model)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -125,13 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         client = await asyncio.to_thread(build, config, deployment)
         loop = asyncio.get_running_loop()
         engine = AsyncEngine(client, loop)
-        app = build_app(engine, name, options)
+        app = build_app(engine, name, options, defaults)
         srv = app.state.server
         server = _uvicorn_server(
             uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                            timeout_graceful_shutdown=options.shutdown_timeout_s + 5),
             lambda: loop.call_soon_threadsafe(srv.begin_shutdown))
-        for line in startup_summary(client, name):
+        for line in startup_summary(client, name, defaults, source):
             print(line, file=sys.stderr)
         print(f"pdserve: serving {name!r} on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
         await server.serve()
