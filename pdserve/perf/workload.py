@@ -31,7 +31,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -230,11 +230,13 @@ def sharegpt_valid(prompt_len: int, output_len: int, check_min_output: bool = Tr
 
 
 def load_sharegpt(path: str | os.PathLike, num: int, seed: int = 0,
-                  output_len: int | None = None, oversample: bool = True) -> list[SampleRequest]:
+                  output_len: int | None = None, oversample: bool = True,
+                  count: Callable[[str], int] = approx_tokens) -> list[SampleRequest]:
     """`num` requests from a ShareGPT-format file: the entries shuffled with the seed, each
-    (prompt, reply) measured with approx_tokens, filtered with sharegpt_valid (output length =
-    the reply's, or `output_len` when given), the first `num` kept. Fewer valid entries than
-    `num`: some are repeated (chosen with the seed) unless oversample is False."""
+    (prompt, reply) measured with `count` (approx_tokens, or a tokenizer's count), filtered
+    with sharegpt_valid (output length = the reply's, or `output_len` when given), the first
+    `num` kept. Fewer valid entries than `num`: some are repeated (chosen with the seed) unless
+    oversample is False."""
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, list):
@@ -244,8 +246,8 @@ def load_sharegpt(path: str | os.PathLike, num: int, seed: int = 0,
     out: list[SampleRequest] = []
     for i in rng.permutation(len(pairs)):
         prompt, reply = pairs[i]
-        p_len = approx_tokens(prompt)
-        o_len = approx_tokens(reply) if output_len is None else output_len
+        p_len = count(prompt)
+        o_len = count(reply) if output_len is None else output_len
         if not sharegpt_valid(p_len, o_len, check_min_output=output_len is None):
             continue
         out.append(SampleRequest(prompt, p_len, o_len))
