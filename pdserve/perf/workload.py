@@ -168,17 +168,21 @@ def add_multi_turn_args(group) -> None:
     """The multi-turn dataset's flags (bench serve's and simulate's): multi_turn_conversations'
     arguments."""
     group.add_argument("--multi-turn-conversations", type=int, default=64,
-                       help="multi-turn: conversations (their starts follow --request-rate)")
-    group.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns each")
+                       help="multi-turn: conversations (their starts follow --request-rate) "
+                            "(default %(default)s)")
+    group.add_argument("--multi-turn-turns", type=int, default=6,
+                       help="multi-turn: turns each (default %(default)s)")
     group.add_argument("--multi-turn-user-len", type=int, default=128,
-                       help="multi-turn: tokens (words) of each new user message")
+                       help="multi-turn: tokens (words) of each new user message (default "
+                            "%(default)s)")
     group.add_argument("--multi-turn-output-len", type=int, default=128,
-                       help="multi-turn: answer tokens asked for per turn")
+                       help="multi-turn: answer tokens asked for per turn (default %(default)s)")
     group.add_argument("--multi-turn-range-ratio", type=float, default=0.0,
-                       help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)]")
+                       help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)] "
+                            "(default %(default)s)")
     group.add_argument("--multi-turn-system-len", type=int, default=0,
                        help="multi-turn: tokens (words) of a system prompt shared by all "
-                            "conversations")
+                            "conversations (default %(default)s)")
 
 
 def multi_turn_conversations(num: int, turns: int, user_len: int, output_len: int,
