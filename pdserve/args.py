@@ -79,7 +79,8 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
                    help="default sampling values (temperature, top_p, top_k, min_p, "
                         "repetition_penalty; max_new_tokens as max_tokens) for requests that "
-                        "leave them out: auto: the model folder's generation_config.json; vllm: "
+                        "leave them out (serve's requests; LLM and AsyncLLM called without "
+                        "SamplingParams; generate/chat take their own flags): auto: the model folder's generation_config.json; vllm: "
                         "pdserve's own; FOLDER: that folder's generation_config.json (default "
                         "%(default)s)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

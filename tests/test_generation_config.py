@@ -89,7 +89,7 @@ def test_llm_without_sampling_params_uses_the_file(model_dir, tmp_path):
     llm = LLM(model_dir, load_format="dummy", max_model_len=128)
     assert llm.get_default_sampling_params() == SamplingParams(**WANT)
     out = llm.generate(["Hello"], use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 5 or out.finish_reason == "stop"
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"   # max_new_tokens
     assert LLM(model_dir, load_format="dummy", max_model_len=128,
                generation_config="vllm").get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="no generation_config.json"):
@@ -130,3 +130,20 @@ def test_serve_refuses_a_bad_folder(tmp_path, capsys):
     from pdserve.server.main import main
     assert main(["--generation-config", str(tmp_path / "nope")]) == 2
     assert "generation_config" in capsys.readouterr().err
+
+
+def test_async_llm_without_sampling_params_uses_the_file(model_dir):
+    import asyncio
+
+    from pdserve import AsyncLLM
+
+    async def go():
+        llm = AsyncLLM(model_dir, load_format="dummy", max_model_len=128)
+        try:
+            assert llm.get_default_sampling_params() == SamplingParams(**WANT)
+            outs = [o async for o in llm.generate("Hello")]
+            return outs[-1].outputs[0]
+        finally:
+            await llm.shutdown()
+    out = asyncio.run(go())
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"   # max_new_tokens
