@@ -24,21 +24,40 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     --seed that seeds its workload and the engine alike)."""
     g = _Group(p.add_argument_group("engine"), exclude)
     g.add_argument("--model", default=None,
-                   help="HF folder, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--load-format", default="auto", choices=list(_config.LOAD_FORMATS))
-    g.add_argument("--dtype", default="auto", choices=["auto", *_config.DTYPES])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
+                   help="HF folder, .gguf file or preset (default: embedded "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--load-format", default="auto", choices=list(_config.LOAD_FORMATS),
+                   help="auto: weights from the model's files; dummy: seeded random weights "
+                        "(speed without weights) (default %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *_config.DTYPES],
+                   help="weights' and activations' dtype (default %(default)s: float32 on CPU, "
+                        "bfloat16 on CUDA)")
+    g.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N] (default %(default)s)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="the engine's seed: dummy weights, and sampling of requests without a "
+                        "seed (default %(default)s)")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block (default %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences running at once, at most (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step, at most (the chunked-prefill budget) (default "
+                        "%(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length, "
+                        "capped by the KV pool)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="the KV pool in blocks (default: what --kv-cache-memory-gb holds)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="the KV pool's budget in GiB (default: 1 on CPU; on CUDA, what "
+                        "--gpu-memory-utilization leaves after the weights)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory each worker may use (weights, KV pool, "
-                        "activations); workers sharing a GPU each take their own fraction")
-    g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS))
+                        "activations); workers sharing a GPU each take their own fraction "
+                        "(default %(default)s)")
+    g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS),
+                   help="auto: triton on CUDA, torch on CPU (default %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=None,
                    help="largest step with prefill tokens replayed as a CUDA graph (default: "
@@ -57,13 +76,22 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--chat-template", default=None,
                    help="the chat template to use instead of the tokenizer's: a file, or the "
                         "Jinja template itself")
+    g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="default sampling values (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty; max_new_tokens as max_tokens) for requests that "
+                        "leave them out (serve's requests; LLM and AsyncLLM called without "
+                        "SamplingParams; generate/chat take their own flags): auto: the model folder's generation_config.json; vllm: "
+                        "pdserve's own; FOLDER: that folder's generation_config.json (default "
+                        "%(default)s)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes")
+                   help="ranks per worker (NCCL on CUDA, gloo on CPU); > 1 runs worker processes "
+                        "(default %(default)s)")
     g.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="CUDA TP: NCCL for every all-reduce (no one-shot P2P all-reduce)")
     g.add_argument("--distributed-executor-backend", default="auto",
                    choices=list(_config.EXECUTOR_BACKENDS),
-                   help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > 1)")
+                   help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > "
+                        "1) (default %(default)s)")
 
 
 class _Group:
@@ -81,9 +109,10 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     from .disagg.connectors import connector_names
     from .routing.policies import POLICIES
     g = p.add_argument_group("P/D disaggregation (several workers behind a router)")
-    g.add_argument("--prefill", type=int, default=0, help="prefill workers")
-    g.add_argument("--decode", type=int, default=0, help="decode workers")
-    g.add_argument("--collocated", type=int, default=0, help="collocated workers")
+    g.add_argument("--prefill", type=int, default=0, help="prefill workers (default %(default)s)")
+    g.add_argument("--decode", type=int, default=0, help="decode workers (default %(default)s)")
+    g.add_argument("--collocated", type=int, default=0,
+                   help="collocated workers (default %(default)s)")
     g.add_argument("--prefill-tp", type=int, default=None, help="TP of each prefill worker (default -tp)")
     g.add_argument("--decode-tp", type=int, default=None, help="TP of each decode worker (default -tp)")
     g.add_argument("--collocated-tp", type=int, default=None,
@@ -101,22 +130,28 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                         "~/.cache/pdserve/profiles), else one measured at start-up (--quick) "
                         "and stored there")
     g.add_argument("--slo-ttft-ms", type=float, default=500.0,
-                   help="adaptive: the time-to-first-token SLO a path must meet (ms)")
+                   help="adaptive: the time-to-first-token SLO a path must meet (ms) (default "
+                        "%(default)s)")
     g.add_argument("--slo-tpot-ms", type=float, default=50.0,
-                   help="adaptive: the time-per-output-token SLO a path must meet (ms)")
+                   help="adaptive: the time-per-output-token SLO a path must meet (ms) (default "
+                        "%(default)s)")
     g.add_argument("--kv-connector", default="shared",
                    help="how KV moves between prefill and decode workers: a registered connector ("
                         + ", ".join(connector_names()) + "; pdserve/disagg/connectors/base.py "
-                        "says what each does) or a package.module:Class plugin path")
+                        "says what each does) or a package.module:Class plugin path (default "
+                        "%(default)s)")
     g.add_argument("--kv-transfer-mode", default="async", choices=list(_config.KV_TRANSFER_MODES),
-                   help="sync: a decode worker pulls inside its step; async: beside its steps")
+                   help="sync: a decode worker pulls inside its step; async: beside its steps "
+                        "(default %(default)s)")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                   help="seconds before a pull is given up and the prompt recomputed")
+                   help="seconds before a pull is given up and the prompt recomputed (default "
+                        "%(default)s)")
     g.add_argument("--worker-restarts", type=int, default=3,
                    help="restarts in a row of a worker that dies (0: none); serve restarts a "
-                        "single worker too")
+                        "single worker too (default %(default)s)")
     g.add_argument("--restart-backoff", type=float, default=1.0,
-                   help="seconds before the first restart of a dead worker (doubling per attempt)")
+                   help="seconds before the first restart of a dead worker (doubling per attempt) "
+                        "(default %(default)s)")
 
 
 def engine_config(ns: argparse.Namespace) -> "_config.EngineConfig":

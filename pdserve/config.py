@@ -52,6 +52,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     tokenizer: str | None = None        # another tokenizer: HF folder, .gguf or cached repo id
     chat_template: str | None = None    # the chat template: a file, or the Jinja text itself
+    # default sampling values (vLLM's --generation-config): "auto" from the model folder's
+    # generation_config.json, "vllm" pdserve's own, else a folder holding that file
+    # (loader/generation_config.py reads it; requests' own values override)
+    generation_config: str = "auto"
     attention_backend: str = "auto"     # "auto": triton on CUDA, torch on CPU
     enforce_eager: bool = False         # CUDA: no CUDA graphs
     # Async scheduling: step() schedules and launches step N+1 before it reads step N's sampled
@@ -102,6 +106,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (str, os.PathLike)) or not os.fspath(v)):
                 raise ValueError(f"{name} must be None or a non-empty string, got {v!r}")
+        if not isinstance(self.generation_config, (str, os.PathLike)) or not os.fspath(
+                self.generation_config):
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder, got "
+                             f"{self.generation_config!r}")
         # torch.Generator.manual_seed takes [-2**63, 2**64)
         if not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")

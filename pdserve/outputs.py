@@ -41,7 +41,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (s)
+    # The engine's times of this request (s, one clock: time.monotonic in a served engine):
+    # arrival, scheduled (first handed to the runner), first_token, finished.
+    metrics: dict[str, float] = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it has
     # no prefix); each the token's logprob given the tokens before it, plus the top-k.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -457,6 +457,56 @@ def test_cli_help():
         assert opt in r.stdout
 
 
+# ---- --tokenizer (vLLM's flag) -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok_folder(tmp_path_factory):
+    """A folder with the embedded SmolLM2's tokenizer (tokenizer.json), and that tokenizer
+    read by the `tokenizers` library itself: the independent count."""
+    import os
+
+    import tokenizers
+
+    from .utils import save_tiny_model_with_tokenizer
+    path = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("bench_tok") / "m")
+    raw = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    return path, lambda text: len(raw.encode(text, add_special_tokens=False).ids)
+
+
+def test_tokenizer_counts_prompts_and_outputs_without_usage(server, tok_folder, tmp_path):
+    """With --tokenizer: a text prompt's length is its token count; a stream without usage
+    counts its answer's tokens (the synthetic answer " a0x0 a0x1 ..." is more tokens than
+    chunks); ShareGPT's lengths are token counts; token ids come from its vocabulary."""
+    from pdserve.loader.tokenizer import tokenizer_from_spec
+    path, count = tok_folder
+    tok = tokenizer_from_spec(path)
+    ns = bs.build_parser().parse_args(["--num-prompts", "3", "--random-input-len", "12",
+                                       "--no-token-ids", "--vocab-size", "32000"])
+    reqs = bs.build_requests(ns, False, tok)
+    assert [r.prompt_len for r in reqs] == [count(r.prompt) for r in reqs]
+    assert [r.prompt_len for r in bs.build_requests(ns, False)] == [12, 12, 12]  # approximate
+    sg = tmp_path / "sg.json"
+    ds.main(["make-sharegpt", str(sg), "--num", "20", "--seed", "0"])
+    ns = bs.build_parser().parse_args(["--dataset-name", "sharegpt", "--dataset-path", str(sg),
+                                       "--num-prompts", "3"])
+    for r in bs.build_requests(ns, True, tok):
+        assert r.prompt_len == count(r.prompt)
+    results, _ = _run(bs.Target(server, count_tokens=count), _reqs(["nousage"], 5))
+    (r,) = results
+    assert r.success and r.generated_text.strip()
+    assert r.output_len == count(r.generated_text) != 5
+    _clear_received(server)
+    assert bs.main(["--base-url", server, "--tokenizer", path, "--num-prompts", "4",
+                    "--random-input-len", "16", "--random-output-len", "2", "--skip-preflight",
+                    "--disable-tqdm", "--result-file", str(tmp_path / "t.json")]) == 0
+    ids = [t for b in _received(server) for t in b["prompt"]]
+    assert max(ids) >= 32000 and max(ids) < tok.vocab_size   # its vocabulary, not 32000's
+
+
+def test_bad_tokenizer_is_a_clear_error(tmp_path, capsys):
+    assert bs.main(["--tokenizer", str(tmp_path / "none"), "--skip-preflight"]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
 # ---- multi-turn conversations ------------------------------------------------------------------
 def _answered(base: str) -> list[dict]:
     return httpx.get(base + "/answered", timeout=5).json()

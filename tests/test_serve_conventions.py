@@ -175,8 +175,14 @@ def test_startup_summary_names_each_worker():
     # 1024 x 16 = 16384 tokens x 28672 B = 0.4375 GiB
     assert lines == [
         "pdserve: model 'm', 1 worker, max_model_len 8192",
+        "pdserve: default sampling values: pdserve's own (no generation config)",
         "  collocated-0: collocated on cpu (TP 1), float32, KV pool 1024 blocks x 16 = 16384 "
         "tokens (0.44 GiB per rank), prefix caching on, no CUDA graphs"]
+    lines = startup_summary(SimpleNamespace(workers={}, max_model_len=8192), "m",
+                            {"temperature": 0.6, "max_tokens": 5}, "/m/generation_config.json")
+    assert lines[1] == ("pdserve: default sampling values from /m/generation_config.json: "
+                        "temperature=0.6, max_tokens=5 (a request's own values override them; "
+                        "--generation-config vllm ignores the file)")
 
 
 # ---- metrics as vLLM names them -----------------------------------------------------------
@@ -205,3 +211,61 @@ def test_metrics_carry_model_name_and_totals_are_counters():
     samples = [ln for ln in text.splitlines() if ln.startswith("pdserve:")]
     assert samples and all('model_name="my-model"' in ln for ln in samples)
     assert m.sample("pdserve:prefix_cache_hits_total") == 70
+
+
+class _Echo:
+    """A stand-in executor: samples, for every sequence, its position (never EOS here)."""
+
+    def execute(self, sched):
+        from pdserve.engine.executor import SampledToken
+        return {c.request_id: SampledToken(c.start_pos + len(c.token_ids), None, None)
+                for c in sched.chunks if c.sample}
+
+    def take_prompt_logprobs(self):
+        return {}
+
+    def poll_loads(self):
+        return []
+
+    def take_gpu_times(self):
+        return {}
+
+
+def test_request_phases_from_the_engines_times():
+    """The engine core on a fake clock that reads 10 s per step: one sequence at a time
+    (max_num_seqs 1), 6-token prompts (no prefix shared) in chunks of 4, 3 tokens each. "a"
+    and "b" arrive at 0.
+    a: scheduled at step 1 (t=10, first chunk), first token at step 2 (20), tokens at 30, 40:
+    queue 10, prefill 10, decode 20, inference 30. b waits for a's seat: scheduled at step 5
+    (50), first token at 60, last at 80: queue 50, prefill 10, decode 20, inference 30. The
+    histograms hold these sums (by hand: queue 60, prefill 20, decode 40, inference 60)."""
+    from pdserve.engine.core import EngineCore
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.server.metrics import Metrics, RequestPhases, RequestTimer, request_phases
+    from .utils import metric_value
+    now = [0.0]
+    core = EngineCore(EngineConfig(block_size=4, max_num_batched_tokens=4, max_num_seqs=1,
+                                   async_scheduling=False),
+                      _Echo(), num_kv_blocks=16, max_model_len=32, vocab_size=100,
+                      eos_token_ids=(0,), clock=lambda: now[0])
+    m = Metrics("m")
+    timers = {}
+    for rid, prompt in (("a", [1, 2, 3, 4, 5, 6]), ("b", [11, 12, 13, 14, 15, 16])):
+        core.add_request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        timers[rid] = RequestTimer(m)
+    done = {}
+    while core.has_unfinished_requests():
+        now[0] += 10.0
+        for out in core.step():
+            timers[out.request_id].on_output(out)
+            if out.finished:
+                done[out.request_id] = out
+    assert request_phases(done["a"].metrics) == RequestPhases(10.0, 10.0, 20.0, 30.0)
+    assert request_phases(done["b"].metrics) == RequestPhases(50.0, 10.0, 20.0, 30.0)
+    text = m.render().decode()
+    for name, total in (("queue", 60.0), ("prefill", 20.0), ("decode", 40.0),
+                        ("inference", 60.0)):
+        assert metric_value(text, f"pdserve:request_{name}_time_seconds_count") == 2
+        assert metric_value(text, f"pdserve:request_{name}_time_seconds_sum") == total
+    # a request that ended before it was scheduled (no "scheduled") observes no phases
+    assert request_phases({"arrival": 1.0, "first_token": 2.0, "finished": 3.0}) is None

@@ -193,6 +193,39 @@ def test_metrics_move(server, client):
         assert _metric(server, "pdserve:requests_after_worker_death_total") == 0
 
 
+
+_PHASES = ("queue", "prefill", "decode", "inference")
+
+
+def test_request_phase_histograms(server, client):
+    """vLLM's request_{queue,prefill,decode,inference}_time_seconds: one observation per
+    finished request, and (the engine's clock against the HTTP front's) each phase, and queue +
+    prefill + decode, within that request's e2e latency; inference = prefill + decode."""
+    def snap():
+        text = httpx.get(server + "/metrics").text
+        from .utils import metric_value
+        return {q: metric_value(text, q) for q in
+                [f"pdserve:request_{p}_time_seconds_{k}" for p in _PHASES for k in ("sum", "count")]
+                + ["pdserve:e2e_request_latency_seconds_sum",
+                   "pdserve:e2e_request_latency_seconds_count"]}
+    before = snap()
+    n = 3
+    for i in range(n):
+        client.completions.create(model=MODEL, prompt=f"Count to {i + 3}:", max_tokens=6,
+                                  temperature=0)
+    d = {k: v - before[k] for k, v in snap().items()}
+    assert d["pdserve:e2e_request_latency_seconds_count"] == n
+    e2e = d["pdserve:e2e_request_latency_seconds_sum"]
+    tol = 0.05 * n   # the engine's times are taken a little after the front's arrival
+    for p in _PHASES:
+        assert d[f"pdserve:request_{p}_time_seconds_count"] == n
+        assert 0 <= d[f"pdserve:request_{p}_time_seconds_sum"] <= e2e + tol
+    q, pf, dc, inf = (d[f"pdserve:request_{p}_time_seconds_sum"] for p in _PHASES)
+    assert q + pf + dc <= e2e + tol
+    assert inf == pytest.approx(pf + dc, abs=1e-6)
+    assert pf > 0 and dc > 0   # a forward ran between scheduling and the first token
+
+
 BAD = [
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "not served"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),

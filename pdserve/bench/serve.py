@@ -45,7 +45,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 import aiohttp
@@ -74,6 +74,9 @@ class Target:
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = 3600.0
+    # --tokenizer's count of a text's tokens: the output of a stream without usage (else its
+    # number of content chunks)
+    count_tokens: Callable[[str], int] | None = None
 
     @property
     def url(self) -> str:
@@ -204,7 +207,13 @@ async def send_request(session: aiohttp.ClientSession, target: Target, req: Samp
     res.itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
     res.latency = arrivals[-1] - st
     n_out = usage.get("completion_tokens") if usage else None
-    res.output_len = int(n_out) if isinstance(n_out, int) else len(arrivals)
+    res.generated_text = "".join(pieces)
+    if isinstance(n_out, int):
+        res.output_len = n_out
+    elif target.count_tokens is not None:
+        res.output_len = target.count_tokens(res.generated_text)
+    else:
+        res.output_len = len(arrivals)
     n_in = usage.get("prompt_tokens") if usage else None
     if isinstance(n_in, int) and n_in > 0:
         res.prompt_len = n_in
@@ -212,7 +221,6 @@ async def send_request(session: aiohttp.ClientSession, target: Target, req: Samp
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if isinstance(cached, int) and cached >= 0:
         res.cached_tokens = cached
-    res.generated_text = "".join(pieces)
     return res
 
 
@@ -393,33 +401,46 @@ def build_parser() -> argparse.ArgumentParser:
                     "throughput and goodput at one or more request rates.")
     g = p.add_argument_group("target")
     g.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (else --host/--port)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="the server's host when there is no --base-url (default %(default)s)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="the server's port when there is no --base-url (default %(default)s)")
     g.add_argument("--endpoint", default=None,
                    help="/v1/completions or /v1/chat/completions (default: --backend's)")
     g.add_argument("--backend", default="openai", choices=sorted(BACKEND_ENDPOINTS),
                    help="vLLM's names for the API: openai and vllm send /v1/completions, "
-                        "openai-chat /v1/chat/completions")
+                        "openai-chat /v1/chat/completions (default %(default)s)")
     g.add_argument("--model", default=None, help="model name to send (omitted when not given)")
+    g.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="counts prompt tokens (text datasets; ShareGPT's filters), output tokens "
+                        "of a stream without usage, and sets --vocab-size: an HF folder, a .gguf "
+                        "file or a repo id in the local Hugging Face cache (vLLM's flag; default: "
+                        "none, lengths in approximate tokens)")
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=float, default=3600.0,
-                   help="seconds per request (0: none)")
+                   help="seconds per request (0: none) (default %(default)s)")
     g.add_argument("--skip-preflight", action="store_true",
                    help="no test request before the run")
     g.add_argument("--ready-check-timeout", type=float, default=0.0,
-                   help="keep retrying the test request's connection this many seconds")
+                   help="keep retrying the test request's connection this many seconds (default "
+                        "%(default)s)")
     g = p.add_argument_group("load")
     g.add_argument("--num-prompts", type=int, default=1000,
-                   help="requests (multi-turn: ignored, conversations x turns)")
+                   help="requests (multi-turn: ignored, conversations x turns) (default "
+                        "%(default)s)")
     g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
-                   help="requests per second, one or more (a sweep); inf = all at once")
+                   help="requests per second, one or more (a sweep); inf = all at once (default "
+                        "inf)")
     g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the inter-arrival times (1 = Poisson, < 1 burstier)")
+                   help="gamma shape of the inter-arrival times (1 = Poisson, < 1 burstier) "
+                        "(default %(default)s)")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the dataset and the send times (default %(default)s)")
     g = p.add_argument_group("requests")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sent with every request (default %(default)s: greedy)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
                    help="send ignore_eos so every request produces max_tokens tokens (off by "
                         "default, as in vLLM's benchmark: a request may end at EOS)")
@@ -427,37 +448,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "mixed"])
+                   choices=["random", "sharegpt", "prefix-repetition", "multi-turn", "mixed"],
+                   help="where the requests come from (pdserve/perf/workload.py) (default "
+                        "%(default)s)")
     g.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
     g.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=None,
                    help="random/prefix-repetition: send token-id prompts (default: yes for "
                         "completions, no for chat); --no-token-ids sends one word per token")
-    g.add_argument("--vocab-size", type=int, default=32000)
-    g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="random token ids are drawn from [0, N) (default: --tokenizer's "
+                        "vocabulary, else 32000)")
+    g.add_argument("--random-input-len", type=int, default=1024,
+                   help="random: prompt tokens (default %(default)s)")
+    g.add_argument("--random-output-len", type=int, default=128,
+                   help="random: output tokens asked for (max_tokens) (default %(default)s)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)]")
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (default %(default)s)")
     g.add_argument("--random-prefix-len", type=int, default=0,
-                   help="tokens of a prefix shared by every random prompt")
+                   help="tokens of a prefix shared by every random prompt (default %(default)s)")
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="output tokens of every ShareGPT request (default: the reference reply's)")
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="prefix-repetition: distinct shared prefixes (default %(default)s)")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix-repetition: tokens of each prefix (default %(default)s)")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix-repetition: tokens of each request's own suffix (default "
+                        "%(default)s)")
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                   help="prefix-repetition: output tokens asked for (default %(default)s)")
     g.add_argument("--mixed-long-share", type=float, default=0.2,
-                   help="mixed: the share of long-document requests among short chat turns")
-    g.add_argument("--mixed-short-input-len", type=int, default=256)
-    g.add_argument("--mixed-short-output-len", type=int, default=128)
-    g.add_argument("--mixed-long-input-len", type=int, default=4096)
+                   help="mixed: the share of long-document requests among short chat turns "
+                        "(default %(default)s)")
+    g.add_argument("--mixed-short-input-len", type=int, default=256,
+                   help="mixed: prompt tokens of a short chat turn (default %(default)s)")
+    g.add_argument("--mixed-short-output-len", type=int, default=128,
+                   help="mixed: output tokens of a short chat turn (default %(default)s)")
+    g.add_argument("--mixed-long-input-len", type=int, default=4096,
+                   help="mixed: prompt tokens of a long document (default %(default)s)")
     g.add_argument("--mixed-long-output-len", type=int, default=128,
-                   help="mixed: lengths vary by --random-range-ratio")
+                   help="mixed: lengths vary by --random-range-ratio (default %(default)s)")
     add_multi_turn_args(g)
     g = p.add_argument_group("output")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
+                   help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS "
+                        "e2el:MS")
     g.add_argument("--metric-percentiles", default="50,90,99",
-                   help="comma-separated percentiles to report")
+                   help="comma-separated percentiles to report (default %(default)s)")
     g.add_argument("--percentile-metrics", default=",".join(PERCENTILE_METRICS),
                    help="comma-separated metrics whose percentiles are reported, of "
                         f"{', '.join(PERCENTILE_METRICS)} (vLLM's flag; its default leaves "
@@ -471,11 +508,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--result-filename", default=None, help="the result's file name (vLLM's flag)")
     g.add_argument("--plot", default=None, metavar="PATH.png",
                    help="latency CDFs and, for a sweep, throughput/latency vs rate (matplotlib)")
-    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--disable-tqdm", action="store_true",
+                   help="no progress bar")
     return p
 
 
-def build_requests(a: argparse.Namespace, chat: bool) -> list[SampleRequest]:
+def build_requests(a: argparse.Namespace, chat: bool, tokenizer=None) -> list[SampleRequest]:
+    """The dataset's requests; with a tokenizer, a text prompt's length is its token count
+    (as the server counts a completion prompt; else approximate)."""
+    requests = _dataset_requests(a, chat, tokenizer)
+    if tokenizer is not None:
+        for r in requests:
+            if isinstance(r.prompt, str):
+                r.prompt_len = len(tokenizer.encode(r.prompt))
+    return requests
+
+
+def _dataset_requests(a: argparse.Namespace, chat: bool, tokenizer) -> list[SampleRequest]:
     token_ids = (not chat) if a.token_ids is None else a.token_ids
     if chat and token_ids:
         raise ValueError("the chat endpoint takes text; drop --token-ids")
@@ -496,7 +545,10 @@ def build_requests(a: argparse.Namespace, chat: bool) -> list[SampleRequest]:
     if not a.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path (make one with "
                          "python -m pdserve.bench.datasets make-sharegpt OUT.json)")
-    return load_sharegpt(a.dataset_path, a.num_prompts, a.seed, a.sharegpt_output_len)
+    count = approx_tokens if tokenizer is None else (
+        lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    return load_sharegpt(a.dataset_path, a.num_prompts, a.seed, a.sharegpt_output_len,
+                         count=count)
 
 
 def build_conversations(a: argparse.Namespace) -> list[Conversation]:
@@ -551,11 +603,24 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--result-file or --result-dir/--result-filename, not both")
     if a.endpoint is None:
         a.endpoint = BACKEND_ENDPOINTS[a.backend]
+    tokenizer = count_tokens = None
+    if a.tokenizer is not None:
+        from ..loader.tokenizer import tokenizer_from_spec
+        try:
+            tokenizer = tokenizer_from_spec(a.tokenizer)
+        except (ValueError, OSError) as e:
+            print(f"error: --tokenizer: {e}", file=sys.stderr)
+            return 2
+
+        def count_tokens(text: str) -> int:   # (an answer's tokens: no BOS, as vLLM counts)
+            return len(tokenizer.encode(text, add_special_tokens=False))
+    if a.vocab_size is None:
+        a.vocab_size = tokenizer.vocab_size if tokenizer is not None else 32000
     base_url = a.base_url or f"http://{a.host}:{a.port}"
     if not urlparse(base_url).scheme:
         base_url = "http://" + base_url
     target = Target(base_url, a.endpoint, a.model, a.api_key or os.environ.get("OPENAI_API_KEY"),
-                    a.temperature, a.ignore_eos, extra, a.request_timeout or None)
+                    a.temperature, a.ignore_eos, extra, a.request_timeout or None, count_tokens)
     multi = a.dataset_name == "multi-turn"
     convs: list[Conversation] = []
     try:
@@ -563,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             convs = build_conversations(a)
             requests = [first_turn(convs[0], target.chat)]  # for the preflight
         else:
-            requests = build_requests(a, target.chat)
+            requests = build_requests(a, target.chat, tokenizer)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

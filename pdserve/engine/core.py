@@ -282,6 +282,8 @@ class EngineCore:
             self.num_sync_steps += 1
         sched = self.scheduler.schedule()
         num_waiting = len(self.scheduler.waiting)
+        if sched.new_requests:
+            self.outputs.scheduled((r.request_id for r in sched.new_requests), self._now())
         if self._on_schedule is not None:
             self._on_schedule(sched)
         started = None

@@ -4,6 +4,7 @@ group of its n sequences and, per sequence, its incremental detokenizer, its sto
 was already reported; it builds the RequestOutputs.
 
     add(group)                         a new request's sequences (created by the engine core)
+    scheduled(seq_ids, now)            the scheduler handed these to the runner (queue time ends)
     append(seq, token, now) -> stop    record a token; says whether the sequence must stop
     finish(seq, stop, held)            the scheduler removed it: set its finish reason
     take_outputs(now)                  the RequestOutputs of the groups touched since the last call
@@ -112,6 +113,15 @@ class OutputProcessor:
         for s in group.seqs:
             self._table.pop(s.req.request_id, None)
         return [s.req for s in group.seqs]
+
+    def scheduled(self, seq_ids, now: float) -> None:
+        """The scheduler handed these sequences to the runner (SchedulerOutput.new_requests):
+        a request's first such time is its "scheduled" metric, where its queue time ends (a
+        preempted sequence handed over again, or a sibling, keeps the first)."""
+        for sid in seq_ids:
+            entry = self._table.get(sid)
+            if entry is not None:
+                entry[0].metrics.setdefault("scheduled", now)
 
     def add_prompt_logprobs(self, seq_id: str, entries: list[SampledToken]) -> None:
         group = self._table[seq_id][0]

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 
 from ..args import DeploymentArgs
 from ..deploy import build
+from ..loader.generation_config import generation_defaults
 from ..outputs import RequestOutput
 from ..protocol import AddRequest, Prompt
 from ..sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         config, deployment = split_engine_args(model, engine_args)
+        self._default_sampling = generation_defaults(config.generation_config, config.model)[0]
         self.client = build(config, deployment or DeploymentArgs())   # always a Router
         self._engine: AsyncEngine | None = None
         self._ids = itertools.count()
@@ -46,6 +48,10 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.client.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given no SamplingParams: as LLM's."""
+        return SamplingParams(**self._default_sampling)
 
     def get_tokenizer(self):
         return self.client.tokenizer
@@ -68,7 +74,8 @@ class AsyncLLM:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come (cumulative; the last one has finished=True).
         prompt: a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}."""
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = (self.get_default_sampling_params() if sampling_params is None
+                  else sampling_params)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)

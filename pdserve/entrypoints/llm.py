@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from ..config import EngineConfig
 from ..args import DeploymentArgs
 from ..deploy import build
+from ..loader.generation_config import generation_defaults
 from ..worker.llm_engine import LLMEngine
 from ..protocol import AddRequest, Prompt
 from ..outputs import RequestOutput
@@ -48,11 +49,24 @@ class LLM:
 
     With tensor_parallel_size > 1 (or distributed_executor_backend="mp") the engine runs in
     worker processes and llm_engine is an EngineClient with the same request API; call
-    shutdown() (or use `with LLM(...) as llm:`) to stop them, else they stop at exit."""
+    shutdown() (or use `with LLM(...) as llm:`) to stop them, else they stop at exit.
+
+    generation_config ("auto", "vllm" or a folder, as `--generation-config`): where the
+    sampling values of generate() / chat() called without SamplingParams come from
+    (get_default_sampling_params)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.llm_engine: LLMEngine | EngineProtocol = build(*split_engine_args(model, engine_args))
+        config, deployment = split_engine_args(model, engine_args)
+        # (read before the engine starts: a bad folder fails at once)
+        self._default_sampling = generation_defaults(config.generation_config, config.model)[0]
+        self.llm_engine: LLMEngine | EngineProtocol = build(config, deployment)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use when given no SamplingParams (vLLM's): the model's
+        generation config's values (generation_config="auto" or a folder), else
+        SamplingParams()."""
+        return SamplingParams(**self._default_sampling)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -80,7 +94,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -166,24 +166,12 @@ def engine_tokenizer(config, source: ModelSource):
     text) in place of its own. ValueError when one of them cannot be had."""
     if config.skip_tokenizer_init:
         return None
-    tok = load_tokenizer(_tokenizer_source(os.fspath(config.tokenizer))
-                         if config.tokenizer is not None else source)
+    from .tokenizer import tokenizer_from_spec
+    tok = (tokenizer_from_spec(config.tokenizer) if config.tokenizer is not None
+           else load_tokenizer(source))
     if config.chat_template is not None:
         tok.chat_template = read_chat_template(os.fspath(config.chat_template))
     return tok
-
-
-def _tokenizer_source(spec: str) -> ModelSource:
-    from .hf_cache import cached_snapshot, looks_like_repo_id
-    if os.path.isfile(spec):
-        return ModelSource("gguf", spec, {})
-    if os.path.isdir(spec):
-        return ModelSource("hf", spec, {})
-    snapshot = cached_snapshot(spec) if looks_like_repo_id(spec) else None
-    if snapshot is None:
-        raise ValueError(f"tokenizer {spec!r} is neither a file, a folder nor a repo id in the "
-                         "local Hugging Face cache")
-    return ModelSource("hf", snapshot, {})
 
 
 def read_chat_template(spec: str) -> str:

@@ -368,6 +368,22 @@ class Tokenizer:
 # helpers
 # ---------------------------------------------------------------------------------------------
 
+def tokenizer_from_spec(spec: str | os.PathLike) -> Tokenizer:
+    """The tokenizer a --tokenizer flag names: a .gguf (or other) file, an HF folder, or a repo
+    id in the local Hugging Face cache. ValueError when it is none of them."""
+    from .hf_cache import cached_snapshot, looks_like_repo_id
+    spec = os.fspath(spec)
+    if os.path.isfile(spec):
+        return Tokenizer.from_gguf_file(spec)
+    if os.path.isdir(spec):
+        return Tokenizer.from_hf_dir(spec)
+    snapshot = cached_snapshot(spec) if looks_like_repo_id(spec) else None
+    if snapshot is None:
+        raise ValueError(f"tokenizer {spec!r} is neither a file, a folder nor a repo id in the "
+                         "local Hugging Face cache")
+    return Tokenizer.from_hf_dir(snapshot)
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}

@@ -31,7 +31,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -168,17 +168,21 @@ def add_multi_turn_args(group) -> None:
     """The multi-turn dataset's flags (bench serve's and simulate's): multi_turn_conversations'
     arguments."""
     group.add_argument("--multi-turn-conversations", type=int, default=64,
-                       help="multi-turn: conversations (their starts follow --request-rate)")
-    group.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns each")
+                       help="multi-turn: conversations (their starts follow --request-rate) "
+                            "(default %(default)s)")
+    group.add_argument("--multi-turn-turns", type=int, default=6,
+                       help="multi-turn: turns each (default %(default)s)")
     group.add_argument("--multi-turn-user-len", type=int, default=128,
-                       help="multi-turn: tokens (words) of each new user message")
+                       help="multi-turn: tokens (words) of each new user message (default "
+                            "%(default)s)")
     group.add_argument("--multi-turn-output-len", type=int, default=128,
-                       help="multi-turn: answer tokens asked for per turn")
+                       help="multi-turn: answer tokens asked for per turn (default %(default)s)")
     group.add_argument("--multi-turn-range-ratio", type=float, default=0.0,
-                       help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)]")
+                       help="multi-turn: user/answer lengths uniform in [len*(1-r), len*(1+r)] "
+                            "(default %(default)s)")
     group.add_argument("--multi-turn-system-len", type=int, default=0,
                        help="multi-turn: tokens (words) of a system prompt shared by all "
-                            "conversations")
+                            "conversations (default %(default)s)")
 
 
 def multi_turn_conversations(num: int, turns: int, user_len: int, output_len: int,
@@ -230,11 +234,13 @@ def sharegpt_valid(prompt_len: int, output_len: int, check_min_output: bool = Tr
 
 
 def load_sharegpt(path: str | os.PathLike, num: int, seed: int = 0,
-                  output_len: int | None = None, oversample: bool = True) -> list[SampleRequest]:
+                  output_len: int | None = None, oversample: bool = True,
+                  count: Callable[[str], int] = approx_tokens) -> list[SampleRequest]:
     """`num` requests from a ShareGPT-format file: the entries shuffled with the seed, each
-    (prompt, reply) measured with approx_tokens, filtered with sharegpt_valid (output length =
-    the reply's, or `output_len` when given), the first `num` kept. Fewer valid entries than
-    `num`: some are repeated (chosen with the seed) unless oversample is False."""
+    (prompt, reply) measured with `count` (approx_tokens, or a tokenizer's count), filtered
+    with sharegpt_valid (output length = the reply's, or `output_len` when given), the first
+    `num` kept. Fewer valid entries than `num`: some are repeated (chosen with the seed) unless
+    oversample is False."""
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, list):
@@ -244,8 +250,8 @@ def load_sharegpt(path: str | os.PathLike, num: int, seed: int = 0,
     out: list[SampleRequest] = []
     for i in rng.permutation(len(pairs)):
         prompt, reply = pairs[i]
-        p_len = approx_tokens(prompt)
-        o_len = approx_tokens(reply) if output_len is None else output_len
+        p_len = count(prompt)
+        o_len = count(reply) if output_len is None else output_len
         if not sharegpt_valid(p_len, o_len, check_min_output=output_len is None):
             continue
         out.append(SampleRequest(prompt, p_len, o_len))

@@ -271,8 +271,11 @@ class RouterCore:
             for o in out.outputs:
                 if o.logprobs is not None and first.logprobs:
                     o.logprobs = first.logprobs[:1] + o.logprobs
+            # (its prefill worker's times: the decode worker's start after the hand-off)
+            pm = route.first.metrics
             out.metrics = {**out.metrics, "arrival": route.arrival,
-                           "first_token": route.first.metrics.get("first_token", 0.0)}
+                           "first_token": pm.get("first_token", 0.0),
+                           **({"scheduled": pm["scheduled"]} if "scheduled" in pm else {})}
         route.produced = True
         route.generated = max((len(o.token_ids) for o in out.outputs), default=0)
         if out.finished:

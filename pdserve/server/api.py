@@ -43,10 +43,12 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 from .serving import OpenAIServing
 
 
-def build_app(engine: AsyncEngine, model_name: str,
-              options: ServeOptions | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, options: ServeOptions | None = None,
+              sampling_defaults: dict | None = None) -> FastAPI:
+    """sampling_defaults: the values a request leaves out (SamplingParams fields; the model's
+    generation config, loader/generation_config.py)."""
     options = options or ServeOptions()
-    srv = OpenAIServing(engine, model_name, options)
+    srv = OpenAIServing(engine, model_name, options, sampling_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -12,11 +12,21 @@ from dataclasses import dataclass
 from typing import Callable, TextIO
 
 
-def startup_summary(router, model_name: str) -> list[str]:
-    """One line for the model, one per worker: role, device and TP, dtype, KV pool, graphs."""
+def startup_summary(router, model_name: str, sampling_defaults: dict | None = None,
+                    defaults_source: str | None = None) -> list[str]:
+    """One line for the model, one for the default sampling values requests get (from
+    defaults_source, a generation_config.json), one per worker: role, device and TP, dtype,
+    KV pool, graphs."""
     ws = list(router.workers.values())
     lines = [f"pdserve: model {model_name!r}, {len(ws)} worker{'s' * (len(ws) != 1)}, "
              f"max_model_len {router.max_model_len}"]
+    if sampling_defaults:
+        values = ", ".join(f"{k}={v}" for k, v in sampling_defaults.items())
+        lines.append(f"pdserve: default sampling values from {defaults_source}: {values} (a "
+                     "request's own values override them; --generation-config vllm ignores "
+                     "the file)")
+    else:
+        lines.append("pdserve: default sampling values: pdserve's own (no generation config)")
     for w in ws:
         cfg, info = w.spec.config, w.client.info
         tokens = info.num_kv_blocks * info.block_size

@@ -45,24 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve serve")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model to serve, as vLLM takes it (the same as --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (default %(default)s)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model value or the file name)")
-    p.add_argument("--log-level", default="warning")
+                   help="the model name clients send (default: the --model value or the file "
+                        "name)")
+    p.add_argument("--log-level", default="warning",
+                   help="uvicorn's log level (default %(default)s)")
     d = ServeOptions()
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds SIGTERM lets in-flight requests finish; the rest then end with "
-                        "an error event (streams) or a 503")
+                        "an error event (streams) or a 503 (default %(default)s)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 (Retry-After) while this many requests wait for a first "
                         "token (default: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
-                   help="a larger request body is answered 413")
+                   help="a larger request body is answered 413 (default %(default)s)")
     p.add_argument("--keepalive", type=float, default=d.keepalive_s,
-                   help="seconds of silence after which a stream gets an SSE comment")
+                   help="seconds of silence after which a stream gets an SSE comment (default "
+                        "%(default)s)")
     p.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
-                   help="threads that tokenize prompts and render chat templates")
+                   help="threads that tokenize prompts and render chat templates (default "
+                        "%(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="clients of /v1/* must send 'Authorization: Bearer KEY' (default: "
                         "$PDSERVE_API_KEY; unset: no key)")
@@ -71,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "headers)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--allowed-methods", type=_json_list, default=["*"],
-                   help="CORS: methods allowed, a JSON list")
+                   help='CORS: methods allowed, a JSON list (default ["*"])')
     p.add_argument("--allowed-headers", type=_json_list, default=["*"],
-                   help="CORS: headers allowed, a JSON list")
+                   help='CORS: headers allowed, a JSON list (default ["*"])')
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between the console's stats lines (throughput, running and "
-                        "waiting, KV use, prefix cache hit rate), printed while there is traffic")
+                        "waiting, KV use, prefix cache hit rate), printed while there is traffic "
+                        "(default %(default)s)")
     p.add_argument("--disable-log-stats", action="store_true", help="no stats lines")
     add_engine_args(p)
     add_deployment_args(p)
@@ -108,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from ..deploy import build
+    from ..loader.generation_config import generation_defaults
     try:
         options = serve_options(a)
         config, deployment = engine_config(a), deployment_args(a)
+        defaults, source = generation_defaults(config.generation_config, config.model)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -125,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         client = await asyncio.to_thread(build, config, deployment)
         loop = asyncio.get_running_loop()
         engine = AsyncEngine(client, loop)
-        app = build_app(engine, name, options)
+        app = build_app(engine, name, options, defaults)
         srv = app.state.server
         server = _uvicorn_server(
             uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                            timeout_graceful_shutdown=options.shutdown_timeout_s + 5),
             lambda: loop.call_soon_threadsafe(srv.begin_shutdown))
-        for line in startup_summary(client, name):
+        for line in startup_summary(client, name, defaults, source):
             print(line, file=sys.stderr)
         print(f"pdserve: serving {name!r} on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
         await server.serve()

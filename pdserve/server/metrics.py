@@ -1,10 +1,13 @@
 """Prometheus metrics of the server, named `pdserve:...` (vLLM's style, each with a model_name
 label; totals are counters, levels gauges). Request latencies are measured here, at the HTTP
-front, where a client feels them; running/waiting/KV come from the worker's stats after its
-last step, the P/D and routing totals from the router."""
+front, where a client feels them; the phases of a request (queue, prefill, decode, inference)
+from the engine's own times of it, which only the engine knows (when it was first scheduled);
+running/waiting/KV come from the worker's stats after its last step, the P/D and routing
+totals from the router."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -90,6 +93,16 @@ class Metrics:
                           "Time between two chunks of a stream", buckets=_LATENCY_BUCKETS)
         self.e2e = metric(Histogram, "pdserve:e2e_request_latency_seconds",
                           "Arrival to last token", buckets=_LATENCY_BUCKETS)
+        # vLLM's request phases, from the engine's times (RequestOutput.metrics)
+        self.queue_time = metric(Histogram, "pdserve:request_queue_time_seconds",
+                                 "Arrival to first scheduled (time in the waiting queue)",
+                                 buckets=_LATENCY_BUCKETS)
+        self.prefill_time = metric(Histogram, "pdserve:request_prefill_time_seconds",
+                                   "First scheduled to first token", buckets=_LATENCY_BUCKETS)
+        self.decode_time = metric(Histogram, "pdserve:request_decode_time_seconds",
+                                  "First token to last token", buckets=_LATENCY_BUCKETS)
+        self.inference_time = metric(Histogram, "pdserve:request_inference_time_seconds",
+                                     "First scheduled to last token", buckets=_LATENCY_BUCKETS)
         # P/D deployments (a Router): requests per path, KV hand-offs
         self.path_requests = total("pdserve:requests_by_path", "Requests routed per path",
                                    ["path"])
@@ -177,6 +190,26 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class RequestPhases(NamedTuple):
+    """A finished request's phases (s), as vLLM's request_*_time_seconds measure them."""
+    queue: float       # arrival -> first scheduled
+    prefill: float     # first scheduled -> first token
+    decode: float      # first token -> last token
+    inference: float   # first scheduled -> last token
+
+
+def request_phases(times: dict[str, float]) -> RequestPhases | None:
+    """From a finished RequestOutput's metrics (the engine's times, one clock; in P/D the
+    router's arrival and the prefill worker's scheduled and first token); None when one is
+    missing (the request ended before it was scheduled or before its first token)."""
+    try:
+        arrival, scheduled = times["arrival"], times["scheduled"]
+        first, last = times["first_token"], times["finished"]
+    except KeyError:
+        return None
+    return RequestPhases(scheduled - arrival, first - scheduled, last - first, last - scheduled)
+
+
 class RequestTimer:
     """One engine request's latencies, fed with each output as it arrives."""
 
@@ -206,3 +239,9 @@ class RequestTimer:
                 self.m.tpot.observe((now - self.first) / (per_seq - 1))
             for o in out.outputs:
                 self.m.requests.labels(o.finish_reason or "abort").inc()
+            phases = request_phases(out.metrics)
+            if phases is not None:
+                self.m.queue_time.observe(phases.queue)
+                self.m.prefill_time.observe(phases.prefill)
+                self.m.decode_time.observe(phases.decode)
+                self.m.inference_time.observe(phases.inference)

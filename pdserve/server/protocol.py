@@ -13,7 +13,7 @@ guided_json / guided_regex / guided_choice / guided_grammar fields. A request gi
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
                       StrictFloat, Tag, model_validator)
@@ -185,14 +185,26 @@ class _Sampling(BaseModel):
             raise ValueError("give one output constraint, not " + " and ".join(n for n, _ in found))
         return found[0][1] if found else None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """ValueError (-> HTTP 400) for any bad value, from SamplingParams' own checks."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: Mapping[str, Any] | None = None,
+                        fallback_max_tokens: int = 16) -> SamplingParams:
+        """The one place a request's defaults are filled in, as vLLM's to_sampling_params:
+        each sampling value it leaves out (None) comes from `defaults` (the model's generation
+        config, --generation-config), else SamplingParams' own; max_tokens None (the request
+        gives none) from the defaults' max_tokens, else fallback_max_tokens (the endpoint's:
+        OpenAI's 16 for completions, what the context leaves for chat). ValueError (-> HTTP
+        400) for any bad value, from SamplingParams' own checks."""
+        defaults = defaults or {}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens", fallback_max_tokens)
         kw = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, seed=self.seed,
                   stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                   min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
+            if v is None:
+                v = defaults.get(name)
             if v is not None:
                 kw[name] = v
         if self.logit_bias:
@@ -242,7 +254,7 @@ Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: Optional[Int64] = 16
+    max_tokens: Optional[Int64] = None   # None: the generation config's, else 16 (OpenAI's)
     logprobs: Optional[Int64] = None
     echo: StrictBool = False
     best_of: Optional[Int64] = None

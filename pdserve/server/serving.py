@@ -33,10 +33,12 @@ _HEAD_MARGIN = 16
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, options: ServeOptions):
+    def __init__(self, engine: AsyncEngine, model_name: str, options: ServeOptions,
+                 sampling_defaults: dict | None = None):
         self.engine = engine
         self.model_name = model_name
         self.options = options
+        self.sampling_defaults = dict(sampling_defaults or {})   # --generation-config's
         self.metrics = Metrics(model_name)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(options.tokenizer_threads,
@@ -243,9 +245,10 @@ class OpenAIServing:
         prompt_lp = req.echo and req.logprobs is not None
         # max_tokens 0 scores the prompt only (echo): one token is generated and dropped
         score_only = req.echo and req.max_tokens == 0
-        if req.max_tokens is None or (req.max_tokens < 1 and not score_only):
+        if req.max_tokens is not None and req.max_tokens < 1 and not score_only:
             raise ValueError(f"max_tokens must be at least 1 (0 only with echo), got {req.max_tokens}")
-        params = req.sampling_params(1 if score_only else req.max_tokens, req.logprobs)
+        params = req.sampling_params(1 if score_only else req.max_tokens, req.logprobs,
+                                     self.sampling_defaults)
         if prompt_lp:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         prompts = await self.completion_prompts(req)
@@ -363,15 +366,15 @@ class OpenAIServing:
         self.tokenizer()
         ids = await self.off_loop(self.chat_ids, self.chat_messages(req.messages),
                                   req.add_generation_prompt)
-        if max_tokens is None:
-            max_tokens = max(1, self.engine.max_model_len - len(ids))
-        if max_tokens < 1:
+        if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        self.check_length(len(ids), max_tokens)
         k = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        params = req.sampling_params(max_tokens, k if req.logprobs else None)
+        params = req.sampling_params(max_tokens, k if req.logprobs else None,
+                                     self.sampling_defaults,
+                                     max(1, self.engine.max_model_len - len(ids)))
+        self.check_length(len(ids), params.max_tokens)
         cid = f"chatcmpl-{next(_ids)}"
         streams = await self.admit([AddRequest(cid, {"prompt_token_ids": ids}, params)])
         if req.stream:
