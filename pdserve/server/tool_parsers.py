@@ -63,6 +63,10 @@ class StreamDelta:
     def __bool__(self) -> bool:
         return bool(self.content or self.calls)
 
+    def then(self, later: StreamDelta) -> StreamDelta:
+        """This delta followed by a later one, as one."""
+        return StreamDelta(self.content + later.content, _merged([*self.calls, *later.calls]))
+
 
 @dataclass(frozen=True)
 class ToolSpec:
