@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pdserve.server.tool_parsers import (ExtractedToolCalls, HermesToolParser, ToolCall, ToolSpec,
+from pdserve.server.tool_parsers import (ExtractedToolCalls, HermesToolParser,
+                                         Llama3JsonToolParser, ToolCall, ToolSpec,
                                          get_tool_parser)
 
 P = HermesToolParser()
@@ -52,22 +53,49 @@ BROKEN_LATE = [
     ('<tool_call>{"name": "f", "arguments": {"a": 1', '<tool_call>{"name": "f", "arguments": {"a": 1', []),
 ]
 
+L = Llama3JsonToolParser()
+LW = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+LLAMA = [
+    ("Hello there.", "Hello there.", []),
+    (LW, None, [("get_weather", '{"city": "Paris", "days": 3}')]),
+    (f"  <|python_tag|>{LW}; {T}\n", None,
+     [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", '{"tz": "Europe/Paris"}')]),
+    ('{"name":"f","parameters":{"s":"}{;"}};{"name":"g","parameters":{}}', None,
+     [("f", '{"s":"}{;"}'), ("g", "{}")]),
+    ('{"parameters": {"a": 1}, "name": "f"}', None, [("f", '{"a": 1}')]),
+    ('{"name": "f"}', None, [("f", "{}")]),
+    ("{not json", "{not json", []),
+    ('{"name": 5, "parameters": {}}', '{"name": 5, "parameters": {}}', []),
+    (f"Sure: {LW}", f"Sure: {LW}", []),
+    ("<|python_", "<|python_", []),
+    ("  ", None, []),
+]
+LLAMA_BROKEN_LATE = [
+    (f"{LW} trailing", f"{LW} trailing", []),
+    ('{"name": "f", "parameters": {"a": 1', '{"name": "f", "parameters": {"a": 1', []),
+]
+EQUAL = [(P, *c) for c in CASES] + [(L, *c) for c in LLAMA]
+ALL = EQUAL + [(P, *c) for c in BROKEN_LATE] + [(L, *c) for c in LLAMA_BROKEN_LATE]
+
+
+def _ids(cases):
+    return [f"{p.name}:{t[:30]!r}" for p, t, *_ in cases]
+
 
 def _want(content, calls):
     return ExtractedToolCalls(content, tuple(ToolCall(n, a) for n, a in calls))
 
 
-@pytest.mark.parametrize("text, content, calls", CASES + BROKEN_LATE,
-                         ids=[repr(c[0][:30]) for c in CASES + BROKEN_LATE])
-def test_extract(text, content, calls):
-    got = P.extract(text)
+@pytest.mark.parametrize("parser, text, content, calls", ALL, ids=_ids(ALL))
+def test_extract(parser, text, content, calls):
+    got = parser.extract(text)
     assert got == _want(content, calls)
     for call in got.calls:
         assert isinstance(json.loads(call.arguments), dict)
 
 
-def _streamed(pieces):
-    s = P.streamer()
+def _streamed(pieces, parser=P):
+    s = parser.streamer()
     content, calls = [], {}
     for d in [s.feed(p) for p in pieces] + [s.finish()]:
         content.append(d.content)
@@ -83,12 +111,12 @@ def _streamed(pieces):
                               tuple(ToolCall(n, a) for n, a in calls.values()))
 
 
-@pytest.mark.parametrize("text, content, calls", CASES, ids=[repr(c[0][:30]) for c in CASES])
-def test_streamed_equals_extract_at_every_split(text, content, calls):
+@pytest.mark.parametrize("parser, text, content, calls", EQUAL, ids=_ids(EQUAL))
+def test_streamed_equals_extract_at_every_split(parser, text, content, calls):
     want = _want(content, calls)
-    assert _streamed(list(text)) == want
+    assert _streamed(list(text), parser) == want
     for k in range(len(text) + 1):
-        assert _streamed([text[:k], text[k:]]) == want, k
+        assert _streamed([text[:k], text[k:]], parser) == want, k
 
 
 def test_stream_announces_a_call_before_its_end():
@@ -112,8 +140,17 @@ def test_stream_of_a_broken_announced_call_does_not_crash():
         _want('<tool_call>{"name": "f", "arguments": {"a": }</tool_call> then text', [])
 
 
+def test_llama3_stream_announces_a_call_before_its_end():
+    s = L.streamer()
+    d = s.feed('{"name": "f", "parameters": {"x"')
+    assert [(c.index, c.name, c.arguments) for c in d.calls] == [(0, "f", '{"x"')]
+    d = s.feed(': 1}}; {"name": "g", "parameters": {}}')
+    assert [(c.index, c.name, c.arguments) for c in d.calls] == [(0, None, ": 1}"), (1, "g", "{}")]
+
+
 def test_registry():
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
+    assert isinstance(get_tool_parser("llama3_json"), Llama3JsonToolParser)
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
 
@@ -163,3 +200,15 @@ def test_constraint_required(compiler):
     assert not _accepts(compiler, spec, one.replace("4", '"four"'))     # the $ref is followed
     single = P.constraint([WEATHER, ADD], parallel=False)
     assert _accepts(compiler, single, one) and not _accepts(compiler, single, two)
+
+
+def test_constraint_llama3(compiler):
+    one = '{"name": "add", "parameters": {"x": 4}}'
+    two = one + '; {"name": "get_weather", "parameters": {"city": "A", "days": 1}}'
+    spec = L.constraint([WEATHER, ADD])
+    assert _accepts(compiler, spec, one) and _accepts(compiler, spec, two)
+    assert L.extract(two).calls == (ToolCall("add", '{"x": 4}'),
+                                    ToolCall("get_weather", '{"city": "A", "days": 1}'))
+    named = L.constraint([WEATHER, ADD], name="add")
+    assert _accepts(compiler, named, one) and not _accepts(compiler, named, two)
+    assert not _accepts(compiler, named, one.replace("add", "get_weather"))

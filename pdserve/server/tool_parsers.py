@@ -1,5 +1,6 @@
 """Tool calls in generated text: one parser per format behind a small contract, plus a registry
-(the server's --tool-call-parser picks one).
+(the server's --tool-call-parser picks one): hermes (<tool_call>{json}</tool_call>: Hermes 2
+Pro, Qwen2.5, Qwen3) and llama3_json (the output is the calls' JSON: Llama 3.1 / 3.2).
 
     parser = get_tool_parser("hermes")
     parser.extract(text)         -> ExtractedToolCalls(content, calls)      (a whole output)
@@ -201,19 +202,19 @@ def _call_from_json(body: str) -> ToolCall | None:
 
 _STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"')
 _PARTIAL_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{0,4})?)*')
-_HEAD = ("{", '"name"', ":", None, ",", '"arguments"', ":")
 
 
-def _head(body: str) -> tuple[str, str | None, int]:
-    """Reads `{"name": <string>, "arguments": {` at the start of body (whitespace anywhere
+def _head(body: str, arg_keys: tuple[str, ...] = ("arguments",)) -> tuple[str, str | None, int]:
+    """Reads `{"name": <string>, "<arg key>": {` at the start of body (whitespace anywhere
     JSON allows it): ("partial", ...) while body could still become that, ("fail", ...) once it
     cannot, ("ok", name, index of the arguments' "{") when it is there."""
     i, name = 0, None
-    for tok in _HEAD:
+    for alts in (("{",), ('"name"',), (":",), None, (",",),
+                 tuple(f'"{k}"' for k in arg_keys), (":",)):
         i = _skip_ws(body, i)
         if i == len(body):
             return "partial", None, 0
-        if tok is None:
+        if alts is None:
             m = _STRING.match(body, i)
             if m is None:
                 part = _PARTIAL_STRING.match(body, i)
@@ -221,12 +222,15 @@ def _head(body: str) -> tuple[str, str | None, int]:
                         None, 0)
             name, i = json.loads(m.group()), m.end()
             continue
-        got = body[i:i + len(tok)]
-        if not tok.startswith(got):
+        for tok in alts:
+            got = body[i:i + len(tok)]
+            if got == tok:
+                i += len(tok)
+                break
+            if tok.startswith(got):
+                return "partial", None, 0
+        else:
             return "fail", None, 0
-        if len(got) < len(tok):
-            return "partial", None, 0
-        i += len(tok)
     i = _skip_ws(body, i)
     if i == len(body):
         return "partial", None, 0
@@ -280,12 +284,12 @@ def _with_local_refs(schema: Any, base: str) -> Any:
     return schema
 
 
-def _call_schema(tool: ToolSpec, base: str) -> dict:
+def _call_schema(tool: ToolSpec, base: str, key: str = "arguments") -> dict:
     params = tool.parameters if tool.parameters is not None else {"type": "object"}
     return {"type": "object",
             "properties": {"name": {"const": tool.name},
-                           "arguments": _with_local_refs(params, f"{base}/properties/arguments")},
-            "required": ["name", "arguments"], "additionalProperties": False}
+                           key: _with_local_refs(params, f"{base}/properties/{key}")},
+            "required": ["name", key], "additionalProperties": False}
 
 
 class HermesToolParser(ToolParser):
@@ -426,6 +430,177 @@ class _HermesStreamer(ToolCallStreamer):
         return StreamDelta("".join(content), _merged(deltas))
 
 
+# ---- Llama 3.1 / 3.2 JSON ------------------------------------------------------------------------
+def _llama_call(value: Any, text: str) -> ToolCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    members = _object_members(text)
+    key = "parameters" if "parameters" in members else "arguments"
+    if key not in members:
+        return ToolCall(value["name"], "{}")
+    return ToolCall(value["name"], members[key][1]) if isinstance(members[key][0], dict) else None
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1 / 3.2's JSON tool calls: the whole output is the calls,
+
+        {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+    (optionally after <|python_tag|>), several separated by ";" ("arguments" is read as
+    "parameters"). Output that does not start with "{" (after that tag), or does not parse
+    whole so, is content."""
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+    SEP = ";"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        body = text.strip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].lstrip()
+        calls, i = [], 0
+        while body.startswith("{", i):
+            try:
+                value, end = _decoder.raw_decode(body, i)
+            except ValueError:
+                break
+            call = _llama_call(value, body[i:end])
+            if call is None:
+                break
+            calls.append(call)
+            i = _skip_ws(body, end)
+            if i == len(body):
+                return ExtractedToolCalls(None, tuple(calls))
+            if not body.startswith(self.SEP, i):
+                break
+            i = _skip_ws(body, i + len(self.SEP))
+        return ExtractedToolCalls(text.strip() or None, ())
+
+    def streamer(self) -> ToolCallStreamer:
+        return _Llama3Streamer(self)
+
+    def constraint(self, tools: Sequence[ToolSpec], name: str | None = None,
+                   parallel: bool = True) -> StructuredOutputsParams:
+        if name is not None:
+            (tool,) = [t for t in tools if t.name == name]
+            schema, repeat = _call_schema(tool, "#", "parameters"), False
+        else:
+            if not tools:
+                raise ValueError("tool_choice 'required' needs tools")
+            schema = {"anyOf": [_call_schema(t, f"#/anyOf/{i}", "parameters")
+                                for i, t in enumerate(tools)]}
+            repeat = parallel
+        schema["x-guidance"] = _JSON_STYLE
+        call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
+        start = f'start: call ({json.dumps(self.SEP + " ")} call)*' if repeat else "start: call"
+        return StructuredOutputsParams(grammar=f"{start}\n{call}\n")
+
+
+class _Llama3Streamer(ToolCallStreamer):
+    """Undecided until the first character after whitespace and the optional tag: "{" begins
+    the calls, anything else makes the whole output content. Calls are announced at their
+    head `{"name": "...", "parameters": {` and their arguments go out as they come; a call
+    whose head reads otherwise (keys in another order) holds the rest of the output, which is
+    then judged whole by extract() at the end."""
+
+    def __init__(self, parser: Llama3JsonToolParser):
+        self.p = parser
+        self.mode = "start"          # start | content | calls | whole
+        self.text = ""               # the whole output so far
+        self.pos = 0                 # calls: where the current call (or separator) begins
+        self.call: _OpenCall | None = None
+        self.content = _Content()
+        self.calls = 0
+
+    @property
+    def num_calls(self) -> int:
+        return self.calls
+
+    def feed(self, text: str) -> StreamDelta:
+        self.text += text
+        deltas: list[ToolCallDelta] = []
+        if self.mode == "start":
+            head = self.text.lstrip()
+            if head.startswith(self.p.TAG):
+                head = head[len(self.p.TAG):].lstrip()
+            if not head or (self.p.TAG.startswith(head) and head != self.p.TAG):
+                return StreamDelta()
+            if head.startswith("{"):
+                self.mode, self.pos = "calls", len(self.text) - len(head)
+            else:
+                self.mode = "content"
+                return StreamDelta(self.content.add(self.text))
+        elif self.mode == "content":
+            return StreamDelta(self.content.add(text))
+        if self.mode == "calls":
+            self._calls(deltas)
+        return StreamDelta("", _merged(deltas))
+
+    def _calls(self, deltas: list) -> None:
+        while self.mode == "calls":
+            if self.call is None:                       # between calls: [";"] ws "{"
+                i = _skip_ws(self.text, self.pos)
+                if self.calls and self.text.startswith(self.p.SEP, i):
+                    i = _skip_ws(self.text, i + len(self.p.SEP))
+                elif self.calls:
+                    if i < len(self.text):
+                        self.mode = "whole"             # not a separator: judged at the end
+                    return
+                if i == len(self.text):
+                    return
+                if self.text[i] != "{":
+                    self.mode = "whole"
+                    return
+                self.call, self.pos = _OpenCall(), i
+            c = self.call
+            c.body = self.text[self.pos:]
+            if c.index is None:
+                state, name, start = _head(c.body, ("parameters", "arguments"))
+                if state == "partial":
+                    return
+                if state == "fail":
+                    self.mode = "whole"
+                    return
+                c.index, c.args_start, c.scanned = self.calls, start, start
+                self.calls += 1
+                deltas.append(ToolCallDelta(c.index, name, ""))
+            if not c.scan.done:
+                n = c.scan.feed(c.body[c.scanned:])
+                if n:
+                    deltas.append(ToolCallDelta(c.index, None, c.body[c.scanned:c.scanned + n]))
+                c.scanned += n
+                if not c.scan.done:
+                    return
+            i = _skip_ws(c.body, c.scanned)            # the call object's closing "}"
+            if i == len(c.body):
+                return
+            if c.body[i] != "}":
+                self.mode = "whole"
+                return
+            self.pos, self.call = self.pos + i + 1, None
+
+    def finish(self) -> StreamDelta:
+        if self.mode == "content":
+            return StreamDelta()
+        if self.mode == "start":
+            return StreamDelta(self.content.add(self.text))
+        if self.calls == 0:   # nothing announced: the whole output as extract() reads it
+            got = self.p.extract(self.text)
+            self.calls = len(got.calls)
+            return StreamDelta(got.content or "", tuple(
+                ToolCallDelta(k, c.name, c.arguments) for k, c in enumerate(got.calls)))
+        if self.mode == "whole":   # after announced calls: the rest, if it reads as calls
+            rest = self.text[self.pos:].strip()
+            if rest.startswith(self.p.SEP):
+                rest = rest[len(self.p.SEP):]
+            got = self.p.extract(rest) if rest.lstrip().startswith("{") else None
+            if got is not None and got.calls:
+                start = self.calls
+                self.calls += len(got.calls)
+                return StreamDelta("", tuple(ToolCallDelta(start + k, c.name, c.arguments)
+                                             for k, c in enumerate(got.calls)))
+        return StreamDelta()
+
+
 def _merged(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
     """Consecutive pieces of one call as one (a chunk carries each call once)."""
     out: list[ToolCallDelta] = []
@@ -437,7 +612,8 @@ def _merged(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
     return tuple(out)
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:
