@@ -153,6 +153,9 @@ def test_registry():
     assert isinstance(get_tool_parser("llama3_json"), Llama3JsonToolParser)
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
+    from pdserve.server.http import ServeOptions
+    with pytest.raises(ValueError, match="known: hermes, llama3_json"):
+        ServeOptions(tool_call_parser="nope")
 
 
 # ---- the constraint grammar ---------------------------------------------------------------------
