@@ -50,7 +50,8 @@ CASES = [
 BROKEN_LATE = [
     ('<tool_call>{"name": "f", "arguments": {}} extra</tool_call>',
      '<tool_call>{"name": "f", "arguments": {}} extra</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": {"a": 1', '<tool_call>{"name": "f", "arguments": {"a": 1', []),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1',
+     '<tool_call>{"name": "f", "arguments": {"a": 1', []),
 ]
 
 L = Llama3JsonToolParser()
@@ -186,7 +187,8 @@ def _accepts(compiler, spec, text) -> bool:
 
 def test_constraint_named(compiler):
     spec = P.constraint([WEATHER, ADD], name="get_weather")
-    ok = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    ok = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+          '\n</tool_call>')
     assert _accepts(compiler, spec, ok)
     assert P.extract(ok).calls == (ToolCall("get_weather", '{"city": "Oslo", "days": 2}'),)
     for bad in (ok.replace("get_weather", "add"), ok.replace("2}", '"2"}'),
@@ -196,7 +198,8 @@ def test_constraint_named(compiler):
 
 def test_constraint_required(compiler):
     one = '<tool_call>\n{"name": "add", "arguments": {"x": 4}}\n</tool_call>'
-    two = one + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "A", "days": 1}}\n</tool_call>'
+    two = one + ('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "A", "days": 1}}'
+                 '\n</tool_call>')
     spec = P.constraint([WEATHER, ADD])
     assert _accepts(compiler, spec, one) and _accepts(compiler, spec, two)
     assert not _accepts(compiler, spec, "")

@@ -412,7 +412,8 @@ class _HermesStreamer(ToolCallStreamer):
             return   # announced: it stands (see the module's contract)
         call = _call_from_json(c.body)
         if call is None:
-            content.append(self.content.add(self.p.OPEN + c.body + (self.p.CLOSE if closed else "")))
+            tail = self.p.CLOSE if closed else ""
+            content.append(self.content.add(self.p.OPEN + c.body + tail))
             return
         deltas.append(ToolCallDelta(self.calls, call.name, call.arguments))
         self.calls += 1
