@@ -18,6 +18,7 @@ guided_json / guided_regex / guided_choice / guided_grammar fields. A request gi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
@@ -349,7 +350,8 @@ class NamedToolChoice(BaseModel):
     function: ToolChoiceFunction
 
 
-class ToolMode(BaseModel):
+@dataclass(frozen=True)
+class ToolMode:
     """What a chat request asks of the tool-call parser: parse (tool_choice auto, required or a
     named function), constrain (required: `name` None; named: that function) or neither
     (no tools, or tool_choice none)."""
