@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.server.tool_parsers import (ExtractedToolCalls, HermesToolParser,
                                          Llama3JsonToolParser, ToolCall, ToolSpec,
-                                         get_tool_parser)
+                                         get_tool_parser, parser_for_template)
 
 P = HermesToolParser()
 
@@ -154,6 +154,10 @@ def test_registry():
     assert isinstance(get_tool_parser("llama3_json"), Llama3JsonToolParser)
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
+    # by the chat template: what Qwen2.5's and Llama 3.1's write, else hermes
+    assert parser_for_template('{{- \'<tool_call>\\n{"name": "\' }}') == "hermes"
+    assert parser_for_template("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
+    assert parser_for_template("{{ messages }}") == parser_for_template(None) == "hermes"
     from pdserve.server.http import ServeOptions
     with pytest.raises(ValueError, match="known: hermes, llama3_json"):
         ServeOptions(tool_call_parser="nope")

@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=d.tool_call_parser,
                    help="the format the model writes tool calls in (hermes: <tool_call>{json}"
                         "</tool_call>, Hermes 2 Pro / Qwen2.5 / Qwen3; llama3_json: the output "
-                        "is the calls' JSON, Llama 3.1 / 3.2)")
+                        "is the calls' JSON, Llama 3.1 / 3.2); default: the one the chat "
+                        "template writes, else hermes")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM command lines: tool_choice 'auto' is always on here")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",

@@ -24,7 +24,8 @@ from .async_engine import AsyncEngine, RequestStream
 from .http import Busy, ServeOptions, error_event, sse
 from .metrics import Metrics, RequestTimer
 from .protocol import ChatCompletionRequest, CompletionRequest, ToolMode
-from .tool_parsers import StreamDelta, ToolParser, ToolSpec, get_tool_parser, new_call_id
+from .tool_parsers import (StreamDelta, ToolParser, ToolSpec, get_tool_parser, new_call_id,
+                           parser_for_template)
 
 _ids = itertools.count()
 
@@ -57,6 +58,13 @@ def _template_tool_calls(calls, where: str):
             args = {}
         out.append({**call, "function": {**fn, "arguments": args}})
     return out
+
+
+def _tools_template(tok) -> str | None:
+    """The template a request with tools is rendered with (the tokenizer's choice)."""
+    if tok is None:
+        return None
+    return tok.named_chat_templates.get("tool_use") or tok.chat_template
 
 
 def _tool_calls_json(calls) -> list[dict]:
@@ -122,7 +130,8 @@ class OpenAIServing:
                                        thread_name_prefix="pdserve-tokenize")
         self.waiting: set[RequestStream] = set()  # admitted, no output yet
         self.draining = False   # a shutdown has begun
-        self.tool_parser: ToolParser = get_tool_parser(options.tool_call_parser)
+        self.tool_parser: ToolParser = get_tool_parser(
+            options.tool_call_parser or parser_for_template(_tools_template(engine.tokenizer)))
 
     # ---- helpers -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:

@@ -101,6 +101,8 @@ class ToolParser(ABC):
     # The format's markers may be special tokens, which detokenizing would drop (vLLM's hermes
     # parser asks for them the same way).
     keep_special_tokens: ClassVar[bool] = True
+    # text a chat template that renders this format's calls holds (picks the default parser)
+    template_marker: ClassVar[str]
 
     @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls: ...
@@ -302,6 +304,7 @@ class HermesToolParser(ToolParser):
     and calls may follow one another or text. A last call left open when the output ends
     counts when its JSON is whole (a model may stop without the closing tag)."""
     name = "hermes"
+    template_marker = "<tool_call>"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -451,6 +454,7 @@ class Llama3JsonToolParser(ToolParser):
     "parameters"). Output that does not start with "{" (after that tag), or does not parse
     whole so, is content."""
     name = "llama3_json"
+    template_marker = "<|python_tag|>"
     TAG = "<|python_tag|>"
     SEP = ";"
 
@@ -615,6 +619,18 @@ def _merged(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+
+
+DEFAULT_TOOL_PARSER = HermesToolParser.name
+
+
+def parser_for_template(template: str | None) -> str:
+    """The parser whose calls a chat template writes (its marker is in the template), else the
+    default."""
+    for name, parser in TOOL_PARSERS.items():
+        if template and parser.template_marker in template:
+            return name
+    return DEFAULT_TOOL_PARSER
 
 
 def get_tool_parser(name: str) -> ToolParser:
