@@ -1,8 +1,9 @@
 """The server's request schema against a live `pdserve serve` (embedded SmolLM2, one worker):
 values of the wrong JSON type are 400s, not coerced (true is no token id, "yes" no boolean);
 chat roles and content parts are OpenAI's; stop_token_ids outside the vocabulary are the
-engine's 400; fields pdserve cannot honour (tools, audio, beam search, ...) are refused by
-name instead of ignored, and an output constraint the grammar engine cannot compile is a 400
+engine's 400; fields pdserve cannot honour (audio, beam search, legacy functions, ...) are
+refused by name instead of ignored, tool fields are accepted (tests/test_tool_calling.py tests
+what they do), and an output constraint the grammar engine cannot compile is a 400
 with its reason. Every 400 carries the OpenAI error body, and the
 server keeps answering normal requests after each."""
 import pytest
@@ -136,16 +137,13 @@ def test_logit_bias_forces_a_token(server):
 TOOL = {"type": "function", "function": {"name": "get_weather",
                                          "parameters": {"type": "object", "properties": {}}}}
 REFUSED = [
-    ("/v1/chat/completions", _chat(tools=[TOOL]), "tools"),
-    ("/v1/chat/completions", _chat(tools=[TOOL], tool_choice="auto"), "tools"),
-    ("/v1/chat/completions", _chat(tool_choice="auto"), "tool_choice"),
-    ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),
-    ("/v1/chat/completions", _chat(tool_choice={"type": "function",
-                                                "function": {"name": "get_weather"}}),
-     "tool_choice"),
+    # the legacy function-calling fields (tools and tool_choice replace them)
     ("/v1/chat/completions", _chat(functions=[TOOL["function"]]), "functions"),
     ("/v1/chat/completions", _chat(function_call="auto"), "function_call"),
-    ("/v1/chat/completions", _chat(parallel_tool_calls=True), "parallel_tool_calls"),
+    ("/v1/chat/completions", _chat(tool_choice={"type": "function",
+                                                "function": {"name": "get_weather"}}),
+     "not among the tools"),
+    ("/v1/completions", _cmpl(tools=[TOOL]), "chat completions field"),
     # output constraints that cannot be honoured: the grammar engine's reason, or ours
     ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"not": {"type": "string"}}}}), "cannot be compiled"),
@@ -221,6 +219,25 @@ def test_neutral_values_and_client_extras_accepted(server):
     r = _post(server, "/v1/completions", _cmpl(response_format={"type": "text"}, user="u-1",
                                               logit_bias={}))
     assert r.status_code == 200, r.text
+
+
+def test_tool_fields_accepted(server):
+    """The embedded model's template ignores tools, so its prompt is the plain one: with
+    tool_choice auto its text comes back parsed (no call in a two-token answer); required and
+    a named function are constrained outputs (here cut at max_tokens)."""
+    plain = _chat_text(server, messages=USER)
+    for extra in ({"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "auto",
+                                      "parallel_tool_calls": True}):
+        r = _post(server, "/v1/chat/completions", {"max_tokens": 2, "temperature": 0,
+                                                   "messages": USER, **extra})
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["tool_calls"] == [] and msg["content"] == (plain.strip() or None), extra
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = _post(server, "/v1/chat/completions", _chat(tools=[TOOL], tool_choice=choice,
+                                                        max_tokens=2))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_text_content_parts_are_the_text(server):

@@ -88,6 +88,23 @@ def test_stop_string_cut_and_chat(llm):
     assert word not in cut.text
 
 
+def test_the_stopping_token_is_no_text(llm):
+    """As in vLLM: the EOS or stop token that ends a sequence is in token_ids, not in the text,
+    also with skip_special_tokens=False (which otherwise shows special tokens)."""
+    tok = llm.get_tokenizer()
+    chat = [{"role": "user", "content": "Say hi."}]
+    sp = SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False)
+    out = llm.chat(chat, sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
+    assert out.text == tok.decode(out.token_ids[:-1], False)
+    assert tok.decode([tok.eos_token_id], False) not in out.text
+    stop = out.token_ids[2]
+    cut = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop],
+                                        skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    assert cut.stop_reason == stop and cut.token_ids == out.token_ids[:3]
+    assert cut.text == tok.decode(out.token_ids[:2], False)
+
+
 def test_cli_generate_and_chat(capsys, monkeypatch):
     from pdserve import cli
     from pdserve.args import engine_config

@@ -139,13 +139,16 @@ class OutputProcessor:
         out = seq.out
         if out.logprobs is not None:
             out.logprobs.append(self.logprob_entry(tok))
-        stop_str = seq.detok.add(tok.token_id) if seq.detok is not None else None
         n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
+            # The token that stops the sequence is not text (as in vLLM): with
+            # skip_special_tokens=False the EOS would otherwise end the text as "<|im_end|>".
             if not p.ignore_eos and tok.token_id in self.eos_token_ids:
                 return Stop(RequestStatus.FINISHED_STOPPED, None)
             if tok.token_id in p.stop_token_ids:
                 return Stop(RequestStatus.FINISHED_STOPPED, tok.token_id)
+        stop_str = seq.detok.add(tok.token_id) if seq.detok is not None else None
+        if n_out >= p.min_tokens:
             if stop_str is not None:
                 return Stop(RequestStatus.FINISHED_STOPPED, stop_str)
         if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:

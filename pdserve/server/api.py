@@ -176,8 +176,9 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServeOptions | None
         if req.prompt is not None:
             ids = await srv.off_loop(tok.encode, req.prompt, req.add_special_tokens)
         else:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = await srv.off_loop(srv.chat_ids, srv.chat_messages(req.messages),
-                                     req.add_generation_prompt)
+                                     req.add_generation_prompt, tools)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

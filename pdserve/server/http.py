@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from ..checks import check_int, check_number
+from .tool_parsers import get_tool_parser
 
 _json = msgspec.json.Encoder()
 
@@ -47,6 +48,11 @@ class ServeOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     log_stats_interval_s: float | None = None  # the console's stats line (None: none)
+    # the format of the model's tool calls (tool_parsers); None: the one its chat template writes
+    tool_call_parser: str | None = None
+    # tool_choice "none": leave the tools out of the prompt (by default they are rendered, as
+    # vLLM does, and only the parsing is off)
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self):
         for name in ("max_request_bytes", "tokenizer_threads"):
@@ -62,6 +68,8 @@ class ServeOptions:
                 raise ValueError(f"{name} must be a tuple of non-empty strings, got {v!r}")
         if self.log_stats_interval_s is not None:
             check_number("log_stats_interval_s", self.log_stats_interval_s)
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)   # ValueError naming the known ones
 
 
 class Busy(Exception):

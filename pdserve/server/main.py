@@ -85,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "waiting, KV use, prefix cache hit rate), printed while there is traffic "
                         "(default %(default)s)")
     p.add_argument("--disable-log-stats", action="store_true", help="no stats lines")
+    from .tool_parsers import TOOL_PARSERS
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=d.tool_call_parser,
+                   help="the format the model writes tool calls in (hermes: <tool_call>{json}"
+                        "</tool_call>, Hermes 2 Pro / Qwen2.5 / Qwen3; llama3_json: the output "
+                        "is the calls' JSON, Llama 3.1 / 3.2); default: the one the chat "
+                        "template writes, else hermes")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice 'auto' is always on here")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="with tool_choice 'none' leave the tools out of the prompt (default: "
+                        "rendered, as vLLM does, but not parsed)")
     add_engine_args(p)
     add_deployment_args(p)
     return p
@@ -106,7 +117,8 @@ def serve_options(a: argparse.Namespace) -> ServeOptions:
         a.max_request_bytes, a.max_queued_requests, a.shutdown_timeout, a.keepalive,
         a.tokenizer_threads, a.api_key or None, tuple(a.allowed_origins), a.allow_credentials,
         tuple(a.allowed_methods), tuple(a.allowed_headers),
-        None if a.disable_log_stats else a.log_stats_interval)
+        None if a.disable_log_stats else a.log_stats_interval, a.tool_call_parser,
+        a.exclude_tools_when_tool_choice_none)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,13 @@ becomes SamplingParams.
 JSON types are taken at their word: an integer field takes a JSON integer (true is not 1 and "5"
 is not 5), a boolean field only true or false, a number field any JSON number. Chat roles and
 content parts are OpenAI's. Unknown fields are ignored, as OpenAI clients send extras (user,
-metadata, store, ...), except those that ask for something pdserve does not do (tools, audio,
-beam search, ...): they are refused by name (_REFUSED), never dropped.
+metadata, store, ...), except those that ask for something pdserve does not do (audio, beam
+search, the legacy functions / function_call, ...): they are refused by name (_REFUSED), never
+dropped.
+
+Tool calling (chat only): tools are OpenAI function tools, checked here (names, a parameters
+object, tool_choice naming one of them); ChatCompletionRequest.tool_mode() says what the request
+asks of the server's tool-call parser.
 
 Structured outputs come three ways, each becoming one StructuredOutputsParams: OpenAI's
 response_format (json_object, json_schema), vLLM's structured_outputs object and vLLM's older
@@ -13,6 +18,7 @@ guided_json / guided_regex / guided_choice / guided_grammar fields. A request gi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
@@ -53,14 +59,11 @@ def _short(v: Any, limit: int = 40) -> str:
 
 
 # ---- refused fields ----------------------------------------------------------------------------
-_NO_TOOLS = "pdserve has no tool calling"
+_LEGACY = "the legacy function-calling fields are not supported; use tools and tool_choice"
 # field -> (values that ask for nothing, why any other value is refused). None asks for nothing.
 _REFUSED: dict[str, tuple[tuple, str]] = {
-    "tools": (([],), f"tools are not supported ({_NO_TOOLS})"),
-    "tool_choice": (("none",), f"tool_choice other than 'none' is not supported ({_NO_TOOLS})"),
-    "parallel_tool_calls": ((), f"parallel_tool_calls is not supported ({_NO_TOOLS})"),
-    "functions": (([],), f"functions are not supported ({_NO_TOOLS})"),
-    "function_call": (("none",), f"function_call other than 'none' is not supported ({_NO_TOOLS})"),
+    "functions": (([],), f"functions: {_LEGACY}"),
+    "function_call": (("none",), f"function_call: {_LEGACY}"),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "modalities other than ['text'] are not supported"),
     "prompt_logprobs": ((), "prompt_logprobs is not supported; for the logprobs of a prompt use "
@@ -157,9 +160,6 @@ class _Sampling(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None   # accepted and unused: one engine (llguidance)
-    # Accepted only where it asks for nothing (_refuse_unsupported runs first); declared so
-    # that the schema shows what is accepted.
-    tool_choice: Optional[Literal["none"]] = None
     # OpenAI's: token ids as JSON object keys (strings of digits) -> a bias in [-100, 100]
     logit_bias: Optional[dict[str, Number]] = None
 
@@ -252,6 +252,14 @@ Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("
                                  "strings, a list of token ids or a list of token-id lists")]
 
 
+_CHAT_ONLY = "is a chat completions field (/v1/chat/completions)"
+_REFUSED_IN_COMPLETIONS: dict[str, tuple[tuple, str]] = {
+    "tools": (([],), f"tools {_CHAT_ONLY}"),
+    "tool_choice": (("none",), f"tool_choice {_CHAT_ONLY}"),
+    "parallel_tool_calls": ((), f"parallel_tool_calls {_CHAT_ONLY}"),
+}
+
+
 class CompletionRequest(_Sampling):
     prompt: Prompt
     max_tokens: Optional[Int64] = None   # None: the generation config's, else 16 (OpenAI's)
@@ -259,6 +267,12 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = False
     best_of: Optional[Int64] = None
     suffix: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_chat_fields(cls, data: Any) -> Any:
+        _refuse(data, _REFUSED_IN_COMPLETIONS)
+        return data
 
 
 # ---- chat messages -----------------------------------------------------------------------------
@@ -321,6 +335,43 @@ ChatMessage = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, Assi
                               ToolMessage], Field(discriminator="role")]
 
 
+# ---- tools -------------------------------------------------------------------------------------
+# OpenAI's rule for function names
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    name: FunctionName
+    description: Optional[str] = None
+    # a JSON schema of the arguments object (OpenAI: omitted means no arguments)
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """What a chat request asks of the tool-call parser: parse (tool_choice auto, required or a
+    named function), constrain (required: `name` None; named: that function) or neither
+    (no tools, or tool_choice none)."""
+    parse: bool
+    constrain: bool
+    name: Optional[str] = None
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[Int64] = None
@@ -328,6 +379,12 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: Optional[Int64] = None
     add_generation_prompt: StrictBool = True
+    tools: Optional[list[ChatTool]] = None
+    # default: "auto" with tools, "none" without (OpenAI's)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    # false: at most one call (enforced where the output is constrained; with auto, the first
+    # call is kept)
+    parallel_tool_calls: Optional[StrictBool] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -335,12 +392,47 @@ class ChatCompletionRequest(_Sampling):
         _refuse(data, _REFUSED_IN_CHAT)
         return data
 
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise _unsupported(f"tools: function names must be unique; {dup} repeat")
+        for t in self.tools or ():
+            p = t.function.parameters
+            if p is not None and p.get("type", "object") != "object":
+                raise _unsupported(f"tools: the parameters of {t.function.name!r} must be a JSON "
+                                   f"schema of an object (type 'object'), got type "
+                                   f"{_short(p.get('type'))}")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _unsupported(f"tool_choice names function {choice.function.name!r}, which is "
+                               f"not among the tools ({', '.join(names) or 'none given'})")
+        if choice == "required" and not names:
+            raise _unsupported("tool_choice 'required' needs tools")
+        return self
+
+    def tool_mode(self) -> ToolMode:
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return ToolMode(parse=False, constrain=False)
+        if isinstance(choice, NamedToolChoice):
+            return ToolMode(parse=True, constrain=True, name=choice.function.name)
+        return ToolMode(parse=True, constrain=choice == "required")
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template sees them (OpenAI's JSON, unset fields left out)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[ChatTool]] = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 

@@ -1,11 +1,13 @@
 """The OpenAI endpoints' work behind the routes: admission (all-or-none, the queue limit),
-tokenization off the event loop, completions and chat responses, streaming with keep-alives."""
+tokenization off the event loop, completions and chat responses (tool calls through the
+server's tool-call parser), streaming with keep-alives."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +23,9 @@ from ..worker.client import EngineDeadError
 from .async_engine import AsyncEngine, RequestStream
 from .http import Busy, ServeOptions, error_event, sse
 from .metrics import Metrics, RequestTimer
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, ToolMode
+from .tool_parsers import (StreamDelta, ToolParser, ToolSpec, get_tool_parser, new_call_id,
+                           parser_for_template)
 
 _ids = itertools.count()
 
@@ -30,6 +34,89 @@ _ids = itertools.count()
 # may exceed the whole text's by a few tokens cut at its end.
 _HEAD_CHARS_PER_TOKEN = 16
 _HEAD_MARGIN = 16
+
+
+def _template_tool_calls(calls, where: str):
+    """An assistant message's tool_calls as chat templates take them: function.arguments as
+    an object, not OpenAI's JSON string (transformers' documented form, which tool templates
+    such as Qwen2.5's write with `tojson`; vLLM converts the same way)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}.tool_calls.{j} needs function.name (a string)")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"{where}.tool_calls.{j}.function.arguments is not valid JSON: "
+                                 f"{e}") from None
+        elif args is None:
+            args = {}
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def _tools_template(tok) -> str | None:
+    """The template a request with tools is rendered with (the tokenizer's choice)."""
+    if tok is None:
+        return None
+    return tok.named_chat_templates.get("tool_use") or tok.chat_template
+
+
+def _tool_calls_json(calls) -> list[dict]:
+    return [{"id": new_call_id(), "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _tool_message(extracted, finish_reason: str | None, single: bool) -> tuple[dict, str | None]:
+    """The chat message of a parsed output (single: only its first call) and its
+    finish_reason ("tool_calls" when the model stopped after making calls)."""
+    calls = extracted.calls[:1] if single else extracted.calls
+    message = {"role": "assistant", "content": extracted.content,
+               "tool_calls": _tool_calls_json(calls)}
+    return message, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+class _StreamedCalls:
+    """One streamed chat request's tool-call parsing: a streamer per choice; each step's text
+    becomes an OpenAI delta (content, tool_calls pieces). Without a parser the text is the
+    content, as it is."""
+
+    def __init__(self, parser: ToolParser | None, single: bool):
+        self.parser, self.single = parser, single
+        self.streamers: dict[int, object] = {}
+
+    def delta(self, choice: int, text: str, finished: bool,
+              finish_reason: str | None) -> tuple[dict, str | None]:
+        if self.parser is None:
+            return {"content": text}, finish_reason
+        st = self.streamers.get(choice)
+        if st is None:
+            st = self.streamers[choice] = self.parser.streamer()
+        d: StreamDelta = st.feed(text)
+        if finished:
+            d = d.then(st.finish())
+        delta: dict = {}
+        if d.content:
+            delta["content"] = d.content
+        pieces = []
+        for call in d.calls:
+            if self.single and call.index > 0:
+                continue
+            if call.name is not None:
+                pieces.append({"index": call.index, "id": new_call_id(), "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}})
+            else:
+                pieces.append({"index": call.index, "function": {"arguments": call.arguments}})
+        if pieces:
+            delta["tool_calls"] = pieces
+        if finished and st.num_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return delta, finish_reason
 
 
 class OpenAIServing:
@@ -45,6 +132,8 @@ class OpenAIServing:
                                        thread_name_prefix="pdserve-tokenize")
         self.waiting: set[RequestStream] = set()  # admitted, no output yet
         self.draining = False   # a shutdown has begun
+        self.tool_parser: ToolParser = get_tool_parser(
+            options.tool_call_parser or parser_for_template(_tools_template(engine.tokenizer)))
 
     # ---- helpers -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -333,18 +422,23 @@ class OpenAIServing:
     @staticmethod
     def chat_messages(messages) -> list[dict]:
         out = []
-        for m in messages:
+        for i, m in enumerate(messages):
             content = m.content
             if isinstance(content, list):  # content parts: the text ones
                 content = "".join(p.get("text", "") for p in content
                                   if isinstance(p, dict) and p.get("type") == "text")
-            out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+            extra = dict(m.model_extra or {})
+            if "tool_calls" in extra:
+                extra["tool_calls"] = _template_tool_calls(extra["tool_calls"], f"messages.{i}")
+            out.append({**extra, "role": m.role, "content": content or ""})
         return out
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool,
+                 tools: list[dict] | None = None) -> list[int]:
         """The rendered chat's token ids (on the tokenizer threads): the template writes BOS
-        where the model wants it."""
-        text = self.tokenizer().apply_chat_template(messages, add_generation_prompt)
+        where the model wants it; tools (OpenAI's JSON) go to the template as `tools`."""
+        kw = {} if tools is None else {"tools": tools}
+        text = self.tokenizer().apply_chat_template(messages, add_generation_prompt, **kw)
         return self.encode(text, add_special_tokens=False)
 
     def chat_logprobs(self, c, token_ids: list[int], entries: list, k: int) -> dict:
@@ -364,32 +458,59 @@ class OpenAIServing:
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         self.tokenizer()
+        mode = req.tool_mode()
+        tools = req.tool_dicts()
+        if not mode.parse and self.options.exclude_tools_when_tool_choice_none:
+            tools = None
         ids = await self.off_loop(self.chat_ids, self.chat_messages(req.messages),
-                                  req.add_generation_prompt)
+                                  req.add_generation_prompt, tools)
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         k = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        params = req.sampling_params(max_tokens, k if req.logprobs else None,
-                                     self.sampling_defaults,
-                                     max(1, self.engine.max_model_len - len(ids)))
+        params = self.tool_params(req, mode, req.sampling_params(
+            max_tokens, k if req.logprobs else None, self.sampling_defaults,
+            max(1, self.engine.max_model_len - len(ids))))
         self.check_length(len(ids), params.max_tokens)
+        parser = self.tool_parser if mode.parse else None
         cid = f"chatcmpl-{next(_ids)}"
         streams = await self.admit([AddRequest(cid, {"prompt_token_ids": ids}, params)])
         if req.stream:
-            return self.stream(streams, lambda i, out: self.chat_chunks(cid, req, out),
+            calls = _StreamedCalls(parser, req.parallel_tool_calls is False)
+            return self.stream(streams, lambda i, out: self.chat_chunks(cid, req, out, calls),
                                cid, "chat.completion.chunk", req,
                                first=self.chat_role_chunks(cid, params.n))
         (out,) = await self.collect(streams, raw)
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": (self.chat_logprobs(c, c.token_ids, c.logprobs or [], k)
-                                 if req.logprobs else None),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if parser is not None:
+                message, finish = _tool_message(parser.extract(c.text), finish,
+                                                req.parallel_tool_calls is False)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": (self.chat_logprobs(c, c.token_ids, c.logprobs or [], k)
+                                         if req.logprobs else None),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": cid, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": self.usage([out])}
+
+    def tool_params(self, req: ChatCompletionRequest, mode: ToolMode, params):
+        """The sampling parameters a tool mode needs: the parser's special tokens kept; for
+        tool_choice required or a named function, the parser's grammar of its calls."""
+        if not mode.parse:
+            return params
+        if self.tool_parser.keep_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        if mode.constrain:
+            if params.structured_outputs is not None:
+                raise ValueError("tool_choice 'required' or a named function constrains the output "
+                                 "itself; give no other output constraint (response_format, "
+                                 "structured_outputs, guided_*) with it")
+            specs = [ToolSpec(t.function.name, t.function.parameters) for t in req.tools]
+            params = dataclasses.replace(params, structured_outputs=self.tool_parser.constraint(
+                specs, mode.name, parallel=req.parallel_tool_calls is not False))
+        return params
 
     def chat_role_chunks(self, cid: str, n: int) -> list[dict]:
         return [{"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -397,7 +518,8 @@ class OpenAIServing:
                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}]} for i in range(n)]
 
-    def chat_chunks(self, cid: str, req: ChatCompletionRequest, out: RequestOutput) -> list[dict]:
+    def chat_chunks(self, cid: str, req: ChatCompletionRequest, out: RequestOutput,
+                    calls: _StreamedCalls) -> list[dict]:
         chunks = []
         for c in out.outputs:
             if not c.new_token_ids and not c.finished:
@@ -407,10 +529,13 @@ class OpenAIServing:
                 k = len(c.new_token_ids)
                 lp = self.chat_logprobs(c, c.new_token_ids, (c.logprobs or [])[-k:] if k else [],
                                         req.top_logprobs or 0)
+            delta, finish = calls.delta(c.index, c.new_text, c.finished, c.finish_reason)
+            if not delta and lp is None and not c.finished:
+                continue   # text the tool-call parser holds (a tag begun, a call's head)
             chunks.append({"id": cid, "object": "chat.completion.chunk",
                            "created": int(time.time()), "model": self.model_name,
-                           "choices": [{"index": c.index, "delta": {"content": c.new_text},
-                                        "logprobs": lp, "finish_reason": c.finish_reason}]})
+                           "choices": [{"index": c.index, "delta": delta,
+                                        "logprobs": lp, "finish_reason": finish}]})
         return chunks
 
     # ---- running requests ----------------------------------------------------------------------
