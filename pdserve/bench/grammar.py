@@ -16,6 +16,7 @@ For each engine (xgrammar, llguidance), on the same seeded random JSON schemas:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -290,6 +291,8 @@ def run(args) -> dict[str, Any]:
     schemas = [random_schema(rng) for _ in range(args.schemas)]
     results = []
     for name in args.engines:
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"{name} is not installed (pip install {name})")
         r = run_engine(ENGINES[name], tok, vocab, stop_ids, schemas, args)
         results.append(r)
         c, m = r["compile_ms"], r["mask_ms"]
