@@ -252,9 +252,9 @@ def test_preemption_and_async_scheduling_keep_the_grammar(async_scheduling):
     validate and equal those of a pool big enough for all (greedy and seeded rows)."""
     common = dict(async_scheduling=async_scheduling, max_num_batched_tokens=64, block_size=4)
     big = LLMEngine(EngineConfig(num_kv_blocks=1024, **common))
-    ref = _run(big, _requests())
-    small = LLMEngine(EngineConfig(num_kv_blocks=48, **common))
-    got = _run(small, _requests())
+    ref = _run(big, _requests(8))
+    small = LLMEngine(EngineConfig(num_kv_blocks=40, **common))
+    got = _run(small, _requests(8))
     assert small.scheduler.num_preemptions > 0 and big.scheduler.num_preemptions == 0
     for rid, o in ref.items():
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
@@ -267,7 +267,7 @@ def test_pd_hand_off_continues_the_grammar(tmp_path):
     cfg = EngineConfig(kv_connector="shared", num_kv_blocks=256, block_size=4)
     P, D = LLMEngine(cfg), LLMEngine(cfg)
     D.connect_kv([P.kv_export("p")])
-    for i, req in enumerate(_requests(4, seed=1)):
+    for i, req in enumerate(_requests(2, seed=1)):
         ref = _run(P, [dataclasses.replace(req, request_id=f"ref{i}")])[f"ref{i}"]
         first = _run(P, [dataclasses.replace(
             req, params=dataclasses.replace(req.params, max_tokens=1), kv_hold=True)])[
