@@ -3,7 +3,7 @@ a Hermes-style chat template): with_structured_output by json_schema (response_f
 function_calling (tools + a named tool_choice) returns the pydantic model, and bind_tools
 (a python function by name, a pydantic tool with "any") returns AIMessage.tool_calls whose
 arguments validate against the tool's schema. Nothing here counts tokens, so tiktoken (which
-ChatOpenAI imports) never fetches an encoding."""
+ChatOpenAI imports) is never asked for an encoding, which it would fetch from the network."""
 import pytest
 
 pytest.importorskip("langchain_openai")
@@ -41,7 +41,14 @@ def get_weather(city: str, days: int) -> str:
 
 
 @pytest.fixture
-def llm(tools_server):
+def llm(tools_server, monkeypatch):
+    # counting tokens would fetch an encoding from the network (none in CI): fail plainly
+    tiktoken = pytest.importorskip("tiktoken")
+
+    def fetch(*a, **kw):
+        raise AssertionError("ChatOpenAI asked tiktoken for an encoding")
+    monkeypatch.setattr(tiktoken, "get_encoding", fetch)
+    monkeypatch.setattr(tiktoken, "encoding_for_model", fetch)
     return ChatOpenAI(base_url=tools_server + "/v1", api_key="none", model=MODEL,
                       temperature=0, max_tokens=60, max_retries=0, timeout=120)
 
