@@ -46,6 +46,49 @@ def small_server():
     yield from served(["--max-num-seqs", "16", "--max-model-len", "256"])
 
 
+# Qwen2.5's layout, shortened: the tools in the system turn, calls as <tool_call> JSON with
+# the arguments written by tojson (so an object, not a string, is what the template wants).
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Write each call as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls is defined %}<|im_start|>assistant
+{% for tc in message.tool_calls %}<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory):
+    """One `pdserve serve` (embedded SmolLM2, whose own template ignores tools, so
+    HERMES_TEMPLATE is given with --chat-template; Hermes tool-call parser, auto tool choice,
+    4 sequences, max_model_len 512) shared by the tool-calling and LangChain tests: its base
+    URL."""
+    path = tmp_path_factory.mktemp("tools") / "hermes.jinja"
+    path.write_text(HERMES_TEMPLATE)
+    yield from served(["--max-num-seqs", "4", "--max-model-len", "512",
+                       "--chat-template", str(path), "--tool-call-parser", "hermes",
+                       "--enable-auto-tool-choice"])
+
+
 class _NameMapOnly:
     """Just what transformers' ``get_gguf_hf_weights_map`` reads from ``model_to_load``.
 

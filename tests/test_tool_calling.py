@@ -14,35 +14,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from pdserve.server.tool_parsers import HermesToolParser  # noqa: E402
 
-# Qwen2.5's layout, shortened: the tools in the system turn, calls as <tool_call> JSON with
-# the arguments written by tojson (so an object, not a string, is what the template wants).
-TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-You may call these functions:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-Write each call as <tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" and message.tool_calls is defined %}<|im_start|>assistant
-{% for tc in message.tool_calls %}<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>
-{% endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city.",
     "parameters": {"type": "object", "properties": {
@@ -61,14 +32,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 
 ASK_MONEY = [{"role": "user", "content": "How many yen are 20 dollars?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from .conftest import served
-    path = tmp_path_factory.mktemp("tools") / "hermes.jinja"
-    path.write_text(TEMPLATE)
-    yield from served(["--max-num-seqs", "4", "--max-model-len", "512",
-                       "--chat-template", str(path), "--tool-call-parser", "hermes",
-                       "--enable-auto-tool-choice"])
+@pytest.fixture
+def server(tools_server):
+    return tools_server
 
 
 def _post(base, body, path="/v1/chat/completions"):

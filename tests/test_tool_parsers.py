@@ -1,7 +1,8 @@
 """The Hermes tool-call parser on hand-written outputs (expected calls written out by hand), and
 its streamer fed each text split at every character boundary (and one character at a time)
 giving the same calls and content as extract(); its constraint grammar accepts the calls it
-describes and refuses others (checked with llguidance over the embedded tokenizer)."""
+describes and refuses others, arguments with members the tool does not declare among them
+(checked with llguidance over the embedded tokenizer)."""
 import json
 
 import pytest
@@ -195,9 +196,13 @@ def test_constraint_named(compiler):
           '\n</tool_call>')
     assert _accepts(compiler, spec, ok)
     assert P.extract(ok).calls == (ToolCall("get_weather", '{"city": "Oslo", "days": 2}'),)
+    extra = ok.replace("2}", '2, "unit": "C"}')   # a member the tool does not declare
     for bad in (ok.replace("get_weather", "add"), ok.replace("2}", '"2"}'),
-                ok.replace(', "days": 2', ""), ok + "\n" + ok, "Hi " + ok):
+                ok.replace(', "days": 2', ""), ok + "\n" + ok, "Hi " + ok, extra):
         assert not _accepts(compiler, spec, bad), bad
+    # a tool that lets other members in keeps them
+    open_weather = ToolSpec("get_weather", {**WEATHER.parameters, "additionalProperties": True})
+    assert _accepts(compiler, P.constraint([open_weather], name="get_weather"), extra)
 
 
 def test_constraint_required(compiler):
@@ -222,3 +227,4 @@ def test_constraint_llama3(compiler):
     named = L.constraint([WEATHER, ADD], name="add")
     assert _accepts(compiler, named, one) and not _accepts(compiler, named, two)
     assert not _accepts(compiler, named, one.replace("add", "get_weather"))
+    assert not _accepts(compiler, named, one.replace("4}", '4, "y": 5}'))

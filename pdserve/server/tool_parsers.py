@@ -20,7 +20,8 @@ The contract every parser keeps:
   then breaks (or the output ends inside it), the streamed call stands while extract() has
   content: the two agree on every output whose calls are well formed;
 * constraint() is what enforces tool_choice "required" or a named function: a grammar for the
-  format's own call syntax around each tool's parameters schema, so the constrained output is
+  format's own call syntax around each tool's parameters schema (its listed objects closed to
+  members the tool does not declare: structured/json_schema.py), so the constrained output is
   parsed by the same extract() / streamer() as a free one.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
 from ..sampling_params import StructuredOutputsParams
+from ..structured.json_schema import closed_objects
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,8 @@ def _with_local_refs(schema: Any, base: str) -> Any:
 
 
 def _call_schema(tool: ToolSpec, base: str, key: str = "arguments") -> dict:
-    params = tool.parameters if tool.parameters is not None else {"type": "object"}
+    # closed: members the tool does not declare are of no use to it (see closed_objects)
+    params = closed_objects(tool.parameters) if tool.parameters is not None else {"type": "object"}
     return {"type": "object",
             "properties": {"name": {"const": tool.name},
                            key: _with_local_refs(params, f"{base}/properties/{key}")},
