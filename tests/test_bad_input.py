@@ -176,6 +176,13 @@ def test_kv_pool_bigger_than_the_machine(model_dir):
         LLM(str(model_dir), kv_cache_memory_gb=10 ** 6, **kw)
 
 
+def test_kv_budget_smaller_than_one_block(model_dir):
+    """A budget that holds no block is a ValueError saying what to change, not a pool of one
+    block that silently caps max_model_len at block_size (1e-9 GiB is ~1 byte)."""
+    with pytest.raises(ValueError, match="no room for the KV cache: kv_cache_memory_gb=1e-09"):
+        LLM(str(model_dir), kv_cache_memory_gb=1e-9, skip_tokenizer_init=True, block_size=4)
+
+
 def test_dummy_config_folder_takes_token_ids(tmp_path, model_dir):
     d = tmp_path / "cfgonly"
     d.mkdir()

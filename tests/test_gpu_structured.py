@@ -34,7 +34,8 @@ def test_gpu_bitmask_equals_cpu():
 def test_gpu_constrained_generation_parses(async_scheduling):
     pytest.importorskip("llguidance")
     from pdserve import LLM
-    llm = LLM(MODEL, load_format="dummy", device="cuda", gpu_memory_utilization=0.3,
+    # (an explicit pool: a second LLM in this process would find the first's memory taken)
+    llm = LLM(MODEL, load_format="dummy", device="cuda", num_kv_blocks=4096,
               async_scheduling=async_scheduling)
     schema = {"type": "object", "properties": {
         "color": {"enum": ["red", "green", "blue"]},

@@ -30,7 +30,9 @@ def plan_kv_pool(config: EngineConfig, model) -> tuple[int, int]:
         budget = torch.tensor([_kv_budget_bytes(config)], dtype=torch.int64,
                               device=config.torch_device)
         get_tp_group().all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
-        num_blocks = max(1, int(budget.item()) // bytes_per_block)
+        num_blocks = int(budget.item()) // bytes_per_block
+        if num_blocks < 1:   # (a pool of one block would cap max_model_len at block_size)
+            raise ValueError(_no_room(config, int(budget.item()), bytes_per_block))
     _check_pool_fits(config, num_blocks, bytes_per_block)
     capacity = num_blocks * config.block_size
     if config.max_model_len is not None and config.max_model_len > capacity:
@@ -65,6 +67,22 @@ def _check_pool_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int
     raise ValueError(f"the KV pool does not fit: {num_blocks} blocks (+1 scratch) of "
                      f"{config.block_size} tokens take {need / (1 << 30):.1f} GiB, more than "
                      f"{where} ({have / (1 << 30):.1f} GiB); set by {cause}")
+
+
+def _no_room(config: EngineConfig, budget: int, bytes_per_block: int) -> str:
+    gib = 1 << 30
+    if config.kv_cache_memory_gb is not None:
+        why = f"kv_cache_memory_gb={config.kv_cache_memory_gb}"
+    elif config.torch_device.type == "cuda":
+        why = (f"gpu_memory_utilization={config.gpu_memory_utilization} of the GPU, less what "
+               f"this process already holds ({torch.cuda.memory_reserved(config.torch_device) / gib:.1f} "
+               "GiB: the weights, and any other engine built in this process) and "
+               f"{ACTIVATION_RESERVE_BYTES / gib:.0f} GiB for activations")
+    else:
+        why = "the default KV budget"
+    return (f"no room for the KV cache: {why} leaves {max(0, budget) / gib:.2f} GiB, less than "
+            f"one block ({bytes_per_block / gib:.4f} GiB); raise gpu_memory_utilization (or "
+            "kv_cache_memory_gb), free the other engine, or pass num_kv_blocks")
 
 
 def _kv_budget_bytes(cfg: EngineConfig) -> int:
