@@ -33,6 +33,10 @@ from ..sampling_params import StructuredOutputsParams
 # Distinct constraints whose compiled matcher is kept (LRU).
 GRAMMAR_CACHE_SIZE = 256
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# (errors name the constraint, not the request field: it may have come as response_format,
+# structured_outputs, guided_* or a tool choice)
+_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex",
+               "choice": "choice", "grammar": "grammar"}
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -121,12 +125,12 @@ class GrammarCompiler:
         try:
             text = grammar_text(spec)
         except Exception as e:  # noqa: BLE001 - the converters raise their own kinds
-            raise ValueError(f"structured_outputs ({spec.kind}) cannot be compiled: "
-                             f"{_one_line(e)}") from None
+            raise ValueError(f"the output constraint ({_KIND_NAMES[spec.kind]}) cannot be "
+                             f"compiled: {_one_line(e)}") from None
         m = llguidance.LLMatcher(self._ll(), text, log_level=0)
         if m.is_error():
-            raise ValueError(f"structured_outputs ({spec.kind}) cannot be compiled: "
-                             f"{_one_line(m.get_error())}")
+            raise ValueError(f"the output constraint ({_KIND_NAMES[spec.kind]}) cannot be "
+                             f"compiled: {_one_line(m.get_error())}")
         with self._lock:
             self._cache[key] = m
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
