@@ -83,7 +83,10 @@ def new_call_id() -> str:
 
 
 class ToolCallStreamer(ABC):
-    """One output's incremental parse (not thread-safe; one per choice)."""
+    """One output's incremental parse (not thread-safe; one per choice). Subclasses count the
+    calls they begin in `calls`."""
+
+    calls: int = 0
 
     @abstractmethod
     def feed(self, text: str) -> StreamDelta: ...
@@ -92,9 +95,9 @@ class ToolCallStreamer(ABC):
     def finish(self) -> StreamDelta: ...
 
     @property
-    @abstractmethod
     def num_calls(self) -> int:
         """Calls begun so far."""
+        return self.calls
 
 
 class ToolParser(ABC):
@@ -297,6 +300,22 @@ def _call_schema(tool: ToolSpec, base: str, key: str = "arguments") -> dict:
             "required": ["name", key], "additionalProperties": False}
 
 
+def _calls_schema(tools: Sequence[ToolSpec], name: str | None, parallel: bool,
+                  key: str) -> tuple[dict, bool]:
+    """The JSON schema of one call for a constraint (a named tool's, or any of the tools' for
+    tool_choice required) and whether calls may repeat (required with parallel calls)."""
+    if name is not None:
+        (tool,) = [t for t in tools if t.name == name]
+        schema, repeat = _call_schema(tool, "#", key), False
+    else:
+        if not tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        schema = {"anyOf": [_call_schema(t, f"#/anyOf/{i}", key) for i, t in enumerate(tools)]}
+        repeat = parallel
+    schema["x-guidance"] = _JSON_STYLE
+    return schema, repeat
+
+
 class HermesToolParser(ToolParser):
     """NousResearch Hermes 2 Pro / Qwen2.5 / Qwen3: each call is
 
@@ -328,15 +347,7 @@ class HermesToolParser(ToolParser):
 
     def constraint(self, tools: Sequence[ToolSpec], name: str | None = None,
                    parallel: bool = True) -> StructuredOutputsParams:
-        if name is not None:
-            (tool,) = [t for t in tools if t.name == name]
-            schema, repeat = _call_schema(tool, "#"), False
-        else:
-            if not tools:
-                raise ValueError("tool_choice 'required' needs tools")
-            schema = {"anyOf": [_call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(tools)]}
-            repeat = parallel
-        schema["x-guidance"] = _JSON_STYLE
+        schema, repeat = _calls_schema(tools, name, parallel, "arguments")
         call = (f"call: {json.dumps(self.OPEN + chr(10))} %json "
                 f"{json.dumps(schema, ensure_ascii=False)} {json.dumps(chr(10) + self.CLOSE)}")
         start = 'start: call ("\\n" call)*' if repeat else "start: call"
@@ -364,10 +375,6 @@ class _HermesStreamer(ToolCallStreamer):
         self.call: _OpenCall | None = None
         self.content = _Content()
         self.calls = 0
-
-    @property
-    def num_calls(self) -> int:
-        return self.calls
 
     def feed(self, text: str) -> StreamDelta:
         content, deltas = [], []
@@ -488,16 +495,7 @@ class Llama3JsonToolParser(ToolParser):
 
     def constraint(self, tools: Sequence[ToolSpec], name: str | None = None,
                    parallel: bool = True) -> StructuredOutputsParams:
-        if name is not None:
-            (tool,) = [t for t in tools if t.name == name]
-            schema, repeat = _call_schema(tool, "#", "parameters"), False
-        else:
-            if not tools:
-                raise ValueError("tool_choice 'required' needs tools")
-            schema = {"anyOf": [_call_schema(t, f"#/anyOf/{i}", "parameters")
-                                for i, t in enumerate(tools)]}
-            repeat = parallel
-        schema["x-guidance"] = _JSON_STYLE
+        schema, repeat = _calls_schema(tools, name, parallel, "parameters")
         call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
         start = f'start: call ({json.dumps(self.SEP + " ")} call)*' if repeat else "start: call"
         return StructuredOutputsParams(grammar=f"{start}\n{call}\n")
@@ -518,10 +516,6 @@ class _Llama3Streamer(ToolCallStreamer):
         self.call: _OpenCall | None = None
         self.content = _Content()
         self.calls = 0
-
-    @property
-    def num_calls(self) -> int:
-        return self.calls
 
     def feed(self, text: str) -> StreamDelta:
         self.text += text
