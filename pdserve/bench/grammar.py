@@ -125,51 +125,30 @@ class _Xgrammar:
 
 
 class _Llguidance:
+    """The engine as pdserve serves with it: structured.grammar.GrammarCompiler."""
     name = "llguidance"
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
-        import llguidance
-        import llguidance.torch as ltorch
-        self.ll, self.ltorch = llguidance, ltorch
-        self.tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LlgVocab(tokenizer, stop_ids)),
-                                          n_vocab=vocab_size)
+        from ..sampling_params import StructuredOutputsParams
+        from ..structured.grammar import GrammarCompiler
+        self.spec = StructuredOutputsParams
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids)
+        self.compiler.prepare()
 
     def compile(self, schema: dict):
-        grammar = self.ll.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False})
-        is_err, msgs = self.ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tok)
-        if is_err:
-            raise ValueError(msgs[0])
-        return grammar
+        return self.spec(json=schema)
 
-    def matcher(self, grammar):
-        m = self.ll.LLMatcher(self.tok, grammar)
-        if m.is_error():
-            raise ValueError(m.get_error())
-        return m
+    def matcher(self, spec):
+        return self.compiler.matcher(spec)    # (compiles: a new schema is not in the cache)
 
     def fill(self, m, bitmask: torch.Tensor) -> None:
-        self.ltorch.fill_next_token_bitmask(m, bitmask, 0)
+        self.compiler.fill_bitmask([(m, 0)], bitmask)
 
     def accept(self, m, token: int) -> bool:
-        return m.consume_token(token)
+        return m.accept(token)
 
     def done(self, m) -> bool:
-        return m.is_stopped()
-
-
-class _LlgVocab:
-    """What llguidance's TokenizerWrapper reads: bytes per id, specials, EOS, an encoder."""
-
-    def __init__(self, tokenizer, stop_ids: list[int]):
-        self.tokens = tokenizer.token_bytes()
-        self.eos_token_id = stop_ids[0]
-        self.bos_token_id = tokenizer.bos_token_id
-        self.special_token_ids = sorted(tokenizer.special_token_ids)
-        self._tok = tokenizer
-
-    def __call__(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
+        return m.done
 
 
 ENGINES = {"xgrammar": _Xgrammar, "llguidance": _Llguidance}

@@ -101,6 +101,10 @@ class GrammarCompiler:
     def bitmask_words(self) -> int:
         return (self.vocab_size + 31) // 32
 
+    def prepare(self) -> None:
+        """Build the engine's view of the vocabulary now (else at the first constraint)."""
+        self._ll()
+
     def _ll(self):
         with self._lock:
             return self._ll_locked()
