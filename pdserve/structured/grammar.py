@@ -12,8 +12,8 @@ sequence ends at its next token.
 
 The engine is llguidance, chosen by measurement (pdserve bench grammar,
 bench/results/grammar-engines-cpu.json; RESULTS.md "Structured outputs"): on 100 random schemas
-over the embedded tokenizer both engines' masks kept every walk valid, xgrammar's masks were
-faster (tens of microseconds each for both, far below a decode step), but xgrammar compiled
+over the embedded tokenizer both engines' masks kept every walk valid at a like cost (tens of
+microseconds a token, far below a decode step), but xgrammar compiled
 schemas whose keywords it does not enforce (not, uniqueItems, if/then, contains), so output
 could break the schema, while llguidance refuses them with a message (an HTTP 400 here). It is
 also one wheel with no dependencies.
