@@ -20,6 +20,8 @@ from pdserve.layers.sampler import Sampler, SamplingBatch, apply_token_bitmask
 from pdserve.protocol import AddRequest
 from pdserve.worker.llm_engine import LLMEngine
 
+from .test_disagg import _run as run_to_end
+
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
@@ -225,12 +227,7 @@ def test_no_tokenizer_is_a_clear_error():
 
 
 def _run(engine, reqs):
-    engine.add_requests(reqs)
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    done = run_to_end(engine, reqs)
     engine.check_integrity()
     return done
 
