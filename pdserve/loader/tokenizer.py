@@ -213,6 +213,14 @@ class Tokenizer:
 
     # -- chat ------------------------------------------------------------------------------
 
+    def chat_template_for(self, tools: bool) -> str | None:
+        """The template a chat is rendered with when none is named: the model's `tool_use`
+        template for a request with tools, when it has one (as transformers picks), else its
+        default."""
+        if tools and "tool_use" in self.named_chat_templates:
+            return self.named_chat_templates["tool_use"]
+        return self.chat_template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False, **kwargs: Any) -> str | list[int]:
         """Render ``messages`` with the model's chat template.
@@ -226,10 +234,8 @@ class Tokenizer:
         template = kwargs.pop("chat_template", None)
         if template is not None and template in self.named_chat_templates:
             template = self.named_chat_templates[template]
-        if template is None and kwargs.get("tools") and "tool_use" in self.named_chat_templates:
-            template = self.named_chat_templates["tool_use"]
         if template is None:
-            template = self.chat_template
+            template = self.chat_template_for(bool(kwargs.get("tools")))
         if template is None:
             raise ValueError(f"the model ({self.source or 'tokenizer'}) has no chat template; "
                              "pass chat_template= or use the completions API")

@@ -60,13 +60,6 @@ def _template_tool_calls(calls, where: str):
     return out
 
 
-def _tools_template(tok) -> str | None:
-    """The template a request with tools is rendered with (the tokenizer's choice)."""
-    if tok is None:
-        return None
-    return tok.named_chat_templates.get("tool_use") or tok.chat_template
-
-
 def _tool_calls_json(calls) -> list[dict]:
     return [{"id": new_call_id(), "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
@@ -133,7 +126,8 @@ class OpenAIServing:
         self.waiting: set[RequestStream] = set()  # admitted, no output yet
         self.draining = False   # a shutdown has begun
         self.tool_parser: ToolParser = get_tool_parser(
-            options.tool_call_parser or parser_for_template(_tools_template(engine.tokenizer)))
+            options.tool_call_parser or parser_for_template(
+                None if engine.tokenizer is None else engine.tokenizer.chat_template_for(True)))
 
     # ---- helpers -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
