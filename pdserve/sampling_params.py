@@ -30,6 +30,10 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
 
+# StructuredOutputsParams' constraints, each a field of it
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A constraint on the generated text (vLLM's names): exactly one of
@@ -53,8 +57,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
                              f"grammar, json_object; got {given or 'none'}")
@@ -90,8 +93,16 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_mapping(cls, fields: Mapping[str, Any]) -> "StructuredOutputsParams":
+        """From a JSON object (vLLM's structured_outputs); ValueError for a field it lacks."""
+        unknown = sorted(set(fields) - set(STRUCTURED_OUTPUT_KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs has unsupported fields {unknown}: unknown "
+                             f"fields are refused (supported: {', '.join(STRUCTURED_OUTPUT_KINDS)})")
+        return cls(**fields)
 
     @property
     def key(self) -> tuple:
@@ -227,10 +238,7 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             if isinstance(so, Mapping):
-                unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
-                if unknown:
-                    bad("structured_outputs", so, f"has unknown fields {sorted(unknown)}")
-                so = StructuredOutputsParams(**so)
+                so = StructuredOutputsParams.from_mapping(so)
             else:
                 bad("structured_outputs", so, "must be None or a StructuredOutputsParams")
             set_(self, "structured_outputs", so)

@@ -176,7 +176,7 @@ class _Sampling(BaseModel):
             found.append(("response_format", self.response_format.structured()))
         if self.structured_outputs is not None:
             found.append(("structured_outputs",
-                          StructuredOutputsParams(**_known(self.structured_outputs))))
+                          StructuredOutputsParams.from_mapping(self.structured_outputs)))
         for name, kind in _GUIDED.items():
             v = getattr(self, name)
             if v is not None:
@@ -211,17 +211,6 @@ class _Sampling(BaseModel):
             kw["logit_bias"] = _token_id_keys(self.logit_bias)
         kw["structured_outputs"] = self.structured()
         return SamplingParams(**kw)
-
-
-_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def _known(fields: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(fields) - set(_STRUCTURED_FIELDS))
-    if unknown:
-        raise ValueError(f"structured_outputs has unsupported fields {unknown} (supported: "
-                         f"{', '.join(_STRUCTURED_FIELDS)})")
-    return fields
 
 
 def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
