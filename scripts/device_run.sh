@@ -66,7 +66,7 @@ for stage in "$@"; do
     tp) python3 -m pdserve bench tp --models qwen2.5-7b --tp-sizes 1 2 --batch-sizes 1 8 --output "$OUT/tp-h200x2.json" 2>&1 | grep -v "^Processed" | tee "$OUT/tp.log" | tail -20;;
     serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
-             --device cuda --port 8000 --gpu-memory-utilization 0.8 > "$OUT/serve-server.log" 2>&1 &
+             --device cuda --port 8000 --gpu-memory-utilization 0.8 ${SERVE_ARGS:---no-enable-prefix-caching} > "$OUT/serve-server.log" 2>&1 &
            wait_up $! || { tail -5 "$OUT/serve-server.log"; continue; }
            python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-200} \
              --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
