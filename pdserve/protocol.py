@@ -44,20 +44,35 @@ class KVSource(msgspec.Struct):
     `block_ids` (table order), covering the first `num_tokens` positions. `output_token_ids`
     are the tokens the producer already sampled (their KV is not computed yet).
     worker "" (and no blocks): the KV is lost (its producer died); the consumer recomputes the
-    prompt and continues after output_token_ids all the same."""
+    prompt and continues after output_token_ids all the same.
+
+    skip_blocks (two-sided connectors only; one-sided consumers match their own cache): the
+    leading whole blocks the router believes the consumer has cached (its prefix index), so
+    the producer sends only block_ids[skip_blocks:] (sent_block_ids) and the consumer receives
+    exactly those. Always fewer than len(block_ids): the last block is always sent.
+
+        block_ids   [b0 b1 b2 | b3 b4]      skip_blocks 3: b3, b4 travel; the consumer reuses
+                     cached     sent        its own cached blocks for positions [0, 3 * bs)
+    """
     worker: str
     request_id: str
     block_ids: list[int]
     num_tokens: int
     output_token_ids: list[int]
+    skip_blocks: int = 0
 
     @property
     def lost(self) -> bool:
         return not self.worker
 
+    @property
+    def sent_block_ids(self) -> list[int]:
+        """The blocks a two-sided producer sends (those past skip_blocks)."""
+        return self.block_ids[self.skip_blocks:]
+
     def without_kv(self) -> "KVSource":
         """The same continuation with its KV lost (recomputed where it lands)."""
-        return msgspec.structs.replace(self, worker="", block_ids=[])
+        return msgspec.structs.replace(self, worker="", block_ids=[], skip_blocks=0)
 
 
 class KVLoad(NamedTuple):

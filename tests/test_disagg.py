@@ -210,6 +210,10 @@ def test_bad_kv_source_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="blocks for"):
         D.add_request("b", [1, 2, 3, 4, 5], GREEDY,
                       kv_source=msgspec.structs.replace(src, block_ids=src.block_ids[:1]))
+    for skip in (2, -1):   # (2 blocks: at most 1 skipped, the last one is always sent)
+        with pytest.raises(ValueError, match=f"skip_blocks is {skip}"):
+            D.add_request("b", [1, 2, 3, 4, 5], GREEDY,
+                          kv_source=msgspec.structs.replace(src, skip_blocks=skip))
     with pytest.raises(ValueError, match="n=1"):
         D.add_request("b", [1, 2, 3, 4, 5], SamplingParams(n=2), kv_source=src)
     plain = LLMEngine(EngineConfig(model=path, **ENGINE))

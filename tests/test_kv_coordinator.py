@@ -104,12 +104,107 @@ def test_held_blocks_are_sent_released_or_expire():
             coord.held[rid][0]
     assert sched.kv.num_free_blocks() == 8 - 3 * 2
     sched.check_integrity()
-    coord.send_held("x", KVSend("X", "d", [0, 0]))     # held, 2 blocks: sent as they are
-    coord.send_held("x", KVSend("X", "d", [0, 0]))     # no longer held: filler, not ok
+    x = list(coord.held["x"][0])
+    assert x == [0, 1]                                 # (the pool hands out 0, 1 first)
+    coord.send_held("x", KVSend("X", "d", x))          # held, 2 blocks: sent as they are
+    coord.send_held("x", KVSend("X", "d", x))          # no longer held: filler, not ok
     work = coord.take_work()
-    assert [(s.request_id, s.ok) for s in work.sends] == [("X", True), ("X", False)]
-    assert work.sends[1].block_ids == [0, 0]
+    assert [(s.request_id, s.ok, s.block_ids) for s in work.sends] == [
+        ("X", True, [0, 1]), ("X", False, [0, 0])]
     assert coord.release_held("y") and not coord.release_held("y")
     assert coord.expire_held(now=310.0) == 0 and coord.expire_held(now=310.5) == 1
     assert not coord.held and sched.kv.num_free_blocks() == 8
+    sched.check_integrity()
+
+
+# ---- two-sided: the router skips the blocks it believes the consumer holds ------------------
+def cached(blocks=2, num_blocks=8):
+    """A two-sided consumer with prefix caching whose cache holds tokens 1..4*blocks (whole
+    blocks of 4, in the pool's first blocks: 0, 1, ...), computed here by an earlier sequence."""
+    kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=True)
+    coord = KVCoordinator(kv, two_sided=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, kv_coordinator=coord)
+    n = 4 * blocks
+    assert kv.allocate_slots("old", 0, n) == [] and kv.block_tables["old"] == list(range(blocks))
+    kv.free("old", list(range(1, n + 1)))
+    return sched, coord
+
+
+def tail_remote(rid, skip):
+    """A 10-token prompt (1..10: 3 blocks of 4) held on the producer in blocks [20, 21, 22], its
+    first token 99, the router having skipped `skip` blocks."""
+    r = Request(rid, list(range(1, 11)), P, output_token_ids=[99])
+    return r, KVSource("p", rid, [20, 21, 22], 10, [99], skip_blocks=skip)
+
+
+def test_two_sided_reuses_the_skipped_blocks_and_receives_the_tail():
+    sched, coord = cached(blocks=2)
+    a, sa = tail_remote("a", skip=2)
+    sched.add_remote(a, sa)
+    out = sched.schedule()
+    (load,) = out.kv_work.loads
+    table = sched.kv.block_tables["a"]
+    assert table[:2] == [0, 1]                          # positions 0..7: this worker's own
+    assert load == KVLoad("a", "p", [22], table[2:]) and len(table) == 3
+    assert a.num_cached_tokens == 8 and a.status is RequestStatus.LOADING_KV
+    coord.loads_started(out.kv_work, now=0.0)
+    sched.finish_loads(coord.poll([KVLoadDone("a", True, 64, 0.1)], now=1.0))
+    out = sched.schedule()                              # decodes after the producer's token
+    assert [(c.request_id, c.token_ids, c.start_pos) for c in out.chunks] == [("a", [99], 10)]
+    # dropped before its load: the tail is still received (and discarded), as it is sent
+    b, sb = tail_remote("b", skip=1)
+    sched.kv.allocate_slots("hog", 0, 4 * sched.kv.num_free_blocks())   # no room: b waits
+    sched.add_remote(b, sb)
+    sched.schedule()
+    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert sched.schedule().kv_work.loads == [KVLoad("b", "p", [21, 22], [])]
+    sched.kv.free("hog")
+    sched.check_integrity()
+
+
+def test_two_sided_skipped_blocks_gone_receive_the_tail_and_recompute():
+    """The router guessed two cached blocks; only one is still here: the tail the producer sends
+    is received and discarded, the sequence is recomputed here from the prompt (reusing the one
+    block it does have), then continues after the producer's token; the load is reported
+    failed (once, nothing to judge)."""
+    sched, coord = cached(blocks=1)
+    a, sa = tail_remote("a", skip=2)
+    sched.add_remote(a, sa)
+    out = sched.schedule()
+    assert out.chunks == [] and out.kv_work.loads == [KVLoad("a", "p", [22], [])]
+    assert a.status is RequestStatus.WAITING and list(sched.waiting) == [a]
+    assert "a" not in sched.kv.block_tables and not coord.sources and not coord.loading
+    coord.loads_started(out.kv_work, now=0.0)
+    (done,) = coord.poll([], now=0.0)
+    assert (done.request_id, done.ok, done.nbytes) == ("a", False, 0)
+    assert "no longer cached" in done.error
+    sched.finish_loads([done])                          # (not loading: nothing to place)
+    assert coord.poll([], now=1.0) == [] and list(sched.waiting) == [a]
+    out = sched.schedule()
+    assert [(c.request_id, c.token_ids, c.start_pos) for c in out.chunks] == [
+        ("a", [5, 6, 7, 8, 9, 10, 99], 4)]
+    assert a.num_cached_tokens == 4 and out.kv_work is None
+    sched.update({"a": 5})
+    sched.check_integrity()
+
+
+def test_two_sided_producer_sends_a_tail_of_what_it_holds_else_filler():
+    sched, coord = make(num_blocks=12)
+    tables = {}
+    for rid in ("x", "y", "z", "w"):
+        r = Request(rid, list(range(1, 10)), P, hold_kv=True)      # 9 tokens: 3 blocks
+        sched.add(r)
+        sched.schedule()
+        sched.update({rid: 7})
+        tables[rid] = list(sched.finish(r, RequestStatus.FINISHED_LENGTH, now=0.0))
+    x, y, z, w = (tables[r] for r in "xyzw")
+    assert len(set(x + y + z + w)) == 12
+    coord.send_held("x", KVSend("X", "d", x[1:]))          # its last two blocks: a tail
+    coord.send_held("y", KVSend("Y", "d", [y[0], y[2]]))   # not a tail of y's table
+    coord.send_held("z", KVSend("Z", "d", [0] + z))        # more blocks than it holds
+    coord.send_held("w", KVSend("W", "d", x[1:]))          # another table's tail
+    work = coord.take_work()
+    assert [(s.request_id, s.ok, s.block_ids) for s in work.sends] == [
+        ("X", True, x[1:]), ("Y", False, [0, 0]), ("Z", False, [0] * 4), ("W", False, [0, 0])]
+    assert not coord.held and sched.kv.num_free_blocks() == 12
     sched.check_integrity()

@@ -215,3 +215,45 @@ def test_prompt_logprobs_bypass_the_cache(model_dir):
         res[cache] = [{t: round(v.logprob, 4) for t, v in e.items()} for e in out.prompt_logprobs[1:]]
         llm.llm_engine.check_integrity()
     assert res[True] == res[False]
+
+
+def test_pd_two_sided_sends_only_the_tail_and_recomputes_a_wrong_guess():
+    """1P1D over torch-dist (two-sided: the producer sends what the router asks), the embedded
+    SmolLM2. Turn 2 of a conversation moves only the blocks past those the decode worker cached
+    from turn 1 (hand-counted: its prompt and outputs but the last token, whole blocks of 8);
+    then the decode worker's cache is emptied behind the router's back: turn 3's skipped blocks
+    are gone there, so the tail is received and discarded and the prompt recomputed. Every
+    turn's greedy tokens equal a single collocated engine's (prefix caching off)."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    bs = 8
+    kw = dict(num_kv_blocks=64, block_size=bs, max_num_seqs=4)
+    # SmolLM2: 30 layers, k and v, 3 KV heads of 64, float32 on CPU
+    block_bytes = 30 * 2 * 3 * 64 * 4 * bs
+    blocks = lambda n: -(-n // bs)  # noqa: E731
+    ref = LLM(enable_prefix_caching=False, **kw)
+    tok = ref.get_tokenizer()
+    with LLM(prefill=1, decode=1, kv_connector="torch-dist", **kw) as llm:
+        router = llm.llm_engine
+        stats = router.route_stats
+        turns, outs = [tok.encode("The three primary colours are")], []
+        for k, more in enumerate([" Name one more.", " And another?"]):
+            before = stats.transfer_bytes
+            (o,) = llm.generate(ids(turns[-1]), sp, use_tqdm=False)
+            (r,) = ref.generate(ids(turns[-1]), sp, use_tqdm=False)
+            assert o.outputs[0].token_ids == r.outputs[0].token_ids
+            outs.append((o, stats.transfer_bytes - before))
+            turns.append(turns[-1] + list(o.outputs[0].token_ids) + tok.encode(more))
+        router.workers["decode-0"].client.reset_prefix_cache()   # (the index still has it)
+        (o3,) = llm.generate(ids(turns[-1]), sp, use_tqdm=False)
+        (r3,) = ref.generate(ids(turns[-1]), sp, use_tqdm=False)
+        assert o3.outputs[0].token_ids == r3.outputs[0].token_ids
+        (o1, b1), (o2, b2) = outs
+        assert b1 == blocks(len(turns[0])) * block_bytes and o1.num_cached_tokens == 0
+        cached = (len(turns[0]) + len(o1.outputs[0].token_ids) - 1) // bs
+        assert cached >= 1
+        assert b2 == (blocks(len(turns[1])) - cached) * block_bytes
+        assert o2.num_cached_tokens == cached * bs
+        assert (stats.transfers, stats.transfer_failures) == (2, 1)
+        assert o3.num_cached_tokens == 0
+        for name, s in router.check_workers().items():
+            assert s.num_kv_blocks_used == 0 and s.num_running == s.num_waiting == 0, name

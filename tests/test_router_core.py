@@ -28,8 +28,10 @@ class Deployment:
     or to be dead); outputs are played by the test."""
 
     def __init__(self, roles: dict[str, str], policy="disagg", max_model_len=64,
-                 two_sided=False):
-        self.core = RouterCore([(n, r, f"{n}.0") for n, r in roles.items()], policy, max_model_len)
+                 two_sided=False, block_size=None):
+        self.core = RouterCore([(n, r, f"{n}.0") for n, r in roles.items()], policy, max_model_len,
+                               block_sizes=None if block_size is None else
+                               dict.fromkeys(roles, block_size))
         self.core.two_sided = two_sided
         self.on: dict[str, dict[str, AddRequest]] = {n: {} for n in roles}  # what each runs
         self.delivered: list[RequestOutput] = []
@@ -199,6 +201,94 @@ def test_a_request_done_at_its_first_token_ends_on_the_prefill_worker(finish, ma
     assert [o.finished for o in dep.delivered] == [True]
     assert dep.released == [("p0", "r")] and not dep.core.handoffs
     dep.settled()
+
+
+# ---- two-sided hand-offs send only what the decode worker lacks ---------------------------
+class Pinned(RoutingPolicy):
+    """Disaggregated, on the decode worker the test names; place() (cache-aware, matches of 4
+    tokens count) is the base class's, as a redirect uses it."""
+    name = "pinned"
+
+    def __init__(self, decode="d0"):
+        super().__init__(min_cached_tokens=4)
+        self.decode = decode
+
+    def choose(self, req, workers):
+        return Path("disagg", self.decode, "p0")
+
+
+def _turn(dep, rid, prompt, blocks, decode, out):
+    """rid prefilled on p0 (its KV in `blocks`), handed off, decoded to `out` on `decode`."""
+    dep.add(rid, prompt=prompt)
+    dep.prefilled("p0", rid, token=out[0], blocks=blocks)
+    dep.flush()
+    dep.decoded(decode, rid, out, finished=True)
+
+
+@pytest.mark.parametrize("two_sided,block_size", [(True, 4), (False, 4), (True, None)],
+                         ids=["two-sided", "one-sided", "no-block-size"])
+def test_two_sided_hand_off_skips_the_whole_blocks_the_decode_worker_holds(two_sided, block_size):
+    """Turn 1 (PROMPT, 6 tokens) decodes 7..11 on d0, which then caches PROMPT + 7..10 (the
+    last token has no KV): 10 tokens, 2 whole blocks of 4. Turn 2 (that + 11, 20, 21: 13
+    tokens, 4 blocks) skips those 2 blocks; a prompt the index covers whole (PROMPT + 7, 8: 8
+    tokens, 2 blocks) still sends its last block. One-sided (the consumer matches its own
+    cache) or with no block size known: nothing is skipped."""
+    dep = Deployment({"p0": "prefill", "d0": "decode"}, two_sided=two_sided,
+                     block_size=block_size)
+    _turn(dep, "t1", PROMPT, (3, 4), "d0", [7, 8, 9, 10, 11])
+    _turn(dep, "t2", PROMPT + [7, 8, 9, 10, 11, 20, 21], (30, 31, 32, 33), "d0", [1, 2, 3, 4, 5])
+    _turn(dep, "t3", PROMPT + [7, 8], (40, 41), "d0", [1, 2, 3, 4, 5])
+    sent = {s.request_id: s.block_ids for _, s in dep.kv_sends}
+    if two_sided and block_size:
+        assert sent == {"t1": [3, 4], "t2": [32, 33], "t3": [41]}
+    elif two_sided:
+        assert sent == {"t1": [3, 4], "t2": [30, 31, 32, 33], "t3": [40, 41]}
+    else:
+        assert sent == {}
+    dep.settled()
+
+
+def test_hand_off_skip_follows_the_request_as_sent():
+    """The KVSource the decode worker gets says what was skipped (and the SendKV matches it)."""
+    dep = Deployment({"p0": "prefill", "d0": "decode"}, two_sided=True, block_size=4)
+    _turn(dep, "t1", PROMPT, (3, 4), "d0", [7, 8, 9, 10, 11])
+    dep.add("t2", prompt=PROMPT + [7, 8, 9, 10, 11, 20, 21])
+    dep.prefilled("p0", "t2", token=1, blocks=(30, 31, 32, 33))
+    dep.flush()
+    src = dep.on["d0"]["t2"].kv_source
+    assert (src.block_ids, src.skip_blocks, src.sent_block_ids) == ([30, 31, 32, 33], 2, [32, 33])
+    assert dep.kv_sends[-1] == ("p0", KVSend("t2", "d0.0", [32, 33]))
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["index-holds-it", "nobody-holds-it"])
+def test_a_dead_decode_workers_hand_off_goes_where_the_conversation_is(held):
+    """d0 dies at the hand-off; d2 decoded the conversation's turn 1 (the index says it holds
+    it) and has one request more than d1 (within the balance threshold). The conversation's
+    turn 2 goes to d2 and skips the blocks d2 holds (not d0's: the destination changed); a
+    prompt nobody holds goes to the least loaded decode worker, d1."""
+    policy = Pinned("d2")
+    dep = Deployment({"p0": "prefill", "d0": "decode", "d1": "decode", "d2": "decode"},
+                     policy=policy, two_sided=True, block_size=4)
+    _turn(dep, "t1", PROMPT, (3, 4), "d2", [7, 8, 9, 10, 11])
+    dep.add("busy", prompt=[50, 51, 52, 53, 54])         # bound for d2: one more request there
+    policy.decode = "d0"
+    prompt = PROMPT + [7, 8, 9, 10, 11, 20, 21] if held else [60, 61, 62, 63, 64, 65, 66]
+    dep.add("t2", prompt=prompt)
+    dep.prefilled("p0", "t2", token=1, blocks=(30, 31, 32, 33) if held else (30, 31))
+    dep.dead.add("d0")                                   # found dead by the hand-off's send
+    dep.flush()
+    target = "d2" if held else "d1"
+    assert list(dep.on[target]) == ["t2"] and dep.core.routes["t2"].path.worker == target
+    src = dep.on[target]["t2"].kv_source
+    if held:
+        assert src.skip_blocks == 2
+        assert dep.kv_sends[-1] == ("p0", KVSend("t2", "d2.0", [32, 33]))
+    else:
+        assert src.skip_blocks == 0
+        assert dep.kv_sends[-1] == ("p0", KVSend("t2", "d1.0", [30, 31]))
+    assert dep.core.stats.failed == 0 and dep.released == []
+    dep.decoded(target, "t2", [1, 2, 3], finished=True)
+    assert dep.delivered[-1].error is None
 
 
 # ---- the P/D eligibility rule --------------------------------------------------------------

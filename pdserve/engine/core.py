@@ -191,6 +191,10 @@ class EngineCore:
         if not kv_source.lost and len(kv_source.block_ids) != self.kv.blocks_for(kv_source.num_tokens):
             raise ValueError(f"kv_source has {len(kv_source.block_ids)} blocks for "
                              f"{kv_source.num_tokens} tokens (block size {self.config.block_size})")
+        if not 0 <= kv_source.skip_blocks < max(1, len(kv_source.block_ids)):
+            raise ValueError(f"kv_source.skip_blocks is {kv_source.skip_blocks}; it must be at "
+                             f"least 0 and less than its {len(kv_source.block_ids)} blocks (the "
+                             "last block is always sent)")
         if not kv_source.output_token_ids or not all(
                 0 <= t < self.vocab_size for t in kv_source.output_token_ids):
             raise ValueError("kv_source needs the producer's sampled token(s), in the vocabulary")
@@ -297,7 +301,7 @@ class EngineCore:
         coord = self.kv_coordinator
         if coord is not None:
             coord.loads_started(sched.kv_work, self._now())
-            if coord.started:
+            if coord.started or coord.unpulled:
                 self._finish_loads()
         if prev is not None:
             self._apply(prev)

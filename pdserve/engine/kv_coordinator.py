@@ -7,16 +7,28 @@ rank) only ever sees the per-step KVStepWork this builds.
     consumer  admit ──> waiting ──(start_loads: blocks allocated)──> loading ──(finish_loads)
               (prompt KV on a producer,  (a KVLoad in the step's work,     ok: runs from the
                no blocks here yet)        the pull runs on every rank)     producer's position;
-                                                                           failed / timed out:
-                                                                           recomputed here
+                            │                                              failed / timed out:
+                            │ two-sided, the blocks the producer skipped   recomputed here
+                            └──────────> are no longer cached here: the tail is received and
+                                         discarded, the sequence recomputed here (a failed load)
     producer  a finished hold_kv sequence ──> held ──> released by release_held, send_held
               (its blocks detached from the KV manager)  or expire_held (nobody claimed it)
+
+What a load moves: the prompt's blocks past those this worker reuses from its prefix cache.
+One-sided, the consumer decides: it matches the prompt in its own cache (whole blocks, never
+the last one). Two-sided, the producer's send is issued by the router before the consumer
+sees the request, so the router decides (KVSource.skip_blocks: the whole blocks its prefix
+index believes this worker holds); the consumer reuses exactly those and receives the rest,
+block for block as sent, or, when they are gone from its cache, receives and discards the
+tail and recomputes the sequence.
 
 The Scheduler calls (and nothing else; all of it is P/D):
     admit(req, source)             queue a sequence whose first source.num_tokens are remote
     num_loading                    sequences that hold a seq slot while their KV arrives
     start_loads(kv, free_slots)    allocate blocks for waiting sequences (reusing the whole
-                                   blocks of their prompt this worker cached), queue their loads
+                                   blocks of their prompt this worker cached), queue their loads;
+                                   returns those to recompute here instead (two-sided: the
+                                   skipped blocks are gone)
     drop(req)                      a WAITING_FOR_KV / LOADING_KV sequence leaves for good
     hold(rid, table, now)          keep a finished hold_kv sequence's blocks for a consumer
     finish_loads(done)             resolve ended loads: [(request, ok)] for the scheduler to place
@@ -53,7 +65,10 @@ class KVStepWork:
 class KVCoordinator:
     """two_sided: the connector's producer sends whether or not the consumer still wants the
     KV, so a sequence dropped before its load still receives (and discards) what is sent, and
-    the next receive meets the next send."""
+    the next receive meets the next send. What it sends is the source's sent_block_ids (the
+    router skipped the whole blocks it believes this worker holds, KVSource.skip_blocks): a
+    consumer reuses exactly those from its prefix cache, or, when they are gone, receives and
+    discards the tail and recomputes the sequence (reported as a failed load)."""
 
     def __init__(self, kv: KVCacheManager, max_loads: int = 64, two_sided: bool = False,
                  transfer_timeout_s: float = 30.0, hold_timeout_s: float = 300.0):
@@ -69,6 +84,9 @@ class KVCoordinator:
         # producer: tables of finished sequences kept until a consumer pulled them
         # (sequence id -> (table, time held))
         self.held: dict[str, tuple[list[int], float]] = {}
+        # two-sided consumer: loads given up before they started (the skipped blocks were gone
+        # here), reported with the next poll
+        self.unpulled: list[KVLoadDone] = []
         self._work = KVStepWork()
 
     # ---- called by the scheduler ------------------------------------------------------------
@@ -81,17 +99,34 @@ class KVCoordinator:
     def num_loading(self) -> int:
         return len(self.loading)
 
-    def start_loads(self, kv: KVCacheManager, free_slots: int) -> None:
-        """Oldest first, while loads may start, sequence slots last and the pool has the blocks."""
+    def start_loads(self, kv: KVCacheManager, free_slots: int) -> list[Request]:
+        """Oldest first, while loads may start, sequence slots last and the pool has the blocks.
+        Returns the sequences to recompute here instead (WAITING_FOR_KV still; the scheduler
+        queues them): two-sided, the blocks the producer skipped are no longer cached here."""
+        recompute = []
         while self.waiting and len(self.loading) < self.max_loads and free_slots > 0:
             req = self.waiting[0]
             rid, source = req.request_id, self.sources[req.request_id]
             # Whole blocks of the prompt this worker has cached are not pulled; the last block
-            # always is (a load moves at least one block). Two-sided: the producer sends its
-            # whole table, so the consumer receives it whole.
+            # always is (a load moves at least one block). Two-sided: the producer sends what
+            # the router chose (all but source.skip_blocks), so exactly those are reused.
             bs = kv.block_size
-            kept = 0 if self.two_sided else kv.match_prefix(
-                rid, req.prompt_token_ids, (source.num_tokens - 1) // bs * bs, whole_blocks=True)
+            if not self.two_sided:
+                kept = kv.match_prefix(rid, req.prompt_token_ids,
+                                       (source.num_tokens - 1) // bs * bs, whole_blocks=True)
+            else:
+                kept = source.skip_blocks * bs
+                if kept and kv.match_prefix(rid, req.prompt_token_ids, kept,
+                                            whole_blocks=True) != kept:
+                    kv.free(rid)   # (what did match, if any)
+                    self.waiting.popleft()
+                    del self.sources[rid]
+                    self._work.loads.append(KVLoad(rid, source.worker, source.sent_block_ids, []))
+                    self.unpulled.append(KVLoadDone(
+                        rid, False, 0, 0.0, f"the {source.skip_blocks} blocks the producer "
+                        "skipped are no longer cached here: recomputed"))
+                    recompute.append(req)
+                    continue
             if kv.allocate_slots(rid, kept, source.num_tokens - kept) is None:
                 kv.free(rid)
                 break
@@ -104,6 +139,7 @@ class KVCoordinator:
             k = kept // bs
             self._work.loads.append(KVLoad(rid, source.worker, source.block_ids[k:],
                                            kv.block_tables[rid][k:]))
+        return recompute
 
     def drop(self, req: Request) -> None:
         """`req` (WAITING_FOR_KV or LOADING_KV) leaves; the scheduler frees its blocks."""
@@ -112,7 +148,7 @@ class KVCoordinator:
             self.waiting.remove(req)
             if self.two_sided:
                 src = self.sources[rid]
-                self._work.loads.append(KVLoad(rid, src.worker, src.block_ids, []))
+                self._work.loads.append(KVLoad(rid, src.worker, src.sent_block_ids, []))
         else:
             del self.loading[rid]
             self.started.pop(rid, None)
@@ -161,13 +197,16 @@ class KVCoordinator:
         self._work.peers.append(peer)
 
     def send_held(self, seq_id: str, send: KVSend) -> None:
-        """Two-sided producer: send the blocks held for `seq_id` (with the next step, every rank),
-        then drop the hold (the runner reads the blocks before any later forward writes them).
-        A sequence no longer held is still sent (send's block count of filler, marked not ok),
-        so the consumer's receives stay in step; it recomputes that one."""
+        """Two-sided producer: send send.block_ids, the blocks held for `seq_id` or a tail of
+        them (the router skipped the leading blocks the consumer has cached), with the next
+        step, on every rank; then drop the hold (the runner reads the blocks before any later
+        forward writes them). A sequence no longer held, or blocks that are not a tail of its
+        table, are still sent (send's block count of filler, marked not ok), so the consumer's
+        receives stay in step; it recomputes that one."""
         entry = self.held.get(seq_id)
-        ok = entry is not None and len(entry[0]) == len(send.block_ids)
-        blocks = list(entry[0]) if ok else [0] * len(send.block_ids)
+        n = len(send.block_ids)
+        ok = entry is not None and 0 < n <= len(entry[0]) and entry[0][-n:] == list(send.block_ids)
+        blocks = list(send.block_ids) if ok else [0] * n
         self._work.sends.append(KVSend(send.request_id, send.consumer, blocks, ok))
         self.release_held(seq_id)
 
@@ -196,10 +235,12 @@ class KVCoordinator:
     def poll(self, reported: list[KVLoadDone], now: float) -> list[KVLoadDone]:
         """The loads that ended: those the transport reported (a load given up on, or dropped,
         may still report when its copy stops: not news, skipped) and those in flight longer
-        than transfer_timeout_s (failed here; the verdict cancels them on every rank)."""
+        than transfer_timeout_s (failed here; the verdict cancels them on every rank); first
+        the loads given up before they started (unpulled: nothing to judge)."""
         done = [d for d in reported if d.request_id in self.started]
         for d in done:
             del self.started[d.request_id]
+        done[:0], self.unpulled = self.unpulled, []
         limit = self.transfer_timeout_s
         for rid, t in list(self.started.items()):
             if now - t > limit:

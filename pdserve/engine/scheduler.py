@@ -172,9 +172,15 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
             else:
-                self.kv.free(req.request_id)
-                req.status = RequestStatus.WAITING
-                self.waiting.appendleft(req)
+                self._recompute(req)
+
+    def _recompute(self, req: Request) -> None:
+        """P/D: a sequence whose KV did not arrive is computed here from scratch (its prompt,
+        then the producer's tokens), first in the queue."""
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     @staticmethod
     def _computed(req: Request) -> list[int]:
@@ -249,7 +255,10 @@ class Scheduler:
         coord = self.kv_coordinator
         if coord is not None:
             if coord.waiting and not out.preempted_ids:
-                coord.start_loads(self.kv, self.max_num_seqs - self._num_seq_slots_used())
+                # (two-sided: those whose reused blocks are gone here; admitted next step)
+                for req in reversed(coord.start_loads(
+                        self.kv, self.max_num_seqs - self._num_seq_slots_used())):
+                    self._recompute(req)
             out.kv_work = coord.take_work()
 
         samplers: list[Request] = []

@@ -14,9 +14,11 @@ SGLang's router does. Each WorkerView carries `cached`: how much of this request
 router's prefix index (prefix_index.py) believes that worker holds. Among the workers whose load
 is close to the least loaded one's, the longest match wins (ties: the least loaded); a match
 shorter than min_cached_tokens counts as none, and with no match anywhere the choice is exactly
-least_loaded. A decode worker receiving a hand-off is chosen the same way: a one-sided
-connector pulls only the blocks it lacks (engine/kv_coordinator.py), and the worker that
-decoded a conversation's last turn holds its history.
+least_loaded. A decode worker receiving a hand-off is chosen the same way (also when its first
+choice died before the hand-off): the consumer moves only the blocks it lacks (a one-sided
+connector pulls them, engine/kv_coordinator.py; a two-sided producer sends them, the router
+core skipping what its index believes the consumer holds), and the worker that decoded a
+conversation's last turn holds its history.
 
     close(w) = w.load - min_load <= balance_abs  or  w.load <= min_load * balance_rel
 

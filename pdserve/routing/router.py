@@ -85,7 +85,8 @@ class Router:
                          if s.config.enable_prefix_caching else 0 for s, c in zip(specs, clients)}
         self.core = RouterCore([(s.name, s.role, c.name) for s, c in zip(specs, clients)],
                                   policy, self.max_model_len, describe=self._summary,
-                                  prefix_tokens=prefix_tokens)
+                                  prefix_tokens=prefix_tokens,
+                                  block_sizes={s.name: s.config.block_size for s in specs})
         self.workers = {s.name: Worker(s, c, self.core.workers[s.name])
                         for s, c in zip(specs, clients)}
         self._store = None

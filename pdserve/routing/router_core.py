@@ -20,9 +20,17 @@ Release, SendKV, DropPeer, Deliver, Reject); observe and reset_prefix_index retu
 
 Faults: a worker that dies leaves routing; its requests that have not produced a token are
 placed again (RouterStats.rerouted), the others fail ("worker W died: ..."). A hand-off whose
-decode worker died goes to another decode worker with the KV still held, else (none left) runs
-whole elsewhere with its KV recomputed; a hand-off whose prefill worker died (or restarted: a
-new KV name) travels without KV and is recomputed (RouterStats.recomputed).
+decode worker died goes to another decode worker with the KV still held (placed as any request
+is: policy.place, cache-aware), else (none left) runs whole elsewhere with its KV recomputed; a
+hand-off whose prefill worker died (or restarted: a new KV name) travels without KV and is
+recomputed (RouterStats.recomputed).
+
+Two-sided hand-offs (SendKV) send only the blocks the decode worker lacks: once the decode
+worker is final (flush_handoffs, after any redirect), the KVSource's skip_blocks is set to the
+whole blocks of the prompt the prefix index believes it holds (its block size from
+block_sizes; never the last block), and the SendKV carries the rest. The decode worker reuses
+exactly those from its cache, or, when its cache no longer holds them, receives and discards
+the tail and recomputes the prompt (a failed transfer in RouterStats).
 
 Prefix index (prefix_index.py): what each worker likely has cached, for the policy's cache-aware
 placement (WorkerView.cached). A request's prompt is inserted for the worker that computes it
@@ -118,6 +126,7 @@ class WorkerSlot:
     role: str
     kv_name: str
     alive: bool = True
+    block_size: int | None = None  # its KV block size (None: unknown, no block is ever skipped)
     outstanding: int = 0
     kv_usage: float = 0.0
     steps: deque = field(default_factory=lambda: deque(maxlen=STEP_RECORDS_KEPT))
@@ -134,16 +143,24 @@ class _Batch:
 class RouterCore:
     def __init__(self, workers: Iterable[tuple[str, str, str]], policy: str | RoutingPolicy,
                  max_model_len: int, describe: Callable[[], str] | None = None,
-                 prefix_tokens: int | Mapping[str, int] = PREFIX_INDEX_TOKENS):
+                 prefix_tokens: int | Mapping[str, int] = PREFIX_INDEX_TOKENS,
+                 block_sizes: Mapping[str, int] | None = None):
         """workers: (name, role, kv_name) of each; describe(): the deployment's state in a few
         words, for Unavailable errors (default: each worker up or down); prefix_tokens: the
         prefix index's budget per worker, one for all or each worker's (0: not tracked, e.g.
-        prefix caching off there)."""
+        prefix caching off there); block_sizes: each worker's KV block size (its config's),
+        which a two-sided hand-off needs to skip the whole blocks the decode worker is believed
+        to hold (a worker not named: nothing skipped)."""
         self.workers = {n: WorkerSlot(n, role, kv) for n, role, kv in workers}
-        if isinstance(prefix_tokens, Mapping):
-            unknown = set(prefix_tokens) - set(self.workers)
+        for what, m in (("prefix_tokens", prefix_tokens), ("block_sizes", block_sizes)):
+            unknown = set(m) - set(self.workers) if isinstance(m, Mapping) else ()
             if unknown:
-                raise ValueError(f"prefix_tokens names unknown workers {sorted(unknown)}")
+                raise ValueError(f"{what} names unknown workers {sorted(unknown)}")
+        for name, bs in (block_sizes or {}).items():
+            if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+                raise ValueError(f"block_sizes[{name!r}] must be a positive integer, got {bs!r}")
+            self.workers[name].block_size = bs
+        if isinstance(prefix_tokens, Mapping):
             self.prefix = PrefixIndex(PREFIX_INDEX_TOKENS, prefix_tokens)
         else:
             self.prefix = PrefixIndex(prefix_tokens)
@@ -505,6 +522,9 @@ class RouterCore:
         return actions
 
     def _send(self, worker: str, handoff: bool, items: list) -> Send:
+        if handoff:   # the decode worker is final here (a redirect may have changed it)
+            items = [(route, self._skipping(worker, sent), prefill)
+                     for route, sent, prefill in items]
         bid = next(self._ids)
         self._batches[bid] = _Batch(worker, handoff, items)
         return Send(bid, worker, [it[1] for it in items])
@@ -546,29 +566,46 @@ class RouterCore:
         return actions
 
     def _redirect(self, dead: str, items: list, pending: dict, actions: list[Action]) -> None:
-        """Hand-offs meant for dead decode worker `dead`: to another decode worker (the KV is
-        still held), else whole to any worker (which recomputes the prompt; the producer drops
-        the KV it holds), else they fail."""
-        live = self.live()
-        other = self.policy.least_loaded(live, "decode")
-        name = None if other is None else other.name
-        if name is None:
-            whole = self.policy.collocated(live)
-            name = None if whole is None else whole.worker
-            if name is not None:
-                for k, (route, sent, prefill) in enumerate(items):
-                    if not sent.kv_source.lost:
-                        self._release_held(route.req.request_id, prefill, actions)
-                        items[k] = (route, dataclasses.replace(
-                            sent, kv_source=sent.kv_source.without_kv()), prefill)
-        if name is not None:
-            for route, _, _ in items:
-                self._unbind(route)
-                route.path = route.path._replace(worker=name)
-            pending.setdefault(name, []).extend(items)
-            return
-        why = f"worker {dead} is gone and no worker is left to continue on"
-        actions += self._handed_off(_Batch(dead, True, items), [why] * len(items))
+        """Hand-offs meant for dead decode worker `dead`, each placed as any request is
+        (policy.place, cache-aware: the decode worker holding most of its conversation): to
+        another decode worker (the KV is still held), else whole to any worker (which
+        recomputes the prompt; the producer drops the KV it holds), else they fail."""
+        lost = []
+        for route, sent, prefill in items:
+            live = self.live(token_array(route.req.prompt["prompt_token_ids"]))
+            other = self.policy.place(live, "decode")
+            if other is not None:
+                name = other.name
+            else:
+                whole = self.policy.collocated(live)
+                if whole is None:
+                    lost.append((route, sent, prefill))
+                    continue
+                name = whole.worker
+                if not sent.kv_source.lost:
+                    self._release_held(route.req.request_id, prefill, actions)
+                    sent = dataclasses.replace(sent, kv_source=sent.kv_source.without_kv())
+            self._unbind(route)
+            route.path = route.path._replace(worker=name)
+            pending.setdefault(name, []).append((route, sent, prefill))
+        if lost:
+            why = f"worker {dead} is gone and no worker is left to continue on"
+            actions += self._handed_off(_Batch(dead, True, lost), [why] * len(lost))
+
+    def _skipping(self, decode: str, sent: AddRequest) -> AddRequest:
+        """A hand-off to `decode` with its kv_source's skip_blocks set: two-sided, the whole
+        blocks of the prompt the prefix index believes `decode` holds (the producer sends the
+        rest), never the last block (a load moves at least one, as a one-sided consumer's
+        does); one-sided, 0 (the consumer matches its own cache)."""
+        src = sent.kv_source
+        bs = self.workers[decode].block_size
+        skip = 0
+        if self.two_sided and bs is not None and not src.lost:
+            held = self.prefix.match(decode, sent.prompt["prompt_token_ids"])
+            skip = min(held, src.num_tokens - 1) // bs
+        if skip == src.skip_blocks:
+            return sent
+        return dataclasses.replace(sent, kv_source=msgspec.structs.replace(src, skip_blocks=skip))
 
     def _handed_off(self, b: _Batch, errors: list[str | None]) -> list[Action]:
         actions: list[Action] = []
@@ -580,7 +617,7 @@ class RouterCore:
             held = not sent.kv_source.lost   # else: recomputed there (producer died)
             if err is None and held and self.two_sided:  # sent as it is handed over
                 sends.setdefault(prefill, []).append(
-                    KVSend(sent.kv_source.request_id, d.kv_name, sent.kv_source.block_ids))
+                    KVSend(sent.kv_source.request_id, d.kv_name, sent.kv_source.sent_block_ids))
             if self.routes.get(rid) is not route:  # aborted meanwhile
                 if held:
                     self._release_held(rid, prefill, actions)
