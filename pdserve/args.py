@@ -202,3 +202,45 @@ def deployment_args(ns: argparse.Namespace) -> DeploymentArgs:
                           ns.collocated_tp, ns.routing_policy, ns.kv_connector,
                           ns.worker_restarts, ns.restart_backoff, ns.num_gpus, ns.cost_model,
                           ns.slo_ttft_ms, ns.slo_tpot_ms)
+
+
+# EngineConfig fields without an engine flag that a collocated server ignores: the router sets
+# them on its P/D workers (deployment flags)
+_ROUTER_SET = ("kv_connector", "kv_transfer_mode", "kv_transfer_timeout_s", "kv_hold_timeout_s",
+               "max_kv_loads")
+
+
+def engine_argv(config: "_config.EngineConfig") -> list[str]:
+    """The engine flags (add_engine_args') that give `config` back through engine_config: one
+    flag per field that differs from the flag's default. ValueError for a field no flag can
+    set to its value (one without a flag, or None where the flag's default is a value)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    names = {f.name: f for f in dataclasses.fields(_config.EngineConfig)}
+    out: list[str] = []
+    flagged = set()
+    for action in p._actions:
+        name = _RENAMED.get(action.dest, action.dest)
+        if name not in names:
+            continue
+        flagged.add(name)
+        value, default = getattr(config, name), action.default
+        if value == default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            out.append(flag)        # (a value other than the default: the flag's own)
+        elif value is None:
+            raise ValueError(f"engine config: {name}=None has no flag (the flag's default is "
+                             f"{default!r})")
+        else:
+            out += [flag, str(value)]
+    for name, f in names.items():
+        if name in flagged or name in _ROUTER_SET:
+            continue
+        if getattr(config, name) != f.default:
+            raise ValueError(f"engine config: {name}={getattr(config, name)!r} has no "
+                             "command-line flag (a server cannot be started with it)")
+    return out

@@ -85,3 +85,23 @@ def test_build_rejects_an_unpaired_deployment():
     from pdserve.deploy import build
     with pytest.raises(ValueError, match="come together"):
         build(EngineConfig(), DeploymentArgs(prefill=1))
+
+
+def test_engine_argv_gives_the_config_back_through_serves_parser():
+    """engine_argv's flags, parsed by `pdserve serve`'s own parser, make the same EngineConfig
+    (every kind of flag: values, store_true, --no-..., BooleanOptionalAction both ways); the
+    default config needs no flag; a field no flag sets is refused by name."""
+    from pdserve.args import engine_argv
+    from pdserve.config import EngineConfig
+    from pdserve.server.main import parse_args
+    cfg = EngineConfig(model="/m", load_format="dummy", dtype="float16", seed=3, block_size=32,
+                       max_num_seqs=9, max_num_batched_tokens=128, max_model_len=300,
+                       kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, enforce_eager=True,
+                       cuda_graph_max_tokens=0, async_scheduling=False,
+                       enable_prefix_caching=False, skip_tokenizer_init=True)
+    argv = engine_argv(cfg)
+    assert "--no-async-scheduling" in argv and "--no-enable-prefix-caching" in argv
+    assert engine_config(parse_args(argv)) == cfg
+    assert engine_argv(EngineConfig()) == []
+    with pytest.raises(ValueError, match="cuda_graph_max_batch=64 has no command-line flag"):
+        engine_argv(EngineConfig(cuda_graph_max_batch=64))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pdserve.perf import cost_fit
-from pdserve.perf.cost_fit import (fit_decode, fit_mixed, fit_prefill, fit_transfer, nnls,
-                                   profile_from_samples, refit)
+from pdserve.perf.cost_fit import (fit_decode, fit_mixed, fit_prefill, fit_serving,
+                                   fit_transfer, nnls, profile_from_samples, refit)
 from pdserve.perf.cost_profile import CostProfile, hardware_label
 
 SIGMA = 0.02
@@ -272,7 +272,9 @@ def test_profile_round_trips_through_a_file(tmp_path):
     path = p.save(tmp_path / "p.json")
     q = CostProfile.from_json(path, model="qwen2.5-1.5b", hardware="NVIDIA H200")
     assert q == p and q.extra == {"notes": ["kept as an extra"]}
-    assert json.loads((tmp_path / "p.json").read_text()) == _profile_dict()
+    # (a file made before the serving term is written with its default)
+    assert json.loads((tmp_path / "p.json").read_text()) == {**_profile_dict(),
+                                                              "serving_overhead_ms": 0.0}
 
 
 def _set(d, path, value):
@@ -307,6 +309,13 @@ BAD = [
     ("fit.prefill.n_samples", -1, "fit.prefill.n_samples must be an integer >= 0"),
     ("fit.transfer.heldout_mean_abs_rel_err", float("nan"),
      "fit.transfer.heldout_mean_abs_rel_err must be finite"),
+    ("serving_overhead_ms", -0.5, "serving_overhead_ms must be >= 0"),
+    ("serving_overhead_ms", float("nan"), "serving_overhead_ms must be finite"),
+    ("serving_overhead_ms", float("inf"), "serving_overhead_ms must be finite"),
+    ("serving_overhead_ms", "3", "serving_overhead_ms must be a number"),
+    ("serving_overhead_ms", False, "serving_overhead_ms must be a number"),
+    ("fit.serving", [], "fit.serving must be an object"),
+    ("fit.serving", {"n_samples": 3}, "fit.serving.heldout_mean_abs_rel_err is missing"),
 ]
 
 
@@ -356,3 +365,77 @@ def test_profile_from_samples_and_refit():
                              hardware="cpu: x", engine_config={}, commit="c",
                              transfer_estimate={**est, "note": ""})
     assert cost_fit.MIN_ROWS["decode"] == 4 and math.isfinite(p.gamma_ms_per_token)
+
+
+# ---- the serving path ---------------------------------------------------------------------------
+def test_the_serving_overhead_is_optional_and_older_files_load_with_zero():
+    import glob
+    import os
+    d = _profile_dict()
+    assert CostProfile.from_json(d).serving_overhead_ms == 0.0
+    p = CostProfile.from_json({**d, "serving_overhead_ms": 3.5})
+    assert p.serving_overhead_ms == 3.5 and CostProfile.from_json(p.to_dict()) == p
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "bench", "results")
+    old = sorted(glob.glob(os.path.join(root, "profile-*.json")))
+    assert old
+    for path in old:        # the committed profiles, all made before the term existed
+        assert "serving_overhead_ms" not in json.loads(open(path).read())
+        assert CostProfile.from_json(path).serving_overhead_ms == 0.0
+
+
+PREFILL = {"prefill_fixed_ms": 2.0, "alpha_ms_per_token": 0.01, "prefill_quadratic_ms": 0.0}
+DECODE = {"beta_ms": {"fixed_ms": 1.0, "per_seq_ms_below": 0.1, "per_seq_ms_above": 0.0,
+                      "per_context_token_ms": 0.001}, "batch_threshold": 8}
+
+
+def test_serving_overhead_is_the_median_ttft_past_the_lone_prefill_by_hand():
+    """Prefill 2 + 0.01 n: 3, 4, 5 ms at n = 100, 200, 300; TTFTs 7, 9, 11 ms: overheads 4, 5,
+    6, median 5. Held out: row 0 by the others' median 5.5 (3 + 5.5 = 8.5 vs 7), row 1 by 5
+    (9 vs 9), row 2 by 4.5 (9.5 vs 11). ITL overhead: decode 1.1 + 0.001 ctx at b = 1; gaps of
+    the n = 100 request at contexts 101 and 102: 2.0 - 1.201 and 2.5 - 1.202, median 1.0485."""
+    rows = [{"n": 100, "ttft_ms": 7.0, "itl_ms": [2.0, 2.5]}, {"n": 200, "ttft_ms": 9.0},
+            {"n": 300, "ttft_ms": 11.0, "itl_ms": []}]
+    r = fit_serving(rows, PREFILL, DECODE)
+    assert r["serving_overhead_ms"] == pytest.approx(5.0)
+    f = r["fit"]
+    assert f["n_samples"] == 3 and f["source"] == "measured"
+    assert f["heldout_abs_rel_errs"] == pytest.approx([1.5 / 7, 0.0, 1.5 / 11], abs=1e-5)
+    assert f["heldout_mean_abs_rel_err"] == pytest.approx((1.5 / 7 + 1.5 / 11) / 3)
+    assert f["heldout_max_abs_rel_err"] == pytest.approx(1.5 / 7)
+    assert f["overhead_ms_by_prompt_len"] == {"100": 4.0, "200": 5.0, "300": 6.0}
+    assert f["batch1_itl_overhead_ms"] == pytest.approx((0.799 + 1.298) / 2)
+    assert f["batch1_itl_samples"] == 2
+    # requests faster than the profile's prefill: clipped at 0, and said
+    fast = fit_serving([{"n": 100, "ttft_ms": 2.0}, {"n": 100, "ttft_ms": 2.5}], PREFILL, DECODE)
+    assert fast["serving_overhead_ms"] == 0.0 and "clipped at 0" in fast["fit"]["note"]
+    with pytest.raises(ValueError, match="serving fit: needs >= 2 rows"):
+        fit_serving(rows[:1], PREFILL, DECODE)
+    with pytest.raises(ValueError, match="ttft_ms > 0"):
+        fit_serving([{"n": 100, "ttft_ms": 0.0}, *rows], PREFILL, DECODE)
+
+
+def test_profile_from_samples_fits_the_serving_term_against_its_own_prefill_fit():
+    """The term subtracts the prefill fit of the same samples (CostProfile.prefill_ms of the
+    result), survives a refit and a file; without serving rows it is 0 and says why."""
+    import statistics
+    pre, *_ = _prefill_rows(2.0, 0.006, 1.5e-7, seed=9)
+    dec, *_ = _decode_rows(seed=10)
+    mix = [{"b": 32, "ctx_sum": 32 * 1024, "n": 256, "wall_ms": 6.0}]
+    serving = [{"n": n, "ttft_ms": 2.0 + 0.006 * n + 1.5e-7 * n * n + 3.0 + 0.1 * k,
+                "itl_ms": [4.0, 4.1]} for k, n in enumerate([256, 1024, 2048, 256, 1024])]
+    est = {"transfer_fixed_ms": 0.0, "transfer_gb_per_s": 5.0, "kv_bytes_per_token": 100,
+           "note": "estimate"}
+    kw = dict(model="m", hardware="cpu: x", engine_config={}, commit="c", transfer_estimate=est)
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix, "serving": serving},
+                             **kw)
+    want = statistics.median(r["ttft_ms"] - p.prefill_ms(r["n"]) for r in serving)
+    assert p.serving_overhead_ms == pytest.approx(want, rel=1e-12)
+    assert 2.9 < p.serving_overhead_ms < 3.5       # the +3.0..3.4 ms put in, through a fit
+    assert p.fit["serving"]["n_samples"] == 5 and p.samples["serving"] == serving
+    assert refit(CostProfile.from_json(p.to_dict())) == p
+    q = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, **kw,
+                             serving_note="not measured (--no-serving-overhead)")
+    assert q.serving_overhead_ms == 0.0 and q.fit["serving"]["source"] == "not measured"
+    assert q.fit["serving"]["note"] == "not measured (--no-serving-overhead)"
+    assert refit(CostProfile.from_json(q.to_dict())) == q

@@ -145,3 +145,18 @@ def test_overloaded_needs_a_shortfall_beyond_the_counts_noise():
     # 100 arrived in the last third: overloaded below 85 done and below 100 - 3 * 10 = 70
     assert not overloaded(run(71)[0]) and not overloaded(run(70)[0])
     assert overloaded(run(69)[0])
+
+
+def test_the_planner_spends_the_profiles_serving_overhead_as_simulate_does():
+    """serving_overhead_ms 5: every probe's request has TTFT and e2e 5 ms longer than with
+    serving_overhead=False (the same requests at the same rate, one at a time: by hand, TTFT
+    = 5 + P)."""
+    import dataclasses
+    prof = hand_profile(serving_overhead_ms=5.0)
+    cand = Candidate(Unit(collocated=1), 2048, "collocated")
+    on = planner(prof, 100.0, n=20)
+    off = dataclasses.replace(on, serving_overhead=False, runs=None)
+    assert on.serving_overhead_ms == 5.0 and off.serving_overhead_ms == 0.0
+    a, b = on.simulate(cand, 10.0), off.simulate(cand, 10.0)
+    assert [r.ttft * 1e3 for r in a] == pytest.approx([5.0 + P_MS] * 20, rel=1e-9)
+    assert [r.latency - s.latency for r, s in zip(a, b)] == pytest.approx([5e-3] * 20, abs=1e-12)

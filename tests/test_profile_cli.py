@@ -1,9 +1,12 @@
 """`pdserve profile --quick` end to end on CPU (a tiny Llama config with dummy weights, so
 the run takes seconds): it writes a profile that CostProfile.from_json accepts, whose rows are
 the quick row set's, whose KV bytes per token are the model config's (computed here from the
-config), whose terms can be refitted from its own samples, and whose transfer falls back to a
-stated estimate when the two-worker deployment cannot start."""
+config), whose terms can be refitted from its own samples, whose serving-path term comes from
+requests sent through a real `pdserve serve` of the same engine config, and whose transfer and
+serving terms fall back to stated values when their deployments cannot start."""
 import json
+import statistics
+import sys
 
 import pytest
 import torch
@@ -91,10 +94,52 @@ def test_the_profile_refits_from_its_samples(quick):
     assert refit(p) == p
 
 
-def test_transfer_failure_falls_back_to_a_stated_estimate(tmp_path, monkeypatch):
-    """The two-worker deployment refuses to start: the profile still comes out, its transfer
-    terms an estimate that says why, and the error is in the file."""
+def test_the_serving_path_was_measured_through_a_server(quick):
+    """The quick row set's serving requests (3 lengths x 3, after one untimed each) through a
+    `pdserve serve` of the profile's engine config, each with max_tokens tokens (max_tokens - 1
+    gaps); the term is the median of TTFT - prefill_ms(n) by the profile's own formulas; the
+    server was stopped by its SIGTERM drain."""
+    _, _, out = quick
+    p = CostProfile.from_json(out)
+    rows = p.samples["serving"]
+    assert sorted(r["n"] for r in rows) == sorted(QUICK["serving_tokens"] * QUICK["serving_reps"])
+    for r in rows:
+        assert r["output_tokens"] == QUICK["serving_max_tokens"]
+        assert len(r["itl_ms"]) == QUICK["serving_max_tokens"] - 1
+        assert 0 < r["ttft_ms"] <= r["e2e_ms"]
+    want = max(0.0, statistics.median(r["ttft_ms"] - p.prefill_ms(r["n"]) for r in rows))
+    assert p.serving_overhead_ms == pytest.approx(want, rel=1e-9, abs=1e-12)
+    f = p.fit["serving"]
+    assert f["source"] == "measured" and f["n_samples"] == len(rows)
+    assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
+    assert f["batch1_itl_samples"] == len(rows) * (QUICK["serving_max_tokens"] - 1)
+    setup = p.extra["serving_setup"]
+    assert setup["stopped_cleanly"] and setup["warmup_requests"] == len(QUICK["serving_tokens"])
+    cmd = setup["command"]
+    assert cmd[:2] == ["pdserve", "serve"] and "--no-async-scheduling" in cmd
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == str(
+        p.engine_config["max_num_batched_tokens"])
+
+
+def test_serving_rows_default_to_lengths_the_prefill_fit_covers():
+    ns = profiler.build_parser().parse_args(["--prefill-tokens", "8", "16", "40"])
+    assert profiler.resolve(ns, "cpu").serving_tokens == [16]       # cpu's 16, 64, 128, 256
+    ns = profiler.build_parser().parse_args(["--prefill-tokens", "2", "4", "8"])
+    assert profiler.resolve(ns, "cpu").serving_tokens == [2, 4, 8]  # none fit: the prefill's
+    ns = profiler.build_parser().parse_args(["--serving-tokens", "4096"])
+    with pytest.raises(ValueError, match="--serving-tokens must lie within"):
+        profiler.resolve(ns, "cpu")
+
+
+def test_transfer_and_server_failures_fall_back_to_stated_values(tmp_path, monkeypatch):
+    """The two-worker deployment refuses to start, and so does the server (a command that
+    exits at once): the profile still comes out, its transfer terms an estimate that says why,
+    its serving overhead 0 "not measured" with the server's last words, the errors in the
+    file."""
     import pdserve.routing as routing
+    from pdserve.perf import serving_path
+    monkeypatch.setattr(serving_path, "server_argv", lambda cfg, port: [
+        sys.executable, "-c", "import sys; sys.exit('no room for a server')"])
 
     class NoSecondWorker:
         def __init__(self, *a, **kw):
@@ -112,6 +157,11 @@ def test_transfer_failure_falls_back_to_a_stated_estimate(tmp_path, monkeypatch)
     assert "no room for a second worker" in f["note"] and f["heldout_mean_abs_rel_err"] is None
     assert "no room for a second worker" in p.extra["transfer_setup"]["error"]
     assert p.transfer_gb_per_s > 0 and "transfer" not in p.samples
+    f = p.fit["serving"]
+    assert p.serving_overhead_ms == 0.0 and "serving" not in p.samples
+    assert f["source"] == "not measured" and f["n_samples"] == 0
+    assert "no room for a server" in f["note"] and "exited with code 1" in f["note"]
+    assert "no room for a server" in p.extra["serving_setup"]["error"]
 
 
 def test_bad_arguments_are_refused_before_any_engine(capsys, monkeypatch):

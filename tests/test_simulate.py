@@ -31,12 +31,13 @@ def profile(**over) -> CostProfile:
     return _profile(**{"beta_ms": {"per_seq_ms_above": 0.05}, **over})
 
 
-def simulator(dep="1C", policy=None, prof=None, **cfg):
+def simulator(dep="1C", policy=None, prof=None, overhead_ms=0.0, **cfg):
     dep = parse_deployment(dep)
     c = dict(max_num_seqs=64, max_num_batched_tokens=2048, block_size=16)
     c.update(cfg)
     policy = policy or ("disagg" if dep.prefill else "collocated")
-    return Simulator(dep, {"default": prof or profile()}, EngineConfig(**c), 4096, 8192, policy)
+    return Simulator(dep, {"default": prof or profile()}, EngineConfig(**c), 4096, 8192, policy,
+                     serving_overhead_ms=overhead_ms)
 
 
 def prompts(n, length, seed=0):
@@ -94,6 +95,53 @@ def test_a_lone_request_takes_the_profiles_step_times(L):
     assert r.ttft * 1e3 == pytest.approx(sum(prof.prefill_ms(n) for n in chunks), rel=1e-9)
     assert np.array(r.itl) * 1e3 == pytest.approx(service_ms(prof, L, O)[1], rel=1e-9)
     assert r.output_len == O
+
+
+def test_a_lone_request_pays_the_serving_overhead_before_the_router():
+    """Serving overhead 7.5 ms, a request at 0.3 s: by hand, TTFT = 7.5 + the prefill (2 +
+    0.01 * 100 = 3 ms), e2e = TTFT + 5 decode steps, the ITLs those steps; it reaches the
+    router (and the engine) at 0.3075 s; 0 gives the plain prefill."""
+    prof, L, O = profile(), 100, 6
+    first, decodes = service_ms(prof, L, O)
+    assert first == pytest.approx(3.0)
+    for o in (0.0, 7.5):
+        sim = simulator(overhead_ms=o)
+        seen = []
+        add = sim.router.add
+        sim.router.add = lambda batch: (seen.append((sim.now, batch[0][0].arrival_time)),
+                                        add(batch))[1]
+        r = sim.run([SimRequest(prompts(1, L)[0], O, 0.3)]).results[0]
+        assert r.start == 0.3 and seen == [(pytest.approx(0.3 + o / 1e3, abs=1e-12),) * 2]
+        assert r.ttft * 1e3 == pytest.approx(o + first, rel=1e-9)
+        assert r.latency * 1e3 == pytest.approx(o + first + sum(decodes), rel=1e-9)
+        assert np.array(r.itl) * 1e3 == pytest.approx(decodes, rel=1e-9)
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="serving_overhead_ms must be a finite number"):
+            simulator(overhead_ms=bad)
+
+
+def test_queues_form_behind_the_serving_overhead():
+    """One sequence at a time (service D per request), the serving overhead o: every request
+    reaches the router o after its arrival, so the queue is the one without the overhead
+    shifted by o. By hand: requests at 0 and D / 2: the first's e2e is o + D, the second
+    starts when the first ends (o + D) and ends at o + 2D: e2e o + 1.5 D (and 1.5 D at o = 0).
+    A conversation's next turn is sent when its answer has ended, so each turn pays o again:
+    turn 2 starts at 0 + (o + D)."""
+    prof, L, O, o = profile(), 64, 3, 4.0
+    first, decodes = service_ms(prof, L, O)
+    D = (first + sum(decodes)) / 1e3
+    p = prompts(2, L)
+    res = simulator(overhead_ms=o, max_num_seqs=1, enable_prefix_caching=False).run(
+        [SimRequest(p[0], O, 0.0), SimRequest(p[1], O, D / 2)])
+    assert [r.latency for r in res.results] == pytest.approx([o / 1e3 + D, o / 1e3 + 1.5 * D],
+                                                             rel=1e-9)
+    assert res.results[1].ttft == pytest.approx(o / 1e3 + D / 2 + first / 1e3, rel=1e-9)
+    conv = SimConversation(0.0, [], [p[0], p[1]], [O, O])
+    r1, r2 = simulator(overhead_ms=o, enable_prefix_caching=False).run_conversations(
+        [conv]).results
+    assert r2.start == pytest.approx(r1.latency, rel=1e-12)
+    assert r1.latency == pytest.approx(o / 1e3 + D, rel=1e-9)
+    assert r2.ttft * 1e3 == pytest.approx(o + prof.prefill_ms(2 * L + O), rel=1e-9)
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -303,6 +351,28 @@ def test_bad_input_is_an_error_not_a_traceback(profile_file, tmp_path, capsys, a
                         "--result-file", str(tmp_path / "x.json"), *args])
     err = capsys.readouterr().err
     assert rc == 2 and msg in err and "Traceback" not in err
+
+
+def test_simulate_takes_the_profiles_serving_overhead_unless_told_not_to(tmp_path):
+    """A profile with serving_overhead_ms 7.5: every request's TTFT and e2e are 7.5 ms longer
+    than with --no-serving-overhead (one request at a time: rate 0.01/s, 5 requests), its ITLs
+    the same; the file says which overhead was used."""
+    path = str(profile(serving_overhead_ms=7.5).save(tmp_path / "p.json"))
+    runs = {}
+    for flag in ("--serving-overhead", "--no-serving-overhead"):
+        out = str(tmp_path / f"{flag}.json")
+        assert simulate_main(["--profile", path, "--num-prompts", "5", "--request-rate", "0.01",
+                              "--random-input-len", "100", "--random-output-len", "4", flag,
+                              "--result-file", out]) == 0
+        runs[flag] = json.load(open(out))
+    on, off = runs["--serving-overhead"], runs["--no-serving-overhead"]
+    assert on["profile"]["serving_overhead_ms"] == 7.5
+    assert off["profile"]["serving_overhead_ms"] == 0.0
+    assert np.array(on["ttfts"]) - np.array(off["ttfts"]) == pytest.approx([7.5e-3] * 5,
+                                                                            abs=1e-12)
+    assert on["mean_e2el_ms"] - off["mean_e2el_ms"] == pytest.approx(7.5, abs=1e-9)
+    for a, b in zip(on["itls"], off["itls"]):
+        assert a == pytest.approx(b, abs=1e-12)
 
 
 def test_a_profile_missing_a_term_is_an_error(tmp_path, capsys):

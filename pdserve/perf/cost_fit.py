@@ -5,6 +5,8 @@ Rows (one per measured point; a row's time is the median of its reps):
     decode    {"b", "ctx_sum", "wall_ms"}             b decodes, contexts summing to ctx_sum
     mixed     {"b", "ctx_sum", "n", "wall_ms"}        b decodes + an n-token chunk
     transfer  {"tokens", "bytes", "ms"}               one KV hand-off
+    serving   {"n", "ttft_ms", "itl_ms"}              one request through `pdserve serve`,
+                                                      alone (perf/serving_path.py)
 Extra keys are ignored (kept in the profile's samples).
 
 Every fit is least squares with non-negative coefficients, each row weighted by 1 / its
@@ -24,11 +26,18 @@ matters from 3 ms steps to 60 ms ones alike):
               carry it, else the median bytes moved per token); GB/s = 1 / (ms per byte * 1e6).
               If the per-byte coefficient
               comes out 0 the fit is redone through the origin (no fixed cost; said in "note").
+    serving   serving_overhead_ms = median over requests of (ttft_ms - prefill_ms(n)), with
+              prefill_ms the prefill fit of the same samples (the profile's own lone-prefill
+              time), clipped at 0. Reported beside it, not a term: the batch-1 ITL overhead,
+              the median over a request's token gaps j = 1.. of (itl_ms[j-1] - decode_ms(1,
+              n + j)) (the decode producing token j + 1 attends over n + j positions).
 
 Held-out error: leave-one-out over the rows. Each row is predicted by the whole procedure
 (model choice and knee search included) run on the other rows, so it is never tuned on the
 point it is judged on. mixed's held-out rows use the decode model of all decode rows (they are
-separate measurements). Reported per term as mean and max |predicted - measured| / measured.
+separate measurements); so do serving's, with the prefill fit of all prefill rows and the
+median of the other requests' overheads (the term's TTFT model: prefill_ms(n) + overhead).
+Reported per term as mean and max |predicted - measured| / measured.
 """
 from __future__ import annotations
 
@@ -39,7 +48,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 QUADRATIC_GAIN = 0.05
-MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2}
+MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2, "serving": 2}
 
 
 # ---- least squares with non-negative coefficients ----------------------------------------------
@@ -285,11 +294,59 @@ def fit_transfer(rows: list[dict]) -> dict[str, Any]:
             "kv_bytes_per_token": kvb, "fit": info}
 
 
+# ---- serving path -------------------------------------------------------------------------------
+def prefill_predict(p: dict[str, Any], n: float) -> float:
+    return p["prefill_fixed_ms"] + p["alpha_ms_per_token"] * n + p["prefill_quadratic_ms"] * n * n
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(np.median(np.asarray(xs, dtype=float)))
+
+
+def fit_serving(rows: list[dict], prefill: dict[str, Any], decode: dict[str, Any]
+                ) -> dict[str, Any]:
+    """prefill / decode: fit_prefill's and fit_decode's results (the profile's own step
+    times, subtracted from what the client measured)."""
+    _check_rows("serving", rows, ("n", "ttft_ms"))
+    if any(r["n"] < 1 or r["ttft_ms"] <= 0 for r in rows):
+        raise ValueError("serving fit: every row needs n >= 1 and ttft_ms > 0")
+    over = [r["ttft_ms"] - prefill_predict(prefill, r["n"]) for r in rows]
+    value = max(0.0, _median(over))
+
+    def fit(train):
+        o = max(0.0, _median([t["ttft_ms"] - prefill_predict(prefill, t["n"]) for t in train]))
+        return lambda r: prefill_predict(prefill, r["n"]) + o
+    info: dict[str, Any] = {"n_samples": len(rows), **_heldout(rows, fit, lambda r: r["ttft_ms"]),
+                            "source": "measured",
+                            "overhead_ms_samples": [round(x, 4) for x in over]}
+    if _median(over) < 0:
+        info["note"] = (f"the median overhead came out {_median(over):.4g} ms (requests faster "
+                        "than the profile's lone prefill); clipped at 0")
+    by_n: dict[int, list[float]] = {}
+    for r, x in zip(rows, over):
+        by_n.setdefault(int(r["n"]), []).append(x)
+    info["overhead_ms_by_prompt_len"] = {str(n): round(_median(v), 4)
+                                         for n, v in sorted(by_n.items())}
+    gaps, itls = [], []
+    for r in rows:
+        for j, itl in enumerate(r.get("itl_ms") or (), start=1):
+            itls.append(itl)
+            gaps.append(itl - decode_predict(decode, 1, r["n"] + j))
+    if gaps:
+        info["batch1_itl_overhead_ms"] = _median(gaps)
+        info["batch1_itl_median_ms"] = _median(itls)
+        info["batch1_itl_samples"] = len(gaps)
+        info["batch1_itl_note"] = ("reported, not a term: median ITL less the profile's "
+                                   "decode_ms(1, context) per token gap")
+    return {"serving_overhead_ms": value, "fit": info}
+
+
 # ---- all terms ----------------------------------------------------------------------------------
 def fit_all(samples: dict[str, list[dict]]) -> dict[str, Any]:
     """Every term from samples {"prefill": rows, "decode": rows, "mixed": rows, "transfer":
-    rows}: the profile's terms at top level and "fit" per term. Without transfer rows the
-    caller supplies the transfer terms (and says where they came from)."""
+    rows, "serving": rows}: the profile's terms at top level and "fit" per term. Without
+    transfer rows the caller supplies the transfer terms (and says where they came from);
+    without serving rows there is no serving_overhead_ms (profile_from_samples: 0)."""
     for term in ("prefill", "decode", "mixed"):
         if not samples.get(term):
             raise ValueError(f"no {term} rows to fit")
@@ -305,6 +362,10 @@ def fit_all(samples: dict[str, list[dict]]) -> dict[str, Any]:
         tr = fit_transfer(samples["transfer"])
         fit["transfer"] = tr.pop("fit")
         out.update(tr)
+    if samples.get("serving"):
+        sv = fit_serving(samples["serving"], out, out)
+        fit["serving"] = sv.pop("fit")
+        out.update(sv)
     out["fit"] = fit
     return out
 
@@ -312,12 +373,20 @@ def fit_all(samples: dict[str, list[dict]]) -> dict[str, Any]:
 def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware: Any,
                          engine_config: dict, commit: str,
                          transfer_estimate: dict[str, Any] | None = None,
-                         extra: dict[str, Any] | None = None):
+                         extra: dict[str, Any] | None = None,
+                         serving_note: str = "no serving-path rows"):
     """A CostProfile fitted from samples. transfer_estimate: the transfer terms to use when
     samples hold no transfer rows ({"transfer_fixed_ms", "transfer_gb_per_s",
-    "kv_bytes_per_token", "note": where they come from}); the profile's fit says "estimate"."""
+    "kv_bytes_per_token", "note": where they come from}); the profile's fit says "estimate".
+    serving_note: why there are no serving rows, when there are none (serving_overhead_ms is
+    then 0 and its fit says "not measured")."""
     from .cost_profile import CostProfile
     terms = fit_all(samples)
+    if "serving_overhead_ms" not in terms:
+        terms["serving_overhead_ms"] = 0.0
+        terms["fit"]["serving"] = {"n_samples": 0, "heldout_mean_abs_rel_err": None,
+                                   "heldout_max_abs_rel_err": None, "source": "not measured",
+                                   "note": serving_note}
     if "transfer_gb_per_s" not in terms:
         if transfer_estimate is None:
             raise ValueError("no transfer rows and no transfer estimate")
@@ -346,7 +415,13 @@ def refit(profile):
                "note": tr.get("note") or "carried over from the profile refitted"}
     return profile_from_samples(profile.samples, model=profile.model, hardware=profile.hardware,
                                 engine_config=profile.engine_config, commit=profile.commit,
-                                transfer_estimate=est, extra=profile.extra)
+                                transfer_estimate=est, extra=profile.extra,
+                                serving_note=_serving_note(profile))
+
+
+def _serving_note(profile) -> str:
+    return (profile.fit.get("serving", {}).get("note")
+            or "the profile has no serving-path measurement (made before pdserve profile had one)")
 
 
 def device_time_profile(profile):
@@ -355,7 +430,10 @@ def device_time_profile(profile):
     the host's part of a step behind the device's (the host's work per step is shorter than the
     device's, and a server runs steps back to back). The bracket includes the input staging
     done after its start event, so it is an upper bound of the device's time. Transfer terms
-    are carried over. ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU
+    are carried over. The serving overhead is refitted against the device-time prefill (its
+    definition: the measured TTFT less the profile's own lone-prefill time), so a lone
+    request's TTFT stays the measured one: the host's part of that first step, which nothing
+    hides for a request that finds the worker idle, moves into the overhead. ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU
     profile: nothing runs beside the host there)."""
     samples: dict[str, list[dict]] = {}
     for term in ("prefill", "decode", "mixed"):
@@ -369,8 +447,9 @@ def device_time_profile(profile):
             row["wall_ms"], row["synced_wall_ms"] = float(g), r["wall_ms"]
             rows.append(row)
         samples[term] = rows
-    if profile.samples.get("transfer"):
-        samples["transfer"] = list(profile.samples["transfer"])
+    for term in ("transfer", "serving"):
+        if profile.samples.get(term):
+            samples[term] = list(profile.samples[term])
     tr = profile.fit.get("transfer", {})
     est = None if samples.get("transfer") else {
         "transfer_fixed_ms": profile.transfer_fixed_ms,
@@ -381,4 +460,5 @@ def device_time_profile(profile):
     extra["step_time"] = "device (gpu_ms rows)"
     return profile_from_samples(samples, model=profile.model, hardware=profile.hardware,
                                 engine_config=profile.engine_config, commit=profile.commit,
-                                transfer_estimate=est, extra=extra)
+                                transfer_estimate=est, extra=extra,
+                                serving_note=_serving_note(profile))

@@ -12,10 +12,15 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
     mixed_ms(b, ctx_sum, n) = decode_ms(b, ctx_sum) + gamma_ms_per_token*n  (b == 0: prefill_ms(n))
     transfer_ms(tokens)     = transfer_fixed_ms
                               + tokens*kv_bytes_per_token / (transfer_gb_per_s*1e6)
+    serving_overhead_ms     what a request spends outside the engine's steps when it is served
+                            (HTTP, the router, IPC to and from the worker, SSE, the client):
+                            a request reaches the router this long after the client sends it.
+                            Optional (0 in files made before it was measured).
 
 The JSON file holds these terms at top level, with `version` (1), `model`, `hardware` (the
 measuring machine: bench.common.hardware_info's dict, or a plain label), `engine_config`,
-`commit`, `fit` (per term "prefill" / "decode" / "mixed" / "transfer": n_samples,
+`commit`, `fit` (per term "prefill" / "decode" / "mixed" / "transfer", and "serving" where
+the file has serving_overhead_ms: n_samples,
 heldout_mean_abs_rel_err, heldout_max_abs_rel_err, and whatever else the fit reports) and
 `samples` (the measured rows, so a profile can be refit). Other top-level keys are kept in
 `extra`. CostProfile.from_json checks every term (ValueError naming the field and the file).
@@ -33,6 +38,7 @@ from .files import read_json_object, write_json
 VERSION = 1
 BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_token_ms")
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
+OPTIONAL_FIT_TERMS = ("serving",)
 FIT_KEYS = ("n_samples", "heldout_mean_abs_rel_err", "heldout_max_abs_rel_err")
 # coefficients that may be 0 but not negative
 _NONNEG = ("alpha_ms_per_token", "prefill_fixed_ms", "prefill_quadratic_ms", "gamma_ms_per_token",
@@ -83,6 +89,7 @@ class CostProfile:
     transfer_gb_per_s: float
     transfer_fixed_ms: float
     kv_bytes_per_token: int
+    serving_overhead_ms: float = 0.0
     fit: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
     version: int = VERSION
@@ -199,6 +206,8 @@ def _validate(d: Mapping, where: str) -> None:
     for name in _NONNEG:
         number(name, d[name])
     number("transfer_gb_per_s", d["transfer_gb_per_s"], positive=True)
+    if "serving_overhead_ms" in d:      # (optional: files older than the term load with 0)
+        number("serving_overhead_ms", d["serving_overhead_ms"])
     for name, least in (("batch_threshold", 1), ("kv_bytes_per_token", 1)):
         v = d[name]
         if not isinstance(v, int) or isinstance(v, bool):
@@ -212,8 +221,10 @@ def _validate(d: Mapping, where: str) -> None:
         if k not in beta:
             raise bad(f"beta_ms.{k}", "is missing")
         number(f"beta_ms.{k}", beta[k])
-    for term in FIT_TERMS:
+    for term in FIT_TERMS + OPTIONAL_FIT_TERMS:
         entry = d["fit"].get(term)
+        if entry is None and term in OPTIONAL_FIT_TERMS:
+            continue
         if not isinstance(entry, dict):
             raise bad(f"fit.{term}", f"must be an object with {', '.join(FIT_KEYS)}, got {entry!r}")
         for k in FIT_KEYS:

@@ -15,7 +15,12 @@ What runs, in order:
      a time; the decode worker reports the bytes it pulled and the pull's time. On one GPU both
      workers share it (each with --transfer-kv-gb of KV pool). If the deployment cannot run,
      the file says why and the transfer terms are an estimate that says what it is.
-  3. the fits, a table of term / value / held-out error, and the JSON (--output).
+  3. the serving path (perf/serving_path.py; --no-serving-overhead skips it): `pdserve serve`
+     started as a subprocess with this engine config, streaming requests of a few prompt
+     lengths (--serving-tokens) sent one at a time through bench serve's client; the term
+     serving_overhead_ms is the median of their TTFT less the prefill fit's lone-prefill time.
+     If the server cannot start, the file says why and the term is 0 ("not measured").
+  4. the fits, a table of term / value / held-out error, and the JSON (--output).
 
 Row sets (prefill lengths, batches, contexts, ...) default to one of three presets, by device
 and --quick; any flag given replaces its preset value. `--quick` on CPU with the embedded model
@@ -50,19 +55,23 @@ PRESETS: dict[str, dict[str, Any]] = {
                  mixed=["8:256", "32:256", "32:1024", "64:512", "128:256", "128:1024", "128:2048",
                         "256:512"],
                  transfer_tokens=[256, 1024, 2048, 4096, 8192], reps=10, warmup=3,
-                 transfer_reps=5),
+                 transfer_reps=5, serving_tokens=[256, 1024, 2048, 4096], serving_reps=10,
+                 serving_max_tokens=16),
     "cuda-quick": dict(prefill_tokens=[256, 1024, 2048, 4096, 8192],
                        decode_batches=[1, 16, 64, 128, 256], contexts=[512, 2048],
                        mixed_context=1024, mixed=["32:256", "128:256", "128:1024", "64:2048"],
-                       transfer_tokens=[512, 2048, 8192], reps=5, warmup=2, transfer_reps=3),
+                       transfer_tokens=[512, 2048, 8192], reps=5, warmup=2, transfer_reps=3,
+                       serving_tokens=[256, 1024, 4096], serving_reps=5, serving_max_tokens=8),
     # CPU (the embedded 135M model, one thread): a step costs ~0.1-0.6 s and other work on the
     # machine makes single steps noisy, so rows stay small and reps are what buy precision.
     "cpu": dict(prefill_tokens=[16, 32, 64, 128, 192, 256], decode_batches=[1, 2, 4, 8, 16],
                 contexts=[32, 128], mixed_context=32, mixed=["2:16", "4:32", "8:16", "8:64"],
-                transfer_tokens=[16, 64, 128, 256, 512], reps=6, warmup=1, transfer_reps=4),
+                transfer_tokens=[16, 64, 128, 256, 512], reps=6, warmup=1, transfer_reps=4,
+                serving_tokens=[16, 64, 128, 256], serving_reps=5, serving_max_tokens=8),
     "cpu-quick": dict(prefill_tokens=[16, 32, 64, 96, 128], decode_batches=[1, 2, 4, 8],
                       contexts=[16, 64], mixed_context=16, mixed=["2:16", "4:32", "8:16"],
-                      transfer_tokens=[16, 48, 96, 192], reps=4, warmup=1, transfer_reps=3),
+                      transfer_tokens=[16, 48, 96, 192], reps=4, warmup=1, transfer_reps=3,
+                      serving_tokens=[16, 64, 128], serving_reps=3, serving_max_tokens=4),
 }
 
 
@@ -98,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "the device copy bandwidth (said in the file)")
     t.add_argument("--transfer-kv-gb", type=float, default=4.0,
                    help="CUDA: KV pool of each of the two transfer workers (they may share a GPU)")
+    s = p.add_argument_group("serving path (what a request costs outside the steps)")
+    s.add_argument("--no-serving-overhead", action="store_true",
+                   help="do not start `pdserve serve` to measure it: serving_overhead_ms is 0 "
+                        "(\"not measured\" in the file)")
+    s.add_argument("--serving-tokens", type=int, nargs="+", default=None,
+                   help="prompt lengths of its requests (within the --prefill-tokens range; "
+                        "default: the preset's that lie there)")
+    s.add_argument("--serving-reps", type=int, default=None,
+                   help="timed requests per length (after one untimed)")
+    s.add_argument("--serving-max-tokens", type=int, default=None,
+                   help="max_tokens of each request (its token gaps: the batch-1 ITL)")
     add_engine_args(p, exclude=_EXCLUDED)
     p.set_defaults(device=None, max_num_batched_tokens=None, max_num_seqs=None)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
@@ -122,6 +142,14 @@ def resolve(a: argparse.Namespace, device_type: str) -> argparse.Namespace:
         if getattr(out, k) is None:
             setattr(out, k, v)
     out.preset = ("cuda" if device_type == "cuda" else "cpu") + ("-quick" if a.quick else "")
+    lo, hi = min(out.prefill_tokens), max(out.prefill_tokens)
+    if a.serving_tokens is None:
+        # the preset's lengths where the prefill fit interpolates, else the prefill lengths
+        out.serving_tokens = ([n for n in preset["serving_tokens"] if lo <= n <= hi]
+                              or sorted(set(out.prefill_tokens)))
+    elif not out.no_serving_overhead and any(not lo <= n <= hi for n in out.serving_tokens):
+        raise ValueError(f"--serving-tokens must lie within the prefill lengths ({lo}..{hi}: "
+                         f"the prefill fit subtracted from their TTFT), got {out.serving_tokens}")
     out.mixed_pairs = [_pair(s) for s in out.mixed]
     for name in ("prefill_tokens", "decode_batches", "contexts", "transfer_tokens"):
         bad = [v for v in getattr(out, name) if v < 1]
@@ -142,7 +170,7 @@ def resolve(a: argparse.Namespace, device_type: str) -> argparse.Namespace:
         raise ValueError("--mixed needs at least one B:N pair")
     if not out.no_transfer and len(set(out.transfer_tokens)) < 3:
         raise ValueError("--transfer-tokens needs >= 3 distinct lengths (or --no-transfer)")
-    for name in ("reps", "transfer_reps", "mixed_context"):
+    for name in ("reps", "transfer_reps", "mixed_context", "serving_reps", "serving_max_tokens"):
         if getattr(out, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(out, name)}")
     if out.warmup < 0:
@@ -188,7 +216,8 @@ def _step_rows(a, cfg, label: str) -> tuple[list[dict], dict[str, Any], int]:
         kv = eng.runner.kv_cache
         kvb = int(kv[:, :, 0, 0].numel() * kv.element_size())
         facts = {"max_model_len_used": eng.max_model_len, "num_kv_blocks_used": eng.num_kv_blocks,
-                 "use_cuda_graphs": cfg.use_cuda_graphs, **_graph_info(eng)}
+                 "use_cuda_graphs": cfg.use_cuda_graphs, "vocab_size": eng.vocab_size,
+                 **_graph_info(eng)}
         print(_HEADER, flush=True)
         rows = []
         # decode rows alternate contexts at each batch size: a machine whose speed drifts
@@ -276,6 +305,23 @@ def _transfer_rows(a, cfg, kvb: int) -> tuple[list[dict], dict[str, Any]]:
     return rows, info
 
 
+def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], dict[str, Any]]:
+    """Requests one at a time through a `pdserve serve` of this engine config."""
+    from .serving_path import measure
+    print(f"serving path: starting pdserve serve ({len(a.serving_tokens)} prompt lengths x "
+          f"{a.serving_reps} requests, max_tokens {a.serving_max_tokens})", flush=True)
+    rows, info = measure(cfg, a.serving_tokens, a.serving_reps, a.serving_max_tokens,
+                         facts["vocab_size"], a.seed, a.threads)
+    for n in a.serving_tokens:
+        ttft = [r["ttft_ms"] for r in rows if r["n"] == n]
+        print(f"serving {n:>6} tokens: TTFT median {statistics.median(ttft):9.3f} ms over "
+              f"{len(ttft)} requests", flush=True)
+    print(f"serving path: server up in {info['startup_s']} s, {info['wall_s']} s in all, "
+          f"stopped {'cleanly' if info['stopped_cleanly'] else 'NOT cleanly'} "
+          f"(exit code {info['exit_code']})", flush=True)
+    return rows, info
+
+
 def _transfer_estimate(device, why: str, kvb: int) -> dict[str, Any]:
     from ..bench.common import copy_bandwidth
     moved = copy_bandwidth(device) / 2          # copy_bandwidth counts bytes read + written
@@ -335,8 +381,13 @@ def table(p: CostProfile) -> str:
             ("mixed", "gamma_ms_per_token", p.gamma_ms_per_token),
             ("transfer", "transfer_fixed_ms", p.transfer_fixed_ms),
             ("transfer", "transfer_gb_per_s", p.transfer_gb_per_s),
-            ("transfer", "kv_bytes_per_token", p.kv_bytes_per_token)):
-        lines.append(f"{name:<34} {value:>14.6g}  {err(term)}")
+            ("transfer", "kv_bytes_per_token", p.kv_bytes_per_token),
+            ("serving", "serving_overhead_ms", p.serving_overhead_ms)):
+        if term in p.fit:
+            lines.append(f"{name:<34} {value:>14.6g}  {err(term)}")
+    itl = p.fit.get("serving", {}).get("batch1_itl_overhead_ms")
+    if itl is not None:
+        lines.append(f"{'(batch-1 ITL overhead, not a term)':<34} {itl:>14.6g}")
     return "\n".join(lines)
 
 
@@ -389,6 +440,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 transfer_info["error"] = f"{type(e).__name__}: {e}"
                 print(f"warning: the hand-off could not be measured: {e}", file=sys.stderr)
                 estimate = _transfer_estimate(device, f"the 1P1D deployment failed: {e}", kvb)
+        serving_info: dict[str, Any] = {}
+        if a.no_serving_overhead:
+            serving_note = "not measured (--no-serving-overhead)"
+        else:
+            try:
+                samples["serving"], serving_info = _serving_rows(a, cfg, facts)
+                serving_note = ""
+            except Exception as e:  # noqa: BLE001 - recorded in the file and printed, not hidden
+                serving_info["error"] = f"{type(e).__name__}: {e}"
+                print(f"warning: the serving path could not be measured: {e}", file=sys.stderr)
+                serving_note = f"not measured (pdserve serve could not be run: {e})"
     wall_s = time.perf_counter() - t0
     hw = hardware_info()
     hw["load_avg_at_start"] = hw_start.get("load_avg_1_5_15")
@@ -398,13 +460,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "row_set": {k: getattr(a, k) for k in ("prefill_tokens", "decode_batches",
                                                      "contexts", "mixed", "mixed_context",
                                                      "transfer_tokens", "reps", "warmup",
-                                                     "transfer_reps")},
-             "engine_facts": facts, "transfer_setup": transfer_info, "rows_not_used": unused,
+                                                     "transfer_reps", "serving_tokens",
+                                                     "serving_reps", "serving_max_tokens")},
+             "engine_facts": facts, "transfer_setup": transfer_info,
+             "serving_setup": serving_info, "rows_not_used": unused,
              "notes": notes, "wall_s": round(wall_s, 2), "cpu_usage": usage.result(),
              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     p = profile_from_samples(samples, model=label, hardware=hw,
                              engine_config=dataclasses.asdict(cfg), commit=git["git_commit"],
-                             transfer_estimate=estimate, extra=extra)
+                             transfer_estimate=estimate, extra=extra,
+                             serving_note=serving_note or "no serving-path rows")
     return p.to_dict()
 
 
@@ -418,8 +483,9 @@ _CONFIG_FIELDS = ("model", "load_format", "dtype", "device", "seed", "block_size
 def profile_config(config, quick: bool = True) -> CostProfile:
     """Profile the engine a deployment's EngineConfig describes, with the quick (or the full)
     row set of its device: what the adaptive policy measures at start-up when it has no
-    profile (deploy.adaptive_policy)."""
-    ns = build_parser().parse_args(["--quick"] if quick else [])
+    profile (deploy.adaptive_policy). No serving-path measurement: the cost model does not use
+    it, and a server starting would start another one."""
+    ns = build_parser().parse_args(["--no-serving-overhead", *(["--quick"] if quick else [])])
     for name in _CONFIG_FIELDS:
         setattr(ns, name, getattr(config, name))
     return CostProfile.from_json(run(ns))

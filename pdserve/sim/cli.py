@@ -7,7 +7,10 @@ with max_tokens = its dataset output length, ignore_eos, greedy; a token reaches
 when its step ends (TTFT, ITL and e2e from those times, as a streaming client measures them). Text prompts (ShareGPT)
 become seeded random token ids of their approximate length (the simulator has no tokenizer).
 The simulated cores run without async scheduling; --async-scheduling models its two effects on
-timing (steps at the device's time, requests joining the step after the next). Per-role profiles (--prefill-profile ...)
+timing (steps at the device's time, requests joining the step after the next). A request
+reaches the router the profile's serving_overhead_ms after it arrives (the serving path `pdserve
+profile` measured: HTTP, the router, IPC, SSE, the client; --no-serving-overhead: at once).
+Per-role profiles (--prefill-profile ...)
 stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.
 
 Determinism: the same flags and seed give the same "runs" (and the same file but for "date"
@@ -62,6 +65,19 @@ def add_workload_args(g) -> None:
     g.add_argument("--mixed-long-output-len", type=int, default=128)
 
 
+def add_serving_overhead_arg(g) -> None:
+    """--serving-overhead / --no-serving-overhead, shared by simulate and plan."""
+    g.add_argument("--serving-overhead", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request reaches the router the profile's serving_overhead_ms after "
+                        "it arrives (HTTP, router, IPC and SSE, measured by pdserve profile; 0 "
+                        "in profiles made before it was) (default on)")
+
+
+def serving_overhead_ms(a: argparse.Namespace, profile: CostProfile) -> float:
+    """The serving overhead a run uses: the profile's, or 0 with --no-serving-overhead."""
+    return profile.serving_overhead_ms if a.serving_overhead else 0.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve simulate",
@@ -95,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "profile refitted on its rows' device time (gpu_ms), the step period "
                         "when async scheduling hides the host's work behind the device's "
                         "(default: device with --async-scheduling, else wall)")
+    add_serving_overhead_arg(g)
     g = p.add_argument_group("engine (per worker)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -227,6 +244,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
     max_len = a.max_model_len if a.max_model_len is not None else (
         ec.get("max_model_len") if isinstance(ec.get("max_model_len"), int) else blocks * a.block_size)
     policy_name, _ = _policy(a, dep, profile)   # (checks the flags once)
+    overhead = serving_overhead_ms(a, profile)
     rates = ", ".join(rate_label(x) for x in a.request_rate)
     if a.dataset_name == "multi-turn":
         convs = build_conversations(a)
@@ -241,10 +259,13 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
               f"({sum(len(p) for p, _ in reqs)} prompt / {sum(o for _, o in reqs)} output "
               f"tokens) on {dep.label} ({policy_name}); rates {rates} req/s, burstiness "
               f"{a.burstiness:g}", flush=True)
+    print(f"serving overhead {overhead:.3f} ms per request before the router"
+          + ("" if a.serving_overhead else " (--no-serving-overhead)"), flush=True)
     runs, walls = [], []
     for rate in a.request_rate:
         sim = Simulator(dep, profiles, config, blocks, max_len, _policy(a, dep, profile)[1],
-                        a.vocab_size, pipelined_pickup=a.async_scheduling)
+                        a.vocab_size, pipelined_pickup=a.async_scheduling,
+                        serving_overhead_ms=overhead)
         if a.dataset_name == "multi-turn":
             offsets = arrival_times(len(convs), rate, a.burstiness, a.seed)
             res = sim.run_conversations([SimConversation(float(t), s, u, o)
@@ -264,7 +285,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         "benchmark": "simulate", "date": datetime.now().isoformat(timespec="seconds"),
         "deployment": dep.label, "routing_policy": policy_name,
         "profile": {"model": profile.model, "hardware": profile.hardware_label,
-                    "file": a.profile, "step_time": a.step_time},
+                    "file": a.profile, "step_time": a.step_time,
+                    "serving_overhead_ms": overhead},
         "async_scheduling": a.async_scheduling,
         "dataset_name": a.dataset_name, "percentiles": percentiles, "runs": runs}
     if len(runs) == 1:

@@ -42,6 +42,10 @@ Profile scaling (scale_profile; each flag names the terms it divides, and why):
 TP: only profiles say what a TP size costs. TP 1 is --profile; `--tp-profile 2=FILE` adds a
 measured TP-2 profile (its engine_config.tensor_parallel_size, when recorded, must say 2); the
 scaling flags apply to every profile. No TP size without a profile is modelled.
+
+Serving path: every simulated request reaches the router the TP-1 profile's
+serving_overhead_ms after it arrives, as in `pdserve simulate` (--no-serving-overhead: at
+once); no scaling flag changes it (host work: HTTP, the router, IPC, SSE).
 """
 from __future__ import annotations
 
@@ -280,8 +284,10 @@ class Planner:
     seed: int = 0
     min_rate: float = 2.0 ** -6
     max_rate: float = 2.0 ** 14
+    serving_overhead: bool = True   # requests reach the router the profile's overhead late
     # (candidate, k) -> that run's RequestResults (token gaps dropped); share one dict only
-    # among planners of the same profiles, requests and engine options (e.g. other SLOs)
+    # among planners of the same profiles, requests, engine options and serving overhead
+    # (e.g. other SLOs)
     runs: dict | None = None
 
     def __post_init__(self):
@@ -311,6 +317,11 @@ class Planner:
         self.num_simulations = 0
         self.simulated_requests = 0
 
+    @property
+    def serving_overhead_ms(self) -> float:
+        """What a request spends before the router in every run (simulate's rule)."""
+        return self.profiles[1].serving_overhead_ms if self.serving_overhead else 0.0
+
     def rate(self, k: int) -> float:
         return 2.0 ** (k / self.steps_per_doubling)
 
@@ -335,7 +346,8 @@ class Planner:
         longest = max(len(p) + o for p, o in self.requests)
         max_len = self.max_model_len or max(longest, 2)
         sim = Simulator(u.deployment, profiles, config, self.num_kv_blocks, max_len,
-                        self._policy(cand, profiles))
+                        self._policy(cand, profiles),
+                        serving_overhead_ms=self.serving_overhead_ms)
         offsets = arrival_times(len(reqs), rate, self.burstiness, self.seed)
         res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
         self.num_simulations += 1
@@ -436,7 +448,7 @@ _WORKLOAD = ("dataset_name", "dataset_path", "vocab_size", "random_input_len", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import add_workload_args
+    from .cli import add_serving_overhead_arg, add_workload_args
     p = argparse.ArgumentParser(
         prog="pdserve plan",
         description="Search deployments (prefill/decode/collocated counts, TP per role, chunk "
@@ -459,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "alpha_ms_per_token, prefill_quadratic_ms, gamma_ms_per_token")
     g.add_argument("--interconnect-gb-s", type=float, default=None,
                    help="P->D KV transfer bandwidth: replaces transfer_gb_per_s")
+    add_serving_overhead_arg(g)
     g = p.add_argument_group("search")
     g.add_argument("--goodput", nargs="+", required=True, metavar="KEY:MS",
                    help="SLOs: ttft:MS tpot:MS e2el:MS")
@@ -522,7 +535,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
     reqs = build_requests(a)
     planner = Planner(profs, reqs, slos, a.min_prompts, a.probe_span_s, a.attainment,
                       a.steps_per_doubling, a.max_num_seqs, a.block_size, a.num_kv_blocks, None,
-                      a.enable_prefix_caching, a.burstiness, a.seed)
+                      a.enable_prefix_caching, a.burstiness, a.seed,
+                      serving_overhead=a.serving_overhead)
     ul = units(a.num_gpus, sorted(profs), a.max_unit_gpus, a.kinds)
     cands = candidates(ul, sorted(set(a.chunk_sizes)), a.policies)
     if not cands:
@@ -538,7 +552,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
                                   "which >= attainment of the requests meet every SLO; a "
                                   "deployment is num_gpus/unit_gpus copies of a unit",
             "profile": {"model": base.model, "hardware": base.hardware_label,
-                        "source": a.profile, "tp_sizes": sorted(profs), **scale},
+                        "source": a.profile, "tp_sizes": sorted(profs), **scale,
+                        "serving_overhead_ms": planner.serving_overhead_ms},
             "workload": {k: getattr(a, k) for k in _WORKLOAD},
             "best": rows[0], "candidates": rows,
             "search": {"simulations": planner.num_simulations,

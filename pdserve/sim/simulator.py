@@ -3,7 +3,8 @@ cache, KVCoordinator, OutputProcessor without a tokenizer: token-id prompts) on 
 worker over a cost-model runner (runner.py), and the real router core with the real policies
 placing each request; time is simulated.
 
-    arrival (the workload's offsets) ─> RouterCore.add ─> Send ─> EngineCore.add_requests
+    arrival (the workload's offsets) ─(+ serving_overhead_ms)─> RouterCore.add ─> Send ─>
+        EngineCore.add_requests
     a worker with work steps: EngineCore.step() at its start time; the runner advances the
         worker's clock by the step's cost; its outputs reach the router core when it ends:
         output ─> Deliver (a request's end), observe (stats, step records),
@@ -14,6 +15,13 @@ Token times: every token reaches the client when its step ends; the runners reco
 per sequence (P/D: the first on the prefill worker, the rest on the decode worker), so the
 requests go to the router core final-only (a load-aware policy still follows every token).
 Streaming every token through the router core gives the same runs, slower.
+
+The serving path (HTTP, the API, IPC to and from the worker, SSE, the client: the profile's
+serving_overhead_ms, measured on a lone request) is spent before the router: a request reaches
+the router core that long after its arrival, and its TTFT and e2e count from the arrival, so a
+lone request's TTFT is the overhead plus its prefill and queues form behind the router as they
+would. (A multi-turn conversation's next turn is sent when the answer has ended and pays it
+again.)
 
 Events are ordered by time, then by the order they were made (a heap; deterministic). A worker
 runs one step at a time; between steps it takes what the router sent it meanwhile (as a
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -171,17 +180,24 @@ class Simulator:
     N runs can join N+2 at the earliest (a sync worker takes them into N+1). With it on, requests
     sent to a busy worker are handed to its core right after its next step starts (an idle
     worker takes them at once, as both kinds do). Pair it with a device-time profile
-    (perf.cost_fit.device_time_profile): the step period under async scheduling."""
+    (perf.cost_fit.device_time_profile): the step period under async scheduling.
+
+    serving_overhead_ms: the time from a request's arrival to the router (the module docstring;
+    a profile's serving_overhead_ms; 0: arrivals reach the router at once)."""
 
     def __init__(self, deployment: Deployment, profiles: Mapping[str, Any], config: EngineConfig,
                  num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000,
-                 *, pipelined_pickup: bool = False):
+                 *, pipelined_pickup: bool = False, serving_overhead_ms: float = 0.0):
         if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
             raise ValueError("profiles: give a 'default' profile or one per role")
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        o = serving_overhead_ms
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
+            raise ValueError(f"serving_overhead_ms must be a finite number >= 0, got {o!r}")
+        self.serving_overhead_s = float(o) / 1e3
         self.deployment = deployment
         self.pipelined_pickup = bool(pipelined_pickup)
         self.config = dataclasses.replace(config, async_scheduling=False)
@@ -262,10 +278,12 @@ class Simulator:
         # final-only: the user's outputs come when a request ends (a load-aware policy still
         # follows every token: the router core streams them to itself); each token's time is
         # its step's end, which the runners record (what a streaming client sees)
+        # (the router stamps a request when it gets it, as the server's does)
+        reach = at + self.serving_overhead_s
         req = AddRequest(rid, {"prompt_token_ids": list(prompt)}, p, final_only=True,
-                         arrival_time=at)
+                         arrival_time=reach)
         self._tracks[rid] = _Track(at, turn=turn)
-        self._push(at, 0, req)
+        self._push(reach, 0, req)
 
     def _send_turn(self, i: int, k: int, history: list[int], at: float) -> None:
         c = self._convs[i]
