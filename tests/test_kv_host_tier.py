@@ -1,0 +1,184 @@
+"""The KV cache's host tier (worker/kv_host_tier.py) against a torch reference: a dict of
+per-block copies taken from the pool with plain indexing (kv_cache[:, :, b]), one block at a time.
+Random pools and random moves with runs and gaps; a to_host then to_device round trip restores
+the blocks exactly; in one step the save of a device block reads it before a load overwrites it.
+The CUDA tests (marked gpu) check the same against the stream contract: a save of a block that a
+forward queued just before writes sees the forward's values, and the next step's compute waits
+for the loads."""
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.kv_cache_manager import KVMoves
+from pdserve.worker.kv_host_tier import KVHostTier, host_runs
+
+SHAPE = dict(layers=3, block_size=4, heads=2, head_dim=5)
+
+
+def _pool(num_blocks: int, device="cpu", dtype=torch.float32, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = SHAPE
+    # (+1: the scratch block the runner keeps at the end)
+    t = torch.randn((s["layers"], 2, num_blocks + 1, s["block_size"], s["heads"], s["head_dim"]),
+                    generator=g).to(dtype)
+    return t.to(device)
+
+
+def _random_moves(rng: random.Random, num_dev: int, num_host: int, n: int, runs: bool):
+    """n distinct device blocks and n distinct host blocks paired; with runs, the host ids come
+    in runs of consecutive ids with gaps between them."""
+    dev = rng.sample(range(num_dev), n)
+    if runs:
+        host, h = [], rng.randrange(3)
+        while len(host) < n:
+            k = rng.randint(1, 5)
+            host.extend(range(h, h + k))
+            h += k + rng.randint(1, 3)
+        host = host[:n]
+        assert max(host) < num_host
+        rng.shuffle(host)
+    else:
+        host = rng.sample(range(num_host), n)
+    return list(zip(dev, host))
+
+
+def test_host_runs_by_hand():
+    assert host_runs([]) == []
+    assert host_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert host_runs([1, 3, 5]) == [(0, 1, 1), (1, 3, 1), (2, 5, 1)]
+
+
+@pytest.mark.parametrize("runs", [True, False])
+@pytest.mark.parametrize("chunk", [None, 3])   # 3: moves split over several staging chunks
+def test_moves_match_a_per_block_reference(runs, chunk):
+    rng = random.Random(1 if runs else 2)
+    num_dev, num_host = 40, 64
+    kv = _pool(num_dev)
+    tier = KVHostTier(kv, num_host, measure=False)
+    if chunk is not None:
+        tier.chunk_blocks = chunk
+    host_ref: dict[int, torch.Tensor] = {}
+    for step in range(6):
+        before = kv.clone()
+        out = _random_moves(rng, num_dev, num_host, rng.randint(1, 12), runs)
+        # loads: host blocks written before (the reference knows them), to device blocks not
+        # saved this step (the scheduler's rule: a to_host source is not a to_device target)
+        saved = {d for d, _ in out}
+        known = [h for h in host_ref if h not in {h2 for _, h2 in out}]
+        free_dev = [d for d in range(num_dev) if d not in saved]
+        k = min(len(known), rng.randint(0, 8))
+        back = list(zip(rng.sample(known, k), rng.sample(free_dev, k)))
+        tier.apply(KVMoves(out, back))
+        # the reference, one block at a time: saves read the pool as it was before the step
+        for d, h in out:
+            host_ref[h] = before[:, :, d].clone()
+        expect = before.clone()
+        for h, d in back:
+            expect[:, :, d] = host_ref[h]
+        assert torch.equal(kv, expect), f"step {step}"
+        for h, t in host_ref.items():
+            assert torch.equal(tier.host[h], t), f"step {step}, host block {h}"
+    assert tier.blocks_to_host > 0 and tier.blocks_to_device > 0
+
+
+def test_round_trip_restores_blocks_exactly():
+    """Save every block, scribble over the pool, load them back (to other device blocks, in a
+    permutation): each lands bit for bit, fp16 too; the scratch block is never touched."""
+    for dtype in (torch.float32, torch.float16):
+        kv = _pool(16, dtype=dtype, seed=3)
+        orig = kv.clone()
+        tier = KVHostTier(kv, 20, measure=False)
+        host = list(range(2, 18))
+        tier.apply(KVMoves(list(zip(range(16), host)), []))
+        kv[:, :, :16].fill_(7)
+        perm = random.Random(5).sample(range(16), 16)
+        tier.apply(KVMoves([], [(host[i], perm[i]) for i in range(16)]))
+        for i in range(16):
+            assert torch.equal(kv[:, :, perm[i]], orig[:, :, i])
+        assert torch.equal(kv[:, :, 16], orig[:, :, 16])
+
+
+def test_a_save_reads_the_block_before_a_load_into_it_in_the_same_step():
+    """The order rule: to_host before to_device. Block 3 is saved to host 0 while host 1 is
+    loaded into block 3 in the same step: host 0 gets block 3's old KV, block 3 host 1's."""
+    kv = _pool(8, seed=4)
+    tier = KVHostTier(kv, 4, measure=False)
+    tier.apply(KVMoves([(5, 1)], []))
+    old3, old5 = kv[:, :, 3].clone(), kv[:, :, 5].clone()
+    tier.apply(KVMoves([(3, 0)], [(1, 3)]))
+    assert torch.equal(tier.host[0], old3)
+    assert torch.equal(kv[:, :, 3], old5)
+
+
+@pytest.mark.parametrize("moves,match", [
+    (KVMoves([(8, 0)], []), "outside the device pool"),     # 8: the scratch block
+    (KVMoves([(0, 4)], []), "outside"),
+    (KVMoves([], [(-1, 0)]), "outside"),
+    (KVMoves([(0, 1), (2, 1)], []), "named twice"),
+    (KVMoves([], [(0, 2), (1, 2)]), "named twice")])
+def test_bad_moves_are_a_value_error_and_copy_nothing(moves, match):
+    kv = _pool(8, seed=6)
+    before = kv.clone()
+    tier = KVHostTier(kv, 4, measure=False)
+    host_before = tier.host.clone()
+    with pytest.raises(ValueError, match=match):
+        tier.apply(moves)
+    assert torch.equal(kv, before) and torch.equal(tier.host, host_before)
+
+
+def test_bandwidth_is_measured_at_start_up_quickly():
+    import time
+    kv = _pool(8)
+    t0 = time.perf_counter()
+    tier = KVHostTier(kv, 8)
+    assert time.perf_counter() - t0 < 1.0
+    assert tier.copy_gb_per_s > 0
+    assert tier.block_bytes == 3 * 2 * 4 * 2 * 5 * 4
+    assert tier.host.shape == (8, 3, 2, 4, 2, 5)
+
+
+# ---- CUDA: the stream contract ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runs", [True, False])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_moves_match_the_reference(runs):
+    rng = random.Random(7)
+    kv = _pool(200, "cuda", torch.bfloat16, seed=8)
+    tier = KVHostTier(kv, 300, measure=False)
+    assert tier.host.is_pinned()
+    tier.chunk_blocks = 16
+    before = kv.clone()
+    out = _random_moves(rng, 200, 300, 100, runs)
+    tier.apply(KVMoves(out, []))
+    tier.synchronize()
+    for d, h in out:
+        assert torch.equal(tier.host[h], before[:, :, d].cpu())
+    kv.zero_()
+    dests = rng.sample(range(200), 100)
+    tier.apply(KVMoves([], [(h, d) for (_, h), d in zip(out, dests)]))
+    tier.begin_step()          # the next step's compute stream waits for the loads
+    got = kv.clone()           # (queued on the compute stream)
+    torch.cuda.synchronize()
+    for (d0, _), d in zip(out, dests):
+        assert torch.equal(got[:, :, d], before[:, :, d0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_save_sees_a_forward_queued_just_before():
+    """A "forward" (a long kernel chain on the compute stream, then a write into block 2) is
+    queued and the save of block 2 right after, without a sync: the host copy holds what the
+    forward wrote, not the block's old KV (the copy stream waited for the compute stream)."""
+    kv = _pool(64, "cuda", torch.float32, seed=9)
+    tier = KVHostTier(kv, 8, measure=False)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):        # keep the compute stream busy for a while
+        big = big @ big
+        big = big / big.norm()
+    kv[:, :, 2] = 3.0 + big[0, 0] * 0
+    tier.apply(KVMoves([(2, 5)], []))
+    tier.synchronize()
+    assert torch.equal(tier.host[5], torch.full_like(tier.host[5], 3.0))
