@@ -121,6 +121,7 @@ def test_bad_moves_are_a_value_error_and_copy_nothing(moves, match):
     kv = _pool(8, seed=6)
     before = kv.clone()
     tier = KVHostTier(kv, 4, measure=False)
+    tier.host.fill_(1.5)       # (the pool starts uninitialised)
     host_before = tier.host.clone()
     with pytest.raises(ValueError, match=match):
         tier.apply(moves)
@@ -182,3 +183,160 @@ def test_cuda_save_sees_a_forward_queued_just_before():
     tier.apply(KVMoves([(2, 5)], []))
     tier.synchronize()
     assert torch.equal(tier.host[5], torch.full_like(tier.host[5], 3.0))
+
+
+# ---- configuration, CLI, LLM keyword arguments ----------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(swap_space_gb=-1.0), "swap_space_gb"), (dict(swap_space_gb=float("nan")), "swap_space_gb"),
+    (dict(swap_space_gb=float("inf")), "swap_space_gb"), (dict(swap_space_gb="4"), "swap_space_gb"),
+    (dict(swap_space_gb=True), "swap_space_gb"),
+    (dict(preemption_mode="evict"), "preemption_mode"),
+    (dict(preemption_mode="swap"), "needs a host tier"),
+    (dict(preemption_mode="swap", swap_space_gb=0.0), "needs a host tier")])
+def test_bad_tier_config_is_a_value_error(kwargs, match):
+    from pdserve.config import EngineConfig
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_tier_config_defaults_flags_and_llm_kwargs():
+    import argparse
+
+    from pdserve.args import add_engine_args, engine_config
+    from pdserve.config import EngineConfig
+    from pdserve.entrypoints.llm import split_engine_args
+    assert (EngineConfig().swap_space_gb, EngineConfig().preemption_mode) == (0.0, None)
+    EngineConfig(preemption_mode="recompute")            # recompute needs no host tier
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    c = engine_config(p.parse_args([]))
+    assert (c.swap_space_gb, c.preemption_mode) == (0.0, None)
+    c = engine_config(p.parse_args(["--swap-space", "2.5", "--preemption-mode", "swap"]))
+    assert (c.swap_space_gb, c.preemption_mode) == (2.5, "swap")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--preemption-mode", "evict"])
+    with pytest.raises(ValueError, match="needs a host tier"):
+        engine_config(p.parse_args(["--preemption-mode", "swap"]))
+    c, _ = split_engine_args(None, {"swap_space_gb": 1, "preemption_mode": "recompute"})
+    assert (c.swap_space_gb, c.preemption_mode) == (1, "recompute")
+
+
+def test_host_blocks_from_swap_space_by_hand():
+    from pdserve.config import EngineConfig
+    from pdserve.worker.build import plan_host_tier
+    # 0.001 GiB = 1073741 bytes (rounded down) over 2048-byte blocks: 524 blocks
+    assert plan_host_tier(EngineConfig(swap_space_gb=0.001), 2048) == 524
+    assert plan_host_tier(EngineConfig(), 2048) == 0
+    with pytest.raises(ValueError, match="swap_space_gb=1000000.*machine's memory"):
+        plan_host_tier(EngineConfig(swap_space_gb=1e6), 2048)
+
+
+# ---- the model runner: kv_moves of a SchedulerOutput, every rank ----------------------------
+CFG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+       "tie_word_embeddings": True, "eos_token_id": 0}
+
+
+def _engine(tmp_path, **kw):
+    import json
+
+    from pdserve.config import EngineConfig
+    from pdserve.worker.llm_engine import LLMEngine
+    (tmp_path / "config.json").write_text(json.dumps(CFG))
+    return LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy",
+                                  skip_tokenizer_init=True, num_kv_blocks=32, block_size=4,
+                                  async_scheduling=False, enable_prefix_caching=False, **kw))
+
+
+def test_engine_gets_the_host_tier_from_the_runner(tmp_path):
+    # one block: 2 layers x K,V x 4 tokens x 2 heads x 16 dims x 4 bytes = 2048 bytes
+    eng = _engine(tmp_path, swap_space_gb=0.001)
+    assert eng.kv_block_bytes == 2048
+    assert eng.num_host_blocks == 524 == eng.runner.host_tier.num_host_blocks
+    assert eng.host_copy_gb_per_s > 0
+    none = _engine(tmp_path)
+    assert (none.num_host_blocks, none.host_copy_gb_per_s, none.kv_block_bytes) == (0, 0.0, 2048)
+    assert none.runner.host_tier is None
+    from pdserve.engine.scheduler import SchedulerOutput
+    with pytest.raises(ValueError, match="host tier"):
+        none.runner.execute(SchedulerOutput(kv_moves=KVMoves([(0, 0)], [])))
+
+
+def test_a_sequence_saved_scribbled_over_and_loaded_back_generates_the_same(tmp_path):
+    """A request's blocks go to the host through an empty step's kv_moves (as a swap-out),
+    the device blocks are overwritten, and come back (to the same ids) through another: its
+    greedy tokens equal an undisturbed run's."""
+    from pdserve import SamplingParams
+    from pdserve.engine.scheduler import SchedulerOutput
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 21))}
+
+    def run(disturb: bool):
+        eng = _engine(tmp_path, swap_space_gb=0.001)
+        eng.add_request("r", prompt, greedy)
+        out, step = None, 0
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            step += 1
+            out = outs[-1] if outs else out
+            if disturb and step == 4:
+                table = list(eng.kv.block_tables["r#0"])
+                host = list(range(100, 100 + len(table)))
+                eng.runner.execute(SchedulerOutput(kv_moves=KVMoves(list(zip(table, host)), [])))
+                eng.runner.kv_cache[:, :, table] = 0.0
+                eng.runner.execute(SchedulerOutput(kv_moves=KVMoves([], list(zip(host, table)))))
+        return out.outputs[0].token_ids
+
+    assert run(True) == run(False)
+
+
+def test_kv_moves_reach_the_other_ranks():
+    from pdserve.engine.scheduler import SchedulerOutput
+    from pdserve.worker.step_broadcast import StepDecoder, StepEncoder
+    moves = KVMoves([(3, 0), (4, 1)], [(7, 2)])
+    got = StepDecoder().decode(StepEncoder().encode(SchedulerOutput(kv_moves=moves)))
+    assert got.kv_moves == moves and isinstance(got.kv_moves, KVMoves)
+    assert StepDecoder().decode(StepEncoder().encode(SchedulerOutput())).kv_moves is None
+
+
+# ---- metrics and the start-up line ---------------------------------------------------------
+def test_host_tier_metrics_are_exported():
+    from pdserve.protocol import WorkerStats
+    from pdserve.server.metrics import Metrics
+
+    from .utils import metric_value
+    m = Metrics("m")
+    m.update_stats(WorkerStats(0, 0, 0, 10, 0, num_host_blocks=64, num_host_blocks_used=9,
+                               blocks_swapped_out=5, blocks_swapped_in=2, blocks_offloaded=7,
+                               blocks_loaded_back=3, prefix_host_hits=48))
+    m.update_stats(WorkerStats(0, 0, 0, 10, 0, num_host_blocks=64, num_host_blocks_used=4,
+                               blocks_swapped_out=6, blocks_swapped_in=6, blocks_offloaded=7,
+                               blocks_loaded_back=4, prefix_host_hits=64))
+    text = m.render().decode()
+    assert metric_value(text, "pdserve:kv_host_blocks") == 64
+    assert metric_value(text, "pdserve:kv_host_blocks_used") == 4
+    assert metric_value(text, 'pdserve:kv_blocks_swapped_total{direction="out"}') == 6
+    assert metric_value(text, 'pdserve:kv_blocks_swapped_total{direction="in"}') == 6
+    assert metric_value(text, "pdserve:kv_blocks_offloaded_total") == 7
+    assert metric_value(text, "pdserve:kv_blocks_loaded_back_total") == 4
+    assert metric_value(text, "pdserve:prefix_cache_host_hits_total") == 64
+    for name in ("kv_blocks_swapped_total", "kv_blocks_offloaded_total",
+                 "kv_blocks_loaded_back_total", "prefix_cache_host_hits_total"):
+        assert f"# TYPE pdserve:{name} counter" in text
+    assert "# TYPE pdserve:kv_host_blocks gauge" in text
+
+
+def test_startup_summary_names_the_host_tier():
+    from types import SimpleNamespace
+
+    from pdserve.config import EngineConfig
+    from pdserve.server.console import startup_summary
+    info = SimpleNamespace(num_kv_blocks=1024, block_size=16, tensor_parallel_size=1,
+                           kv_bytes_per_token_per_rank=28672, num_host_blocks=4096)
+    worker = SimpleNamespace(spec=SimpleNamespace(name="c0", role="collocated",
+                                                  config=EngineConfig(swap_space_gb=2.0)),
+                             client=SimpleNamespace(info=info))
+    line = startup_summary(SimpleNamespace(workers={"c": worker}, max_model_len=8192), "m")[2]
+    # 4096 blocks x 16 tokens x 28672 B = 1.75 GiB
+    assert "(0.44 GiB per rank), host tier 4096 blocks (1.75 GiB per rank), prefix" in line
