@@ -158,10 +158,13 @@ def test_cuda_moves_match_the_reference(runs):
     for d, h in out:
         assert torch.equal(tier.host[h], before[:, :, d].cpu())
     kv.zero_()
+    torch.cuda.synchronize()
     dests = rng.sample(range(200), 100)
+    with torch.cuda.stream(tier.stream):
+        torch.cuda._sleep(200_000_000)   # the copy stream is late: the loads end well after
     tier.apply(KVMoves([], [(h, d) for (_, h), d in zip(out, dests)]))
     tier.begin_step()          # the next step's compute stream waits for the loads
-    got = kv.clone()           # (queued on the compute stream)
+    got = kv.clone()           # (queued on the compute stream: reads zeros without the wait)
     torch.cuda.synchronize()
     for (d0, _), d in zip(out, dests):
         assert torch.equal(got[:, :, d], before[:, :, d0])
@@ -170,16 +173,14 @@ def test_cuda_moves_match_the_reference(runs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_save_sees_a_forward_queued_just_before():
-    """A "forward" (a long kernel chain on the compute stream, then a write into block 2) is
-    queued and the save of block 2 right after, without a sync: the host copy holds what the
-    forward wrote, not the block's old KV (the copy stream waited for the compute stream)."""
+    """A "forward" (a long spin on the compute stream, then a write into block 2) is queued
+    and the save of block 2 right after, without a sync: the host copy holds what the forward
+    wrote, not the block's old KV (the copy stream waited for the compute stream)."""
     kv = _pool(64, "cuda", torch.float32, seed=9)
     tier = KVHostTier(kv, 8, measure=False)
-    big = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):        # keep the compute stream busy for a while
-        big = big @ big
-        big = big / big.norm()
-    kv[:, :, 2] = 3.0 + big[0, 0] * 0
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)     # keep the compute stream busy for a while
+    kv[:, :, 2].fill_(3.0)
     tier.apply(KVMoves([(2, 5)], []))
     tier.synchronize()
     assert torch.equal(tier.host[5], torch.full_like(tier.host[5], 3.0))
@@ -340,3 +341,22 @@ def test_startup_summary_names_the_host_tier():
     line = startup_summary(SimpleNamespace(workers={"c": worker}, max_model_len=8192), "m")[2]
     # 4096 blocks x 16 tokens x 28672 B = 1.75 GiB
     assert "(0.44 GiB per rank), host tier 4096 blocks (1.75 GiB per rank), prefix" in line
+
+
+def test_tp_ranks_each_build_their_host_tier(tmp_path):
+    """TP 2 in worker processes (gloo): every rank builds its own host tier over its own heads,
+    and the worker reports the per-rank count: LLAMA_8Q_2KV holds 1 KV head per rank, so one
+    block is 4 tokens x 2 (K, V) x 3 layers x 1 head x 16 dims x 4 bytes = 1536 bytes, and
+    0.001 GiB (1073741 bytes) holds 699 of them (TP 1, both heads: 3072 bytes, 349)."""
+    from pdserve import LLM, SamplingParams
+
+    from .test_tp import LLAMA_8Q_2KV, _folder
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    engine = dict(skip_tokenizer_init=True, num_kv_blocks=32, block_size=4,
+                  load_format="dummy", swap_space_gb=0.001)
+    assert LLM(path, **engine).llm_engine.num_host_blocks == 349
+    with LLM(path, tensor_parallel_size=2, **engine) as llm:
+        assert llm.llm_engine.info.num_host_blocks == 699
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
