@@ -298,9 +298,11 @@ class ModelRunner:
                 raise ValueError("the step moves KV blocks to or from a host tier this runner "
                                  "does not have (swap_space_gb is 0)")
             tier.apply(moves)   # beside this step's forward, which never reads its blocks
-        last, self._last_sampled = self._last_sampled, None
         if out.is_empty:
+            # (no forward: e.g. a step of host-tier moves only; the step before stays the one
+            # whose sampled tokens the next pending inputs read)
             return Ready({})
+        last, self._last_sampled = self._last_sampled, None
         for src, dst in out.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
