@@ -56,6 +56,14 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
                    help="fraction of the GPU's memory each worker may use (weights, KV pool, "
                         "activations); workers sharing a GPU each take their own fraction "
                         "(default %(default)s)")
+    g.add_argument("--swap-space", dest="swap_space_gb", type=float, default=0.0, metavar="GiB",
+                   help="host memory per worker rank for the KV cache's host tier: swapped-out "
+                        "requests and offloaded prefix-cache blocks (pinned on CUDA); 0: no host "
+                        "tier (default %(default)s)")
+    g.add_argument("--preemption-mode", default=None, choices=list(_config.PREEMPTION_MODES),
+                   help="how a preempted request gives up its KV: recompute (freed, computed "
+                        "again) or swap (copied to the host tier, needs --swap-space) (default: "
+                        "per request, whichever the cost model says is cheaper)")
     g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS),
                    help="auto: triton on CUDA, torch on CPU (default %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -126,10 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["grammar"]:
             from .bench.grammar import main as bench_grammar
             return bench_grammar(argv[2:])
+        if sub == ["kv-tier"]:
+            from .bench.kv_tier import main as bench_kv_tier
+            return bench_kv_tier(argv[2:])
         if sub == ["predictor"]:
             from .bench.predictor import main as bench_predictor
             return bench_predictor(argv[2:])
-        print("usage: pdserve bench {offline,latency,step,tp,pd,serve,prefix,predictor,grammar} [options]   (pdserve bench offline --help)",
+        print("usage: pdserve bench {offline,latency,step,tp,pd,serve,prefix,predictor,grammar,kv-tier} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     from .args import add_engine_args

@@ -22,6 +22,7 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 KV_TRANSFER_MODES = ("sync", "async")
+PREEMPTION_MODES = ("recompute", "swap")
 # No kernel assumes a block size: paged attention gathers a block id per key (no power of two, no
 # multiple of its key tile; it compiles once per size) and the KV pull masks its boxes (its tests
 # use 3). The cap is a sanity bound: a block is the least KV a sequence holds, so a larger block
@@ -87,6 +88,13 @@ class EngineConfig:
     kv_transfer_timeout_s: float = 30.0
     kv_hold_timeout_s: float = 300.0
     max_kv_loads: int = 64              # consumer: pulls in flight at once
+    # The KV cache's host tier (vLLM's --swap-space): GiB of host memory per worker rank for
+    # swapped-out requests and offloaded prefix-cache blocks (pinned on CUDA); 0 = no host tier.
+    swap_space_gb: float = 0.0
+    # How a preempted request gives up its blocks: "recompute" (freed, its prompt computed
+    # again), "swap" (copied to the host tier, copied back when it resumes; needs
+    # swap_space_gb > 0), None: per victim, whichever the cost model says is cheaper.
+    preemption_mode: str | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -144,6 +152,14 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_mode must be sync or async, got {self.kv_transfer_mode!r}")
         for name in ("kv_transfer_timeout_s", "kv_hold_timeout_s"):
             check_number(name, getattr(self, name))
+        if not (is_number(self.swap_space_gb) and 0 <= self.swap_space_gb < math.inf):
+            raise ValueError("swap_space_gb must be a finite number >= 0, got "
+                             f"{self.swap_space_gb!r}")
+        if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be None or one of {PREEMPTION_MODES}, got "
+                             f"{self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.swap_space_gb:
+            raise ValueError("preemption_mode 'swap' needs a host tier: set swap_space_gb > 0")
         self._check_device()
 
     def _check_device(self) -> None:

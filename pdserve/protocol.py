@@ -138,6 +138,14 @@ class WorkerStats(msgspec.Struct):
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0      # of them, found cached
     prefix_cache_blocks: int = 0    # blocks listed by the prefix cache now
+    # the KV cache's host tier (swap_space_gb): its size and use now, and totals since start
+    num_host_blocks: int = 0
+    num_host_blocks_used: int = 0   # held by swapped-out requests or prefixes cached there
+    blocks_swapped_out: int = 0     # swap preemption, blocks copied to the host
+    blocks_swapped_in: int = 0      # and back
+    blocks_offloaded: int = 0       # prefix cache: evicted device blocks kept on the host
+    blocks_loaded_back: int = 0     # and copied back for a match
+    prefix_host_hits: int = 0       # prompt tokens matched on the host (also in prefix_cache_hits)
 
 
 class StepRecord(msgspec.Struct, array_like=True):

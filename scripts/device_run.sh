@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs) (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs), kv-tier (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -46,6 +46,10 @@ for stage in "$@"; do
                --gpu-memory-utilization 0.5 --max-num-batched-tokens ${OFFLINE_TOKENS:-8192} \
                --output "$OUT/offline-$side.json") 2>&1 | grep -v "^Processed" | tail -4
            done;;
+    kv-tier) # issue 21: host tier block moves vs a pinned copy of the same bytes (target >= 80%),
+           # then the host tier's GPU tests (stream discipline)
+           python3 -m pdserve bench kv-tier ${KV_TIER_ARGS:-} --output "$OUT/kv-tier-h200.json" 2>&1 | tee "$OUT/kv-tier.log" | tail -24
+           python3 -m pytest -q -m gpu tests/test_kv_host_tier.py --timeout 300 -p no:cacheprovider 2>&1 | tail -8;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --batch-sizes 1 8 32 128 256 --peer hf-static --output "$OUT/decode-latency-h200.json" 2>&1 | grep -v Warn | tail -14;;
     step-compare) # issue 15: bench step on an older tree (carried as old/) and on this one, in turn

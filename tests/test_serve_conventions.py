@@ -177,7 +177,7 @@ def test_startup_summary_names_each_worker():
         "pdserve: model 'm', 1 worker, max_model_len 8192",
         "pdserve: default sampling values: pdserve's own (no generation config)",
         "  collocated-0: collocated on cpu (TP 1), float32, KV pool 1024 blocks x 16 = 16384 "
-        "tokens (0.44 GiB per rank), prefix caching on, no CUDA graphs"]
+        "tokens (0.44 GiB per rank), no host tier, prefix caching on, no CUDA graphs"]
     lines = startup_summary(SimpleNamespace(workers={}, max_model_len=8192), "m",
                             {"temperature": 0.6, "max_tokens": 5}, "/m/generation_config.json")
     assert lines[1] == ("pdserve: default sampling values from /m/generation_config.json: "

@@ -85,8 +85,14 @@ class EngineCore:
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  tokenizer=None, kv_transfer: bool = False, two_sided: bool = False,
                  on_schedule: Callable[[SchedulerOutput], None] | None = None,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, num_host_blocks: int = 0,
+                 host_copy_gb_per_s: float = 0.0, kv_block_bytes: int = 0):
         self.config = config
+        # the host tier the runner built (0: none), its measured copy rate and one block's bytes
+        # on one rank (the scheduler's swap-or-recompute cost rule)
+        self.num_host_blocks = num_host_blocks
+        self.host_copy_gb_per_s = host_copy_gb_per_s
+        self.kv_block_bytes = kv_block_bytes
         self._now = clock or time.monotonic
         self._timer = clock or time.perf_counter
         self.executor = executor

@@ -29,6 +29,13 @@ class BlockCopy(NamedTuple):
     dst: int
 
 
+class KVMoves(NamedTuple):
+    """One step's copies between the device pool and the host tier (the runner runs every
+    to_host copy, then every to_device copy, beside the step's forward; tier_contract)."""
+    to_host: list[tuple[int, int]]     # (device block, host block): copy device -> host
+    to_device: list[tuple[int, int]]   # (host block, device block): copy host -> device
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if block_size < 1:

@@ -34,7 +34,7 @@ from itertools import chain
 from typing import Iterator, NamedTuple
 
 from ..protocol import KVLoadDone, KVSource
-from .kv_cache_manager import BlockCopy, KVCacheManager
+from .kv_cache_manager import BlockCopy, KVCacheManager, KVMoves
 from .kv_coordinator import KVCoordinator, KVStepWork
 from .request import Request, RequestStatus
 
@@ -75,6 +75,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)   # since the last step: runner drops state
     kv_work: KVStepWork | None = None   # P/D: every rank's connector does it before the forward
+    kv_moves: KVMoves | None = None     # host tier: this step's copies (None: none)
     step_id: int = 0                    # counts schedule() calls (GPU times come back keyed by it)
     num_decodes: int = 0                # chunks that feed one output token (the rest is prefill)
     num_prefill_tokens: int = 0         # tokens of the other chunks (prompt or recomputed)

@@ -16,7 +16,7 @@ def startup_summary(router, model_name: str, sampling_defaults: dict | None = No
                     defaults_source: str | None = None) -> list[str]:
     """One line for the model, one for the default sampling values requests get (from
     defaults_source, a generation_config.json), one per worker: role, device and TP, dtype,
-    KV pool, graphs."""
+    KV pool, its host tier, graphs."""
     ws = list(router.workers.values())
     lines = [f"pdserve: model {model_name!r}, {len(ws)} worker{'s' * (len(ws) != 1)}, "
              f"max_model_len {router.max_model_len}"]
@@ -37,8 +37,17 @@ def startup_summary(router, model_name: str, sampling_defaults: dict | None = No
             f"{str(cfg.torch_dtype).removeprefix('torch.')}, KV pool {info.num_kv_blocks} blocks "
             f"x {info.block_size} = {tokens} tokens "
             f"({info.kv_bytes_per_token_per_rank * tokens / 2 ** 30:.2f} GiB per rank), "
+            f"{_host_tier(info)}, "
             f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, {graphs}")
     return lines
+
+
+def _host_tier(info) -> str:
+    n = getattr(info, "num_host_blocks", 0)
+    if not n:
+        return "no host tier"
+    block = info.kv_bytes_per_token_per_rank * info.block_size
+    return f"host tier {n} blocks ({n * block / 2 ** 30:.2f} GiB per rank)"
 
 
 @dataclass

@@ -84,6 +84,20 @@ class Metrics:
                                  "Prompt tokens found in the prefix cache")
         self.prefix_blocks = metric(Gauge, "pdserve:prefix_cache_blocks",
                                     "KV blocks held by the prefix cache")
+        # the KV cache's host tier (--swap-space)
+        self.host_total = metric(Gauge, "pdserve:kv_host_blocks", "KV blocks in the host tier")
+        self.host_used = metric(Gauge, "pdserve:kv_host_blocks_used",
+                                "Host-tier KV blocks held by swapped-out requests or cached "
+                                "prefixes")
+        self.swapped = total("pdserve:kv_blocks_swapped", "KV blocks copied by swap preemption, "
+                             "out to the host tier or back in", ["direction"])
+        self.offloaded = total("pdserve:kv_blocks_offloaded",
+                               "Prefix-cache KV blocks evicted from the device into the host tier")
+        self.loaded_back = total("pdserve:kv_blocks_loaded_back",
+                                 "Prefix-cache KV blocks copied back from the host tier")
+        self.prefix_host_hits = total("pdserve:prefix_cache_host_hits",
+                                      "Prompt tokens found in the prefix cache's host tier (also "
+                                      "counted in prefix_cache_hits)")
         self.ttft = metric(Histogram, "pdserve:time_to_first_token_seconds",
                            "Time to first token", buckets=_LATENCY_BUCKETS)
         self.tpot = metric(Histogram, "pdserve:time_per_output_token_seconds",
@@ -185,6 +199,13 @@ class Metrics:
             self.prefix_queries.set_total(stats.prefix_cache_queries)
             self.prefix_hits.set_total(stats.prefix_cache_hits)
             self.prefix_blocks.set(stats.prefix_cache_blocks)
+            self.host_total.set(stats.num_host_blocks)
+            self.host_used.set(stats.num_host_blocks_used)
+            self.swapped("out").set_total(stats.blocks_swapped_out)
+            self.swapped("in").set_total(stats.blocks_swapped_in)
+            self.offloaded.set_total(stats.blocks_offloaded)
+            self.loaded_back.set_total(stats.blocks_loaded_back)
+            self.prefix_host_hits.set_total(stats.prefix_host_hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

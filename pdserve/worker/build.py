@@ -45,6 +45,25 @@ def plan_kv_pool(config: EngineConfig, model) -> tuple[int, int]:
     return num_blocks, max_model_len
 
 
+def kv_block_bytes(config: EngineConfig, model) -> int:
+    """Bytes one KV block takes on this rank (every layer, K and V, this rank's heads)."""
+    attn = model.layers[0].self_attn   # (this rank's KV heads)
+    return config.block_size * kv_bytes_per_token(
+        model.config.num_layers, attn.num_kv_heads, attn.head_dim, config.torch_dtype.itemsize)
+
+
+def plan_host_tier(config: EngineConfig, block_bytes: int) -> int:
+    """Blocks of the host tier on this rank: swap_space_gb of host memory in blocks of this
+    rank's size (every rank holds as many heads, so every rank gets the same count). A tier
+    bigger than the machine's memory is a ValueError naming swap_space_gb."""
+    n = int(config.swap_space_gb * 2 ** 30) // block_bytes
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if n * block_bytes > have:
+        raise ValueError(f"swap_space_gb={config.swap_space_gb} is more than this machine's "
+                         f"memory ({have / 2 ** 30:.1f} GiB)")
+    return n
+
+
 def _check_pool_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> None:
     """A pool the device cannot hold is a ValueError naming what sized it, not an allocator
     error from inside torch. The bound is what certainly fails: all of the machine's memory on
@@ -114,13 +133,15 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
                        ) -> tuple[ModelRunner, int, int]:
     """Loads this rank's shard of the model and builds its runner and KV pool (every TP rank
     runs this; the tp group must be initialised first). kv_dir: where a KV connector may put
-    files (CPU pools shared with other workers). Returns (runner, num_blocks, max_model_len)."""
+    files (CPU pools shared with other workers). Returns (runner, num_blocks, max_model_len);
+    the host tier (swap_space_gb, plan_host_tier) is runner.host_tier."""
     source = source or resolve_source(config.model)
     device, dtype = config.torch_device, config.torch_dtype
     with on_device(device):  # Triton kernels (loading, warm-up, graph capture) run there
         model = load_model(source, config.load_format, dtype, device,
                            config.resolved_attention_backend, config.seed)
         num_blocks, max_model_len = plan_kv_pool(config, model)
+        num_host_blocks = plan_host_tier(config, kv_block_bytes(config, model))
         runner = ModelRunner(
             model, num_blocks, config.block_size, dtype, device, config.seed, eos_token_ids,
             max_model_len,
@@ -130,7 +151,8 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
             kv_sync=config.kv_transfer_mode == "sync",
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, cuda_graph_max_tokens=config.graph_max_tokens,
-            share_sampled=config.async_scheduling and get_tp_group().size > 1)
+            share_sampled=config.async_scheduling and get_tp_group().size > 1,
+            num_host_blocks=num_host_blocks)
     return runner, num_blocks, max_model_len
 
 

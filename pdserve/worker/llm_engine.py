@@ -50,11 +50,15 @@ class LLMEngine(EngineCore):
             self.grammar = GrammarCompiler(tokenizer, self.model_config.vocab_size, eos_ids)
         runner.grammar = self.grammar
         conn = runner.connector
+        tier = runner.host_tier
         super().__init__(config, runner, num_kv_blocks=num_kv_blocks,
                          max_model_len=max_model_len, vocab_size=self.model_config.vocab_size,
                          eos_token_ids=eos_ids, tokenizer=tokenizer,
                          kv_transfer=conn is not None,
-                         two_sided=conn is not None and conn.two_sided, on_schedule=on_schedule)
+                         two_sided=conn is not None and conn.two_sided, on_schedule=on_schedule,
+                         num_host_blocks=0 if tier is None else tier.num_host_blocks,
+                         host_copy_gb_per_s=0.0 if tier is None else tier.copy_gb_per_s,
+                         kv_block_bytes=runner.kv_block_bytes)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     *args, **kwargs) -> None:

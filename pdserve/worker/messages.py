@@ -81,6 +81,7 @@ class WorkerInfo(msgspec.Struct):
     weight_bytes_per_rank: int     # parameter bytes on rank 0 (tied weights once)
     kv_bytes_per_token_per_rank: int
     kv_export: Union[KVPeer, None] = None  # with a kv_connector: how consumers reach its pools
+    num_host_blocks: int = 0       # the KV cache's host tier per rank (swap_space_gb; 0: none)
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -42,6 +42,7 @@ from ..layers.parallel_state import get_tp_group
 from ..layers.sampler import Sampler, SamplingBatch
 from ..protocol import KVDrop
 from .cuda_graph import CUDAGraphRunner
+from .kv_host_tier import KVHostTier
 from .step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -118,14 +119,16 @@ class ModelRunner:
                  is_driver: bool = True, kv_connector: str | None = None,
                  kv_path: str | None = None, kv_sync: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 cuda_graph_max_tokens: int = 0, share_sampled: bool = False):
+                 cuda_graph_max_tokens: int = 0, share_sampled: bool = False,
+                 num_host_blocks: int = 0):
         """is_driver: rank 0 (samples; it also times each forward on the device, see
         take_gpu_times). max_num_batched_tokens / max_num_seqs: the scheduler's per-step bounds
         (they size the step buffers). cuda_graph_max_batch / cuda_graph_max_tokens: the largest
         decode batch / the largest step with prefill tokens replayed as a CUDA graph (0: none;
         both 0: every step runs eagerly). share_sampled: TP with async scheduling: the driver
         broadcasts each step's sampled tokens to every rank (pending inputs are filled on every
-        rank)."""
+        rank). num_host_blocks: the KV cache's host tier on this rank (0: none; kv_host_tier.py),
+        which runs each step's SchedulerOutput.kv_moves."""
         cfg = model.config
         # Under TP every rank runs the forward and the logits gather; only the driver (rank 0)
         # samples, and the others learn the tokens from its next SchedulerOutput (or from its
@@ -155,6 +158,8 @@ class ModelRunner:
             tp = get_tp_group()
             self.connector = cls(self.kv_cache, tp.rank, tp.size, cfg.num_kv_heads)
         model.bind_kv_cache(self.kv_cache)
+        self.kv_block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        self.host_tier = KVHostTier(self.kv_cache, num_host_blocks) if num_host_blocks else None
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         # structured outputs (the driver's; set by the engine that has the tokenizer): makes
         # each constrained sequence's matcher and the batch's token bitmask
@@ -216,6 +221,8 @@ class ModelRunner:
             self.graphs = None
         if self.connector is not None:
             self.connector.close()
+        if self.host_tier is not None:
+            self.host_tier.synchronize()
 
     def _kv_work(self, work: KVStepWork) -> None:
         """P/D: reach new peers (or drop dead ones), apply the driver's verdicts (before this
@@ -276,15 +283,26 @@ class ModelRunner:
         """Starts the step (Executor.execute_async): the forward and sampling are queued on the
         device and the tokens' copy to the host started; the handle's result() waits for it.
         (Prompt logprobs are read here, at once.)"""
+        tier = self.host_tier
+        if tier is not None:   # (first: the previous step's loads before anything reads them)
+            tier.begin_step()
         for rid in out.finished_ids:
             self.seqs.pop(rid, None)
         for data in out.new_requests:  # every rank: prompt logprobs need the params everywhere
             self._add(data)
         if out.kv_work is not None:
             self._kv_work(out.kv_work)
-        last, self._last_sampled = self._last_sampled, None
+        moves = out.kv_moves
+        if moves is not None:
+            if tier is None:
+                raise ValueError("the step moves KV blocks to or from a host tier this runner "
+                                 "does not have (swap_space_gb is 0)")
+            tier.apply(moves)   # beside this step's forward, which never reads its blocks
         if out.is_empty:
+            # (no forward: e.g. a step of host-tier moves only; the step before stays the one
+            # whose sampled tokens the next pending inputs read)
             return Ready({})
+        last, self._last_sampled = self._last_sampled, None
         for src, dst in out.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 

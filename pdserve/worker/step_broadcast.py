@@ -11,7 +11,7 @@ step, so each rank keeps its own copy of every live table and the driver sends o
 At batch 256 with 64 blocks per sequence the whole tables pickle to 60 KB and take ~2 ms to
 unpickle on a CI core; a decode step's delta is a few bytes per sequence. Everything else a
 forward needs (tokens, positions, forks, block copies, new requests' sampling params, the KV
-coordinator's work for the connectors) is sent as is. A pending token (async scheduling) is not
+coordinator's work for the connectors, the host tier's KVMoves) is sent as is. A pending token (async scheduling) is not
 known here either: every rank takes it from the sampled tokens the driver broadcasts. Pure
 Python: tested on CPU without processes.
 """
@@ -46,7 +46,7 @@ class StepEncoder:
             rows.append((c.request_id, c.token_ids, c.start_pos, c.sample, c.last_pending, mode,
                          blocks))
         return pickle.dumps((rows, sched.forks, sched.block_copies, sched.new_requests,
-                             sched.finished_ids, sched.kv_work), protocol=pickle.HIGHEST_PROTOCOL)
+                             sched.finished_ids, sched.kv_work, sched.kv_moves), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class StepDecoder:
@@ -56,7 +56,7 @@ class StepDecoder:
         self.tables: dict[str, list[int]] = {}
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        rows, forks, copies, new, finished, kv_work = pickle.loads(payload)
+        rows, forks, copies, new, finished, kv_work, kv_moves = pickle.loads(payload)
         for rid in finished:
             self.tables.pop(rid, None)
         chunks = []
@@ -68,4 +68,5 @@ class StepDecoder:
                 table = self.tables[rid] = blocks
             chunks.append(ScheduledChunk(rid, tokens, start, table, sample, pending))
         return SchedulerOutput(chunks=chunks, forks=forks, block_copies=copies,
-                               new_requests=new, finished_ids=finished, kv_work=kv_work)
+                               new_requests=new, finished_ids=finished, kv_work=kv_work,
+                               kv_moves=kv_moves)

@@ -52,6 +52,10 @@ _PULL_WAIT_S = 2e-4
 # Step records (StepRecord) travel with the outputs; with no output to carry them, they go on
 # their own once this many have piled up, or when the engine goes idle.
 _STEP_RECORDS_BATCH = 64
+# WorkerStats fields read from the KV cache manager under the same name (the host tier's)
+_HOST_TIER_STATS = ("num_host_blocks", "num_host_blocks_used", "blocks_swapped_out",
+                    "blocks_swapped_in", "blocks_offloaded", "blocks_loaded_back",
+                    "prefix_host_hits")
 
 
 class ClientGone(Exception):
@@ -334,7 +338,8 @@ class _Driver:
             eng.model_config.vocab_size, list(eng.eos_token_ids),
             eng.config.tensor_parallel_size, weight_bytes,
             kv_bytes_per_token(eng.model_config.num_layers, attn.num_kv_heads, attn.head_dim,
-                               eng.runner.kv_cache.element_size()), export)))
+                               eng.runner.kv_cache.element_size()), export,
+            0 if eng.runner.host_tier is None else eng.runner.host_tier.num_host_blocks)))
         profiler = _StepProfiler(0)
         slow = _SlowSteps(self.wc.name)
         coord = eng.kv_coordinator
@@ -370,13 +375,15 @@ class _Driver:
     def _stats(self):
         eng, sched = self.engine, self.engine.scheduler
         conn = eng.runner.connector
+        # (getattr: the host tier's counters are the engine side's, 0 until it has them)
+        host = {f: getattr(eng.kv, f, 0) for f in _HOST_TIER_STATS}
         return self.m.WorkerStats(len(sched.running), len(sched.waiting),
                                   eng.num_kv_blocks - eng.kv.num_free_blocks(), eng.num_kv_blocks,
                                   sched.num_preemptions,
                                   0 if conn is None else conn.num_peers(),
                                   0 if conn is None else conn.num_broken(),
                                   eng.kv.prefix_queries, eng.kv.prefix_hits,
-                                  eng.kv.num_cached_blocks)
+                                  eng.kv.num_cached_blocks, **host)
 
     def _read_messages(self) -> None:
         m, eng = self.m, self.engine
