@@ -33,7 +33,7 @@ load_back() turns matched host nodes into device nodes (KVMoves.to_device); an i
 through a host node takes the inserting table's device blocks for it (they hold the same KV).
 
     device  root --(a b c d e)--(f g h)            host   (f g h) offloaded: [h4, h5]
-                              \-(x y)                      (its shared block index 1 is the
+                              \\-(x y)                      (its shared block index 1 is the
                                                            host's own copy)
 """
 from __future__ import annotations
@@ -139,6 +139,8 @@ class PrefixCache:
                 break
             n = _common(tokens, pos, child.tokens, limit - pos)
             if child.on_host:
+                if not host and node is not self.root:
+                    self._offer(node)         # (a device leaf above host nodes, used now)
                 host.append(child)
             else:
                 # the child's blocks from the first index that is not already final in `blocks`
@@ -183,7 +185,7 @@ class PrefixCache:
                 if not node.on_host or node.parent is None:   # (changed under us: stop)
                     break
                 k = len(node.blocks)
-                if not make_room(k):
+                if not make_room(k) or node.parent is None:   # (room made by dropping it)
                     break
                 dev = self.pool.allocate(k, cached=True)
                 self.moves.to_device.extend(zip(node.blocks, dev))
@@ -242,6 +244,7 @@ class PrefixCache:
             if n < len(child.tokens):
                 if pos + n == len(tokens):   # ends inside this edge: nothing new to keep
                     self._offer(child)
+                    self._offer(node)         # (a device leaf above a host child: used now)
                     return 0
                 lower = child
                 child = self._split(child, n)
