@@ -12,6 +12,8 @@ load-back, the per-step KVMoves and their deferred releases.
   with a naive reference that computes them from the token sequences alone (what an unpressured
   run yields). check_integrity after every step; at the end nothing leaks in either pool.
 """
+import os
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -300,5 +302,5 @@ class HostTierMachine(RuleBasedStateMachine):
 
 TestHostTierMachine = HostTierMachine.TestCase
 TestHostTierMachine.settings = settings(
-    max_examples=80, stateful_step_count=50, deadline=None,
+    max_examples=int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "80")), stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
