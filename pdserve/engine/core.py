@@ -79,7 +79,12 @@ class EngineCore:
     every SchedulerOutput before this process runs it (a TP driver sends it to the other
     ranks there). clock: the time source for arrivals, output metrics, KV timeouts and step
     durations (None: time.monotonic for the former, time.perf_counter for a step's wall time,
-    as a served engine reads them; a simulator passes its simulated clock for all of them)."""
+    as a served engine reads them; a simulator passes its simulated clock for all of them).
+    Host tier of the KV cache (0: none): num_host_blocks host blocks of kv_block_bytes each
+    (one block's KV on one rank), host_copy_gb_per_s the measured copy rate (0.0: unknown);
+    config.preemption_mode picks swap or recompute (None: by cost, scheduler.py). The
+    scheduler's PrefillRate learns from every step's prefill tokens and wall time; the moves
+    ride in SchedulerOutput.kv_moves to the executor unchanged."""
 
     def __init__(self, config: EngineConfig, executor: Executor, *, num_kv_blocks: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
@@ -101,14 +106,19 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_host_blocks=num_host_blocks, kv_block_bytes=kv_block_bytes)
         self.kv_coordinator = None
         if kv_transfer:
             self.kv_coordinator = KVCoordinator(
                 self.kv, config.max_kv_loads, two_sided, config.kv_transfer_timeout_s,
                 config.kv_hold_timeout_s)
+        # (preemption_mode: an EngineConfig field from the CPU-tier config change; a config
+        # without it has no host tier to choose)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.kv_coordinator)
+                                   self.kv_coordinator,
+                                   preemption_mode=config.preemption_mode,
+                                   host_copy_gb_per_s=host_copy_gb_per_s)
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_model_len)
         self._on_schedule = on_schedule
         self._kv_events: list[KVLoadDone] = []
@@ -356,9 +366,11 @@ class EngineCore:
         step() calls)."""
         sched = started.sched
         dec = sched.num_decodes
+        wall_s = self._timer() - started.t0
+        self.scheduler.prefill_rate.add(sched.num_prefill_tokens, wall_s)
         self._pending_records[sched.step_id] = StepRecord(
             now, sched.num_prefill_tokens, dec, len(sched.chunks) - dec, dec,
-            started.num_waiting, (self._timer() - started.t0) * 1e3)
+            started.num_waiting, wall_s * 1e3)
         self._settle_records()
         if sched.step_id in self._early_times:    # measured before its tokens were applied
             rec = self._pending_records.pop(sched.step_id)

@@ -15,13 +15,29 @@ cached prefix (match_prefix), a finished or preempted request's computed tokens 
 (free(id, tokens)), and a pool short of blocks evicts cached ones before it fails. This class is
 the one place where the cache's references and the requests' references meet: the pool's count
 of a block = the tables that list it + the cache nodes that list it.
+
+A host tier (num_host_blocks > 0) adds a second BlockPool of host blocks, used two ways:
+- swap preemption: swap_out(id, n) copies a request's computed blocks to fresh host blocks and
+  gives its device blocks back; the request then holds a host table (host_tables) until
+  swap_in(id) copies it back into fresh device blocks;
+- prefix-cache offload: evicted cached prefixes move to the host and load back on a match
+  (prefix_cache.py).
+Each copy is listed in this step's KVMoves (take_moves()); its source and destination blocks are
+busy until the next step (begin_step()): their releases are deferred, so no block is given out
+again in the step that copies it. A table that lists a busy block must not be read or written by
+this step's forward (table_busy(): the scheduler runs such a request from the next step on).
+
+    step N   swap_out(r):  to_host (d7 -> h2), (d3 -> h5)   d7, d3 released at N+1's begin_step
+    step M   swap_in(r):   to_device (h2 -> d1), (h5 -> d9) r runs from M+1; h2, h5 freed at M+1
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from .block_pool import BlockPool
+from .block_pool import BlockPool, KVMoves
 from .prefix_cache import Node, PrefixCache
+
+__all__ = ["BlockCopy", "KVCacheManager", "KVMoves"]
 
 
 class BlockCopy(NamedTuple):
@@ -29,21 +45,27 @@ class BlockCopy(NamedTuple):
     dst: int
 
 
-class KVMoves(NamedTuple):
-    """One step's copies between the device pool and the host tier (the runner runs every
-    to_host copy, then every to_device copy, beside the step's forward; tier_contract)."""
-    to_host: list[tuple[int, int]]     # (device block, host block): copy device -> host
-    to_device: list[tuple[int, int]]   # (host block, device block): copy host -> device
-
-
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_host_blocks: int = 0, kv_block_bytes: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if kv_block_bytes < 0:
+            raise ValueError(f"kv_block_bytes must be >= 0, got {kv_block_bytes}")
         self.block_size = block_size
+        self.kv_block_bytes = kv_block_bytes    # one block's KV on this rank (0: unknown)
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
         self.block_tables: dict[str, list[int]] = {}
-        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.host_tables: dict[str, list[int]] = {}    # swapped-out requests' host blocks
+        self.prefix_cache = (PrefixCache(self.pool, block_size, self.host_pool)
+                             if enable_prefix_caching else None)
+        self._moves = KVMoves([], []) if self.prefix_cache is None else self.prefix_cache.moves
+        self.blocks_swapped_out = 0             # counters since start (metrics)
+        self.blocks_swapped_in = 0
+        self.prefix_host_hits = 0               # of prefix_hits, tokens loaded from the host
         # request -> (the cache node its prefix matched, the matched length): locked while the
         # request lives; its insert at the end resumes from there (PrefixCache.insert's known)
         self._locked: dict[str, tuple[Node, int]] = {}
@@ -58,10 +80,19 @@ class KVCacheManager:
         table whose remaining blocks are written whole (a P/D consumer pulling the rest)."""
         if self.prefix_cache is None or request_id in self.block_tables:
             return 0
-        m = self.prefix_cache.match(tokens, limit)
+        pc = self.prefix_cache
+        m = pc.match(tokens, limit)
+        from_host = None       # with host nodes matched: positions from here were loaded
+        if m.host_nodes:   # load what fits back to the device (the request runs next step)
+            from_host = m.num_device_tokens
+            loaded = pc.load_back(m.host_nodes, self._make_room)
+            device_end = m.host_nodes[loaded - 1].end if loaded else m.num_device_tokens
+            m = pc.match(tokens, min(limit, device_end))
         n = m.num_tokens - m.num_tokens % self.block_size if whole_blocks else m.num_tokens
         self.prefix_queries += len(tokens)
         self.prefix_hits += n
+        if from_host is not None:
+            self.prefix_host_hits += max(0, n - from_host)
         if n == 0:
             return 0
         blocks = m.blocks[: self.blocks_for(n)]
@@ -72,7 +103,8 @@ class KVCacheManager:
         return n
 
     def _make_room(self, n: int) -> bool:
-        """At least n free blocks, evicting cached ones if needed."""
+        """At least n free blocks, evicting cached ones if needed (with a host tier they are
+        offloaded: their blocks come free at the next step, and this returns False now)."""
         short = n - self.pool.num_free_blocks
         if short > 0 and self.prefix_cache is not None:
             self.prefix_cache.evict(short)
@@ -125,8 +157,12 @@ class KVCacheManager:
         self.block_tables[child_id] = list(table)
 
     def free(self, request_id: str, tokens: list[int] = ()) -> None:
-        """Give back a request's blocks. `tokens`: the positions [0, len) whose KV its blocks
-        hold (computed, or being computed by a step in flight), kept by the prefix cache."""
+        """Give back a request's blocks (and a swapped request's host blocks). `tokens`: the
+        positions [0, len) whose KV its blocks hold (computed, or being computed by a step in
+        flight), kept by the prefix cache."""
+        host = self.host_tables.pop(request_id, None)
+        if host:
+            self.host_pool.release(reversed(host))
         table = self.block_tables.pop(request_id, None)
         try:
             if table and tokens and self.prefix_cache is not None:
@@ -152,6 +188,114 @@ class KVCacheManager:
         self._unlock(request_id)
         return self.block_tables.pop(request_id, [])
 
+    # ---- the host tier ----------------------------------------------------------------------
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self.host_pool is None else self.host_pool.num_blocks
+
+    @property
+    def num_host_blocks_used(self) -> int:
+        """Host blocks held by swapped requests or cached prefixes (or released this step)."""
+        return 0 if self.host_pool is None else self.host_pool.num_used_blocks
+
+    @property
+    def blocks_offloaded(self) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.blocks_offloaded
+
+    @property
+    def blocks_loaded_back(self) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.blocks_loaded_back
+
+    def begin_step(self) -> None:
+        """A new step (the start of schedule()): the previous step's copies are ordered before
+        it, so the blocks they used may be given out again."""
+        self.pool.flush()
+        if self.host_pool is not None:
+            self.host_pool.flush()
+
+    def take_moves(self) -> KVMoves | None:
+        """This step's copies between the tiers (None: none), once per schedule()."""
+        m = self._moves
+        if not m.to_host and not m.to_device:
+            return None
+        out = KVMoves(list(m.to_host), list(m.to_device))
+        m.to_host.clear()
+        m.to_device.clear()
+        return out
+
+    def table_busy(self, request_id: str) -> bool:
+        """The request's table lists a block copied between tiers this step (loaded back for
+        it, or being saved): it may not run in this step."""
+        return self.pool.any_busy(self.block_tables.get(request_id, ()))
+
+    def swap_blocks(self, request_id: str, num_tokens: int) -> int:
+        """How many blocks swap_out(request_id, num_tokens) would save, or 0 if it cannot:
+        no host tier, nothing computed, a block another request shares (a fork: the caller
+        recomputes instead), or not enough host room even after dropping cached host
+        prefixes."""
+        table = self.block_tables.get(request_id)
+        k = self.blocks_for(num_tokens)
+        if self.host_pool is None or not table or k == 0 or k > len(table):
+            return 0
+        rc, cc, pool = self.pool.ref_counts, self.pool.cache_refs, self.pool
+        if any(rc[b] != 1 + cc[b] or pool.is_busy(b) for b in table[:k]):
+            return 0
+        room = self.host_pool.num_free_blocks + (
+            0 if self.prefix_cache is None else self.host_pool.num_cache_only)
+        return k if room >= k else 0
+
+    def swap_out(self, request_id: str, num_tokens: int) -> bool:
+        """Save positions [0, num_tokens) of the request to fresh host blocks (KVMoves.to_host)
+        and give its device blocks back (those copied: at the next step). The request then holds
+        a host table. False (nothing changed) if swap_blocks() says it cannot."""
+        k = self.swap_blocks(request_id, num_tokens)
+        host = self.host_pool
+        if k and host.num_free_blocks < k:
+            self.prefix_cache.evict_host(k - host.num_free_blocks)
+        if not k or host.num_free_blocks < k:
+            return False
+        table = self.block_tables.pop(request_id)
+        dst = host.allocate(k)
+        self._moves.to_host.extend(zip(table[:k], dst))
+        self.pool.mark_busy(table[:k])
+        host.mark_busy(dst)
+        self.host_tables[request_id] = dst
+        self._unlock(request_id)
+        self.pool.release(reversed(table))
+        self.blocks_swapped_out += k
+        return True
+
+    def swap_in(self, request_id: str) -> bool:
+        """Copy a swapped request's host blocks into fresh device blocks (KVMoves.to_device):
+        its table again, readable from the next step on. False (nothing changed) when the pool
+        is short."""
+        host = self.host_tables[request_id]
+        k = len(host)
+        if not self._make_room(k):
+            return False
+        dst = self.pool.allocate(k)
+        self._moves.to_device.extend(zip(host, dst))
+        self.pool.mark_busy(dst)
+        self.host_pool.mark_busy(host)
+        self.block_tables[request_id] = dst
+        del self.host_tables[request_id]
+        self.host_pool.release(reversed(host))
+        self.blocks_swapped_in += k
+        return True
+
+    def room_arrives(self, request_id: str, num_computed: int, num_new: int) -> bool:
+        """allocate_slots() failed for these positions, but the blocks it lacks come free at the
+        next step (released this step, deferred): the request may wait a step instead of
+        preempting anyone."""
+        arriving = self.pool.num_arriving
+        if not arriving:
+            return False
+        table = self.block_tables.get(request_id, [])
+        end = num_computed + num_new
+        need = (max(0, self.blocks_for(end) - len(table))
+                + len(self._shared_in_range(table, num_computed, end)))
+        return need - self.pool.num_free_blocks <= arriving
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix no request uses; returns the blocks freed."""
         return 0 if self.prefix_cache is None else self.prefix_cache.reset()
@@ -171,13 +315,21 @@ class KVCacheManager:
         return self.pool.num_free_blocks + self.pool.num_cache_only
 
     def check_integrity(self, detached: list[list[int]] = ()) -> None:
-        """Every allocated block is referenced exactly as often as the live tables, the
-        detached ones the caller still owns and the prefix cache's nodes name it; the cache's
-        structure holds and its locks are the live requests' matches."""
+        """Every allocated block (both tiers) is referenced exactly as often as the live tables
+        (device: block_tables; host: the swapped requests' host_tables), the detached ones the
+        caller still owns, the prefix cache's nodes of that tier and the deferred releases name
+        it; the cache's structure holds and its locks are the live requests' matches."""
         cached: list[list[int]] = []
+        host_cached: list[list[int]] = []
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity()
             cached = self.prefix_cache.holders()
+            host_cached = self.prefix_cache.host_holders()
             assert self.prefix_cache.root.lock == len(self._locked), "cache locks vs requests"
         assert set(self._locked) <= set(self.block_tables), "a lock without a table"
+        assert not set(self.host_tables) & set(self.block_tables), "swapped and resident"
         self.pool.check_integrity([*self.block_tables.values(), *detached], cached)
+        if self.host_pool is not None:
+            self.host_pool.check_integrity(list(self.host_tables.values()), host_cached)
+        else:
+            assert not self.host_tables and not host_cached, "host blocks without a host tier"

@@ -20,6 +20,21 @@ dropped at eviction; requests hold their own. `PrefixCache` is the one place tha
 drops the tree's references. A node is locked while a request uses the blocks it matched there
 (the lock covers the node and its ancestors); only unlocked leaves are evicted, least recently
 used first.
+
+Two tiers (a host pool given to the constructor): a node lives on the device (its blocks are
+device blocks) or on the host (host blocks, `Node.on_host`); the device part of the tree is closed
+under ancestors (a host node's children are host nodes), so a match is a device part, then a host
+part. Evicting an unlocked device leaf (a device node without device children) with a host tier
+*offloads* it: its KV is copied to fresh host blocks (KVMoves.to_host, in `moves`) and the node
+moves to the host; its device blocks come free at the next step (BlockPool: busy blocks). A leaf
+whose blocks a request still holds, or that is being loaded this step, is dropped instead, as
+without a host tier. The host tier evicts least recently used host leaves by dropping them.
+load_back() turns matched host nodes into device nodes (KVMoves.to_device); an insert that walks
+through a host node takes the inserting table's device blocks for it (they hold the same KV).
+
+    device  root --(a b c d e)--(f g h)            host   (f g h) offloaded: [h4, h5]
+                              \\-(x y)                      (its shared block index 1 is the
+                                                           host's own copy)
 """
 from __future__ import annotations
 
@@ -28,7 +43,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .block_pool import BlockPool
+from .block_pool import BlockPool, KVMoves
 
 
 @dataclass(eq=False)
@@ -40,6 +55,7 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)   # first token -> child
     lock: int = 0                           # requests using this node or a descendant
     last_use: int = 0                       # logical clock of the last match or insert
+    on_host: bool = False                   # its blocks are host blocks (host tier)
 
     @property
     def end(self) -> int:
@@ -49,8 +65,11 @@ class Node:
 @dataclass(frozen=True)
 class Match:
     num_tokens: int         # matched positions [0, num_tokens)
-    blocks: list[int]       # their blocks, one per block index below ceil(num_tokens / bs)
+    blocks: list[int]       # their device blocks, one per block index below
+                            # ceil(num_device_tokens / bs)
     node: Node              # the deepest matched node (lock / unlock it)
+    num_device_tokens: int = 0              # of num_tokens, those matched in device nodes
+    host_nodes: tuple[Node, ...] = ()       # the host nodes matched past them, top down
 
 
 def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int:
@@ -74,43 +93,67 @@ def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None):
         self.pool = pool
+        self.host_pool = host_pool               # None: one tier, evicted leaves are forgotten
         self.block_size = block_size
         self.root = Node([], 0, [])
         self._clock = 0
-        self.num_cached_blocks = 0          # (node, block) listings = the tree's references
+        self.num_cached_blocks = 0          # (node, block) listings of device nodes
+        self.num_host_cached_blocks = 0     # of host nodes
         # Eviction candidates, least recently used first: (last_use, seq, node), pushed whenever
-        # a node may have become an unlocked leaf or was used; an entry is checked when popped
-        # (still attached, a leaf, unlocked, not used since) and skipped otherwise.
+        # a node may have become an unlocked leaf of its tier or was used; an entry is checked
+        # when popped (still attached, a leaf of that tier, unlocked, not used since) and
+        # skipped otherwise. _lru: device leaves; _host_lru: host leaves.
         self._lru: list[tuple[int, int, Node]] = []
+        self._host_lru: list[tuple[int, int, Node]] = []
         self._seq = itertools.count()
         self._num_nodes = 0
+        self.moves = KVMoves([], [])        # this step's copies (the KV manager takes them)
+        self.blocks_offloaded = 0           # counters since start (metrics)
+        self.blocks_loaded_back = 0
+
+    def _pool(self, node: Node) -> BlockPool:
+        return self.host_pool if node.on_host else self.pool
+
+    def _count(self, node: Node, n: int) -> None:
+        if node.on_host:
+            self.num_host_cached_blocks += n
+        else:
+            self.num_cached_blocks += n
 
     # ---- matching -----------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
-        """The longest cached prefix of tokens[:limit] (no side effects beyond LRU time)."""
+        """The longest cached prefix of tokens[:limit], through both tiers (no side effects
+        beyond LRU time)."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)   # (edges are lists)
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         self._clock += 1
         bs = self.block_size
-        node, pos = self.root, 0
+        node, pos, device_pos = self.root, 0, 0
         blocks: list[int] = []
+        host: list[Node] = []
         while pos < limit:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
             n = _common(tokens, pos, child.tokens, limit - pos)
-            # the child's blocks from the first index that is not already final in `blocks`
-            first = child.start // bs
-            del blocks[first:]
-            blocks.extend(child.blocks[: (pos + n - 1) // bs - first + 1])
+            if child.on_host:
+                if not host and node is not self.root:
+                    self._offer(node)         # (a device leaf above host nodes, used now)
+                host.append(child)
+            else:
+                # the child's blocks from the first index that is not already final in `blocks`
+                first = child.start // bs
+                del blocks[first:]
+                blocks.extend(child.blocks[: (pos + n - 1) // bs - first + 1])
+                device_pos = pos + n
             child.last_use = self._clock
             node, pos = child, pos + n
             if n < len(child.tokens):
                 break
         self._offer(node)
-        return Match(pos, blocks, node)
+        return Match(pos, blocks, node, device_pos, tuple(host))
 
     def lock(self, node: Node) -> None:
         while node is not None:
@@ -126,12 +169,51 @@ class PrefixCache:
             node = node.parent
         self._offer(deepest)
 
+    def load_back(self, nodes: Sequence[Node], make_room) -> int:
+        """Move matched host nodes (Match.host_nodes, top down) to the device, while
+        make_room(n) gives n free device blocks: fresh device blocks, KVMoves.to_device, the host
+        blocks released (deferred: they are read this step). Returns how many were loaded (a
+        prefix of `nodes`). The loaded blocks are busy this step: whoever reads them runs from
+        the next step on."""
+        if not nodes or self.host_pool is None:
+            return 0
+        anchor = nodes[0].parent          # (device: the tree is closed under ancestors)
+        self.lock(anchor)                 # make_room must not evict the path being loaded
+        done = 0
+        try:
+            for node in nodes:
+                if not node.on_host or node.parent is None:   # (changed under us: stop)
+                    break
+                k = len(node.blocks)
+                if not make_room(k) or node.parent is None:   # (room made by dropping it)
+                    break
+                dev = self.pool.allocate(k, cached=True)
+                self.moves.to_device.extend(zip(node.blocks, dev))
+                self.pool.mark_busy(dev)
+                self.host_pool.mark_busy(node.blocks)
+                self.host_pool.release(node.blocks, cached=True)
+                self.num_host_cached_blocks -= k
+                self.num_cached_blocks += k
+                node.blocks, node.on_host = dev, False
+                self.blocks_loaded_back += k
+                node.lock += 1            # (the next make_room must not offload it again)
+                done += 1
+        finally:
+            for node in nodes[:done]:
+                node.lock -= 1
+            self.unlock(anchor)
+            for node in nodes[:done]:
+                self._offer(node)
+        return done
+
     # ---- insertion ----------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], table: Sequence[int],
                known: tuple[Node, int] | None = None) -> int:
-        """Cache the KV of positions [0, len(tokens)), which live in `table` (a request's block
-        table, at least ceil(len / bs) long). Positions the tree already has keep the tree's
-        blocks. Returns how many positions were new.
+        """Cache the KV of positions [0, len(tokens)), which live in `table` (a request's device
+        block table, at least ceil(len / bs) long). Positions the tree already has keep the
+        tree's blocks, except on the host: a host node the walk goes through takes the table's
+        device blocks (the tree stays closed under ancestors on the device). Returns how many
+        positions were new.
 
         known = (node, n): tokens[:n] are known to be cached along the path to `node`, which is
         still in the tree (a request's match at admission, locked since: Match.node and
@@ -162,10 +244,13 @@ class PrefixCache:
             if n < len(child.tokens):
                 if pos + n == len(tokens):   # ends inside this edge: nothing new to keep
                     self._offer(child)
+                    self._offer(node)         # (a device leaf above a host child: used now)
                     return 0
                 lower = child
                 child = self._split(child, n)
                 self._offer(lower)            # (used just now: its queued entry is stale)
+            if child.on_host:
+                self._promote(child, table)
             node, pos = child, pos + n
         if pos == len(tokens):
             self._offer(node)
@@ -180,68 +265,156 @@ class PrefixCache:
         self._offer(leaf)
         return len(tokens) - pos
 
+    def _promote(self, node: Node, table: Sequence[int]) -> None:
+        """A host node whose positions `table` holds too (its parent is on the device): it takes
+        the table's device blocks, its host blocks go back."""
+        bs = self.block_size
+        new = list(table[node.start // bs:(node.end - 1) // bs + 1])
+        self.pool.incref(new, cached=True)
+        self.host_pool.release(node.blocks, cached=True)
+        self.num_host_cached_blocks -= len(node.blocks)
+        self.num_cached_blocks += len(new)
+        node.blocks, node.on_host = new, False
+        self._offer(node)
+
     def _split(self, node: Node, n: int) -> Node:
-        """Cut node's edge after n tokens; returns the new upper part (the parent of `node`)."""
+        """Cut node's edge after n tokens; returns the new upper part (the parent of `node`),
+        in node's tier."""
         bs = self.block_size
         cut = node.start + n
         first = node.start // bs
         upper_blocks = node.blocks[: (cut - 1) // bs - first + 1]
         lower_blocks = node.blocks[cut // bs - first:]
         upper = Node(node.tokens[:n], node.start, upper_blocks, parent=node.parent,
-                     lock=node.lock, last_use=node.last_use)
+                     lock=node.lock, last_use=node.last_use, on_host=node.on_host)
         node.parent.children[node.tokens[0]] = upper
         self._num_nodes += 1
         shared = len(upper_blocks) + len(lower_blocks) - len(node.blocks)   # 1 if cut is mid-block
         if shared:
-            self.pool.incref(node.blocks[cut // bs - first: (cut - 1) // bs - first + 1], cached=True)
-            self.num_cached_blocks += shared
+            self._pool(node).incref(node.blocks[cut // bs - first: (cut - 1) // bs - first + 1],
+                                    cached=True)
+            self._count(node, shared)
         node.tokens, node.start, node.blocks, node.parent = node.tokens[n:], cut, lower_blocks, upper
         upper.children[node.tokens[0]] = node
         return upper
 
     # ---- eviction -----------------------------------------------------------------------
+    @staticmethod
+    def _device_leaf(node: Node) -> bool:
+        return (not node.on_host and node.lock == 0
+                and not any(not c.on_host for c in node.children.values()))
+
     def _offer(self, node: Node) -> None:
-        if node is not self.root and not node.children and node.lock == 0:
+        if node is self.root:
+            return
+        if node.on_host:
+            if not node.children:
+                heapq.heappush(self._host_lru, (node.last_use, next(self._seq), node))
+                if len(self._host_lru) > 4 * self._num_nodes + 64:
+                    self._host_lru = [(n.last_use, next(self._seq), n) for n in self.nodes()
+                                      if n.on_host and not n.children]
+                    heapq.heapify(self._host_lru)
+            return
+        if self._device_leaf(node):
             heapq.heappush(self._lru, (node.last_use, next(self._seq), node))
             if len(self._lru) > 4 * self._num_nodes + 64:   # mostly stale: rebuild
                 self._lru = [(n.last_use, next(self._seq), n) for n in self.evictable_leaves()]
                 heapq.heapify(self._lru)
 
-    def _evictable(self, node: Node, last_use: int) -> bool:
+    def _attached(self, node: Node, last_use: int) -> bool:
         parent = node.parent
         return (parent is not None and parent.children.get(node.tokens[0]) is node
-                and not node.children and node.lock == 0 and node.last_use == last_use)
+                and node.last_use == last_use)
+
+    def _evictable(self, node: Node, last_use: int) -> bool:
+        return self._attached(node, last_use) and self._device_leaf(node)
 
     def evictable_leaves(self) -> Iterator[Node]:
-        return (n for n in self.nodes() if not n.children and n.lock == 0 and n is not self.root)
+        """Unlocked device nodes without device children (evict() takes them)."""
+        return (n for n in self.nodes() if n is not self.root and self._device_leaf(n))
 
-    def evict(self, num_blocks: int) -> int:
-        """Drop least recently used unlocked leaves until num_blocks blocks went back to the
-        pool's free list (or nothing is left to drop). Returns the blocks freed."""
+    def evict(self, num_blocks: int, offload: bool = True) -> int:
+        """Evict least recently used unlocked device leaves until num_blocks blocks went back
+        to the pool's free list or will at the next step (or nothing is left to evict). With a
+        host tier (and offload) a leaf whose blocks only the tree holds is offloaded (its
+        device blocks come free at the next step); otherwise it is dropped, with its host
+        descendants. Returns the blocks freed (now or at the next step)."""
         freed = 0
+        rc = self.pool.ref_counts
         while self._lru and freed < num_blocks:
             last_use, _, leaf = heapq.heappop(self._lru)
             if not self._evictable(leaf, last_use):
                 continue
             parent = leaf.parent
-            before = self.pool.num_free_blocks
-            self._remove(leaf)
-            freed += self.pool.num_free_blocks - before
+            freed += sum(1 for b in leaf.blocks if rc[b] == 1)   # (only this listing holds it)
+            if not (offload and self._offload(leaf)):
+                self._drop(leaf)
             self._offer(parent)
         return freed
 
-    def _remove(self, leaf: Node) -> None:
-        del leaf.parent.children[leaf.tokens[0]]
-        self.pool.release(reversed(leaf.blocks), cached=True)
-        self.num_cached_blocks -= len(leaf.blocks)
-        self._num_nodes -= 1
-        leaf.blocks = []
-        leaf.parent = None
+    def _offload(self, leaf: Node) -> bool:
+        """Copy a device leaf's KV to the host and move the node there, if only the tree holds
+        its blocks, none is being loaded this step and the host has room (after dropping host
+        leaves)."""
+        host, pool = self.host_pool, self.pool
+        if host is None or any(pool.ref_counts[b] != pool.cache_refs[b] or pool.is_busy(b)
+                               for b in leaf.blocks):
+            return False
+        k = len(leaf.blocks)
+        if host.num_free_blocks < k:
+            self.evict_host(k - host.num_free_blocks)
+        if host.num_free_blocks < k:
+            return False
+        dst = host.allocate(k, cached=True)
+        self.moves.to_host.extend(zip(leaf.blocks, dst))
+        pool.mark_busy(leaf.blocks)
+        host.mark_busy(dst)
+        pool.release(leaf.blocks, cached=True)          # (deferred: busy)
+        self.num_cached_blocks -= k
+        self.num_host_cached_blocks += k
+        leaf.blocks, leaf.on_host = dst, True
+        self.blocks_offloaded += k
+        self._offer(leaf)
+        return True
+
+    def evict_host(self, num_blocks: int) -> int:
+        """Drop least recently used host leaves until num_blocks host blocks went free (or
+        will at the next step). Returns the host blocks freed."""
+        freed = 0
+        if self.host_pool is None:
+            return 0
+        rc = self.host_pool.ref_counts
+        while self._host_lru and freed < num_blocks:
+            last_use, _, leaf = heapq.heappop(self._host_lru)
+            if not (self._attached(leaf, last_use) and leaf.on_host and not leaf.children):
+                continue
+            parent = leaf.parent
+            freed += sum(1 for b in leaf.blocks if rc[b] == 1)
+            self._drop(leaf)
+            self._offer(parent)
+        return freed
+
+    def _drop(self, node: Node) -> None:
+        """Forget a node and its subtree (host nodes below an evicted device leaf)."""
+        del node.parent.children[node.tokens[0]]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            self._pool(n).release(reversed(n.blocks), cached=True)
+            self._count(n, -len(n.blocks))
+            self._num_nodes -= 1
+            n.blocks = []
+            n.parent = None
+            n.children = {}
 
     def reset(self) -> int:
-        """Drop every unlocked node (all of them when no request uses the cache); returns the
-        blocks freed."""
-        return self.evict(self.pool.num_blocks + self.num_cached_blocks)
+        """Drop every unlocked node (all of them when no request uses the cache), both tiers;
+        returns the device blocks freed."""
+        freed = self.evict(self.pool.num_blocks + self.num_cached_blocks, offload=False)
+        if self.host_pool is not None:
+            self.evict_host(self.host_pool.num_blocks + self.num_host_cached_blocks)
+        return freed
 
     # ---- checks -------------------------------------------------------------------------
     def nodes(self) -> Iterator[Node]:
@@ -252,8 +425,12 @@ class PrefixCache:
             stack.extend(n.children.values())
 
     def holders(self) -> list[list[int]]:
-        """The tree's references, one list per node (for BlockPool.check_integrity)."""
-        return [n.blocks for n in self.nodes() if n.blocks]
+        """The tree's device references, one list per node (for BlockPool.check_integrity)."""
+        return [n.blocks for n in self.nodes() if n.blocks and not n.on_host]
+
+    def host_holders(self) -> list[list[int]]:
+        """The tree's host references, one list per host node."""
+        return [n.blocks for n in self.nodes() if n.blocks and n.on_host]
 
     def num_evictable_blocks(self) -> int:
         """Blocks only the tree holds (no request lists them): what eviction can give back once
@@ -261,22 +438,37 @@ class PrefixCache:
         return self.pool.num_cache_only
 
     def num_cached_tokens(self) -> int:
+        """Positions the tree holds, both tiers."""
         return sum(len(n.tokens) for n in self.nodes())
+
+    def num_host_cached_tokens(self) -> int:
+        return sum(len(n.tokens) for n in self.nodes() if n.on_host)
 
     def check_integrity(self) -> None:
         """Structure: edges non-empty and contiguous, children keyed by their first token,
         block lists of the right length, lock counts = sum over children + own, the reference
-        count matches the listings."""
+        counts match the listings per tier, host nodes only below host nodes or device nodes
+        (never above a device node) and never locked, every evictable leaf queued."""
         bs = self.block_size
-        listed = 0
+        listed = host_listed = 0
         for n in self.nodes():
-            listed += len(n.blocks)
+            if n.on_host:
+                host_listed += len(n.blocks)
+                assert self.host_pool is not None, "a host node without a host tier"
+                assert n.lock == 0, "a locked host node"
+            else:
+                listed += len(n.blocks)
             for tok, c in n.children.items():
                 assert c.parent is n and c.tokens and c.tokens[0] == tok, "child key / parent"
                 assert c.start == n.end, f"child starts at {c.start}, parent ends at {n.end}"
                 assert len(c.blocks) == (c.end - 1) // bs - c.start // bs + 1, "block count"
+                assert c.on_host or not n.on_host, "a device node below a host node"
             assert n.lock >= sum(c.lock for c in n.children.values()), "lock below children's"
         assert listed == self.num_cached_blocks, "cached block count"
+        assert host_listed == self.num_host_cached_blocks, "host cached block count"
         assert sum(1 for _ in self.nodes()) == self._num_nodes + 1, "node count"
         queued = {id(n) for u, _, n in self._lru if self._evictable(n, u)}
         assert all(id(n) in queued for n in self.evictable_leaves()), "an evictable leaf not queued"
+        hq = {id(n) for u, _, n in self._host_lru if self._attached(n, u)}
+        assert all(id(n) in hq for n in self.nodes() if n.on_host and not n.children), \
+            "a host leaf not queued"

@@ -29,6 +29,7 @@ def sequence_id(request_id: str, index: int) -> str:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"          # in the waiting queue (new or preempted)
     RUNNING = "running"
+    SWAPPED = "swapped"          # preempted by swap: in the waiting queue, its KV on the host
     FORK_PENDING = "fork_pending"  # n > 1 sibling waiting for the first sequence's prefill
     WAITING_FOR_KV = "waiting_for_kv"  # P/D consumer: prompt KV on a producer, no blocks here yet
     LOADING_KV = "loading_kv"          # P/D consumer: blocks allocated, KV being pulled into them

@@ -7,6 +7,18 @@ lasts, then admits waiting requests first-come-first-served. One forward runs th
 When the pool is short, the newest running request is preempted: its blocks are freed and it
 goes back to the front of the queue to be recomputed later (same tokens, since its outputs are kept).
 
+With a host tier (KVCacheManager(num_host_blocks=...)) a victim is swapped instead of recomputed
+when preemption_mode is "swap", or, with None, when the host has room and moving its blocks out
+and back (2 x bytes / host bandwidth) costs less than prefilling its computed tokens again (the
+engine's measured PrefillRate; before any measurement, and without a known bandwidth or block
+size, swap is preferred). A swapped sequence (SWAPPED) keeps num_computed_tokens and waits first
+in the queue, like a recomputed one; when admitted again its blocks are copied back and it runs
+from the next step on. A victim whose blocks another sequence shares (n > 1 forks) or that holds
+KV for P/D is recomputed. Copies between tiers (SchedulerOutput.kv_moves) run beside the step's
+forward, so the blocks a swap gives back come free at the next step: a sequence short of blocks
+that the next step brings waits one step rather than preempting more, and a sequence whose
+table lists a block copied this step (loaded back for its cached prefix) runs from the next step.
+
 P/D lives in a KVCoordinator (kv_coordinator.py) given to the constructor: sequences whose
 prompt KV is on a producer (add_remote), loads in flight, blocks held for a consumer. Without
 one this is the plain collocated scheduler; with one, the coordinator's per-step KV work rides
@@ -36,6 +48,7 @@ from typing import Iterator, NamedTuple
 from ..protocol import KVLoadDone, KVSource
 from .kv_cache_manager import BlockCopy, KVCacheManager, KVMoves
 from .kv_coordinator import KVCoordinator, KVStepWork
+from .prefill_rate import PrefillRate
 from .request import Request, RequestStatus
 
 
@@ -75,7 +88,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)   # since the last step: runner drops state
     kv_work: KVStepWork | None = None   # P/D: every rank's connector does it before the forward
-    kv_moves: KVMoves | None = None     # host tier: this step's copies (None: none)
+    kv_moves: KVMoves | None = None     # copies between the KV tiers (None: none), see KVMoves
     step_id: int = 0                    # counts schedule() calls (GPU times come back keyed by it)
     num_decodes: int = 0                # chunks that feed one output token (the rest is prefill)
     num_prefill_tokens: int = 0         # tokens of the other chunks (prompt or recomputed)
@@ -90,8 +103,23 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    PREEMPTION_MODES = (None, "recompute", "swap")
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 kv_coordinator: KVCoordinator | None = None):
+                 kv_coordinator: KVCoordinator | None = None, preemption_mode: str | None = None,
+                 host_copy_gb_per_s: float = 0.0, prefill_rate: PrefillRate | None = None):
+        if preemption_mode not in self.PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {self.PREEMPTION_MODES}, got "
+                             f"{preemption_mode!r}")
+        if preemption_mode == "swap" and kv.host_pool is None:
+            raise ValueError("preemption_mode='swap' needs a host tier (num_host_blocks > 0)")
+        if not host_copy_gb_per_s >= 0:
+            raise ValueError(f"host_copy_gb_per_s must be >= 0, got {host_copy_gb_per_s}")
+        self.preemption_mode = preemption_mode
+        self.host_copy_gb_per_s = host_copy_gb_per_s   # 0.0: unknown
+        self.prefill_rate = prefill_rate if prefill_rate is not None else PrefillRate()
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
         self.kv = kv
         self.kv_coordinator = kv_coordinator   # None: collocated, no P/D path below is taken
         self.max_num_seqs = max_num_seqs
@@ -139,7 +167,7 @@ class Scheduler:
                 continue
             if r.status is RequestStatus.RUNNING:
                 self.running.remove(r)
-            elif r.status is RequestStatus.WAITING:
+            elif r.status in (RequestStatus.WAITING, RequestStatus.SWAPPED):
                 self.waiting.remove(r)
             elif r.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.LOADING_KV):
                 self.kv_coordinator.drop(r)
@@ -190,20 +218,42 @@ class Scheduler:
         return req.token_slice(0, min(req.num_computed_tokens, req.num_tokens))
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req.request_id, self._computed(req))
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if self._should_swap(req) and self.kv.swap_out(req.request_id, req.num_computed_tokens):
+            req.status = RequestStatus.SWAPPED
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.free(req.request_id, self._computed(req))
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.num_recompute_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _should_swap(self, req: Request) -> bool:
+        """Swap (rather than recompute) this victim: see the module docstring."""
+        if self.preemption_mode == "recompute" or req.hold_kv:
+            return False
+        blocks = self.kv.swap_blocks(req.request_id, req.num_computed_tokens)
+        if not blocks:
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        rate = self.prefill_rate.seconds_per_token()
+        nbytes = blocks * self.kv.kv_block_bytes
+        if rate is None or nbytes == 0 or self.host_copy_gb_per_s <= 0:
+            return True             # nothing measured yet: moving is the safer bet
+        return 2 * nbytes / (self.host_copy_gb_per_s * 1e9) < rate * req.num_computed_tokens
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
+        self.kv.begin_step()
         out = SchedulerOutput(finished_ids=self._finished_since_step, step_id=self._step_id)
         self._finished_since_step = []
         budget = self.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
+        short = False      # a running sequence waits for blocks the next step brings
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -214,6 +264,8 @@ class Scheduler:
             n = min(req.num_total_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             while copies is None:  # pool short: preempt the newest until this one fits
+                if self.kv.room_arrives(req.request_id, req.num_computed_tokens, n):
+                    break          # (the blocks it lacks come free next step: it waits)
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -221,23 +273,41 @@ class Scheduler:
                     break
                 copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
-                break
+                if req.status is not RequestStatus.RUNNING:
+                    break          # (it was preempted itself: the newest, nothing follows)
+                short = True
+                i += 1
+                continue
             out.block_copies.extend(copies)
             picked.append((req, n))
             budget -= n
             i += 1
 
         # Admit new work only when nothing was preempted (it would just be preempted again).
-        while self.waiting and budget > 0 and not out.preempted_ids:
+        while self.waiting and budget > 0 and not out.preempted_ids and not short:
             req = self.waiting[0]
             if self._num_seq_slots_used() + 1 + len(req.siblings) > self.max_num_seqs:
                 break
+            if req.status is RequestStatus.SWAPPED:   # its KV back from the host: next step
+                if not self.kv.swap_in(req.request_id):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                continue
             # New or preempted: start from a cached prefix (at least one token left to compute:
             # the step must produce its logits), unless the prompt's own logprobs are asked for
             # (every prompt position must then go through the forward).
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 req.num_computed_tokens = self.kv.match_prefix(
                     req.request_id, req.token_slice(0, req.num_tokens), req.num_tokens - 1)
+                if self.kv.table_busy(req.request_id):   # (its prefix loads back this step)
+                    if req.num_cached_tokens is None:
+                        req.num_cached_tokens = req.num_computed_tokens
+                    self.waiting.popleft()
+                    req.status = RequestStatus.RUNNING
+                    self.running.append(req)
+                    continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
@@ -296,6 +366,7 @@ class Scheduler:
                 req.siblings = []
         out.num_decodes = num_decodes
         out.num_prefill_tokens = self.max_num_batched_tokens - budget - num_decodes
+        out.kv_moves = self.kv.take_moves()
         if out.chunks:
             self._unread.append(samplers + forked)
         return out
@@ -343,6 +414,10 @@ class Scheduler:
         if coord is not None:
             live |= set(coord.loading)
         assert held <= live, f"block tables held by non-running requests: {held - live}"
+        swapped = {r.request_id for r in self.waiting if r.status is RequestStatus.SWAPPED}
+        assert set(self.kv.host_tables) == swapped, "host tables vs swapped requests"
+        assert all(r.status is RequestStatus.RUNNING for r in self.running), "running status"
+        assert self.num_preemptions == self.num_swap_preemptions + self.num_recompute_preemptions
         assert self._num_seq_slots_used() <= self.max_num_seqs
         unread = collections.Counter(self.pending_samplers())   # (by object: ids are reused)
         for r in self.requests.values():

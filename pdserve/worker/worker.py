@@ -376,7 +376,7 @@ class _Driver:
         eng, sched = self.engine, self.engine.scheduler
         conn = eng.runner.connector
         # (getattr: the host tier's counters are the engine side's, 0 until it has them)
-        host = {f: getattr(eng.kv, f, 0) for f in _HOST_TIER_STATS}
+        host = {f: getattr(eng.kv, f) for f in _HOST_TIER_STATS}
         return self.m.WorkerStats(len(sched.running), len(sched.waiting),
                                   eng.num_kv_blocks - eng.kv.num_free_blocks(), eng.num_kv_blocks,
                                   sched.num_preemptions,

@@ -1,0 +1,306 @@
+"""The KV cache's host tier (issue 21), engine side: swap preemption, prefix-cache offload and
+load-back, the per-step KVMoves and their deferred releases.
+
+- hand-computed cases: exact moves, block ids and counts;
+- PrefillRate against sums computed by hand;
+- a hypothesis state machine over Scheduler + KVCacheManager (both tiers, every preemption
+  mode) driven by a shadow runner: it keeps, per device and per host block, which (position,
+  token) each slot holds, applies each step's block copies and KVMoves and writes each chunk's
+  tokens into its slots. Before writing it asserts that every position a chunk attends to holds
+  the request's own token there, and that no chunk touches a block copied between tiers in its
+  own step. Its "model" samples a token from what it reads there, so the outputs are compared
+  with a naive reference that computes them from the token sequences alone (what an unpressured
+  run yields). check_integrity after every step; at the end nothing leaks in either pool.
+"""
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from pdserve.engine.kv_cache_manager import KVCacheManager, KVMoves
+from pdserve.engine.prefill_rate import PrefillRate
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.sampling_params import SamplingParams
+
+BS = 4
+A = list(range(1, 13))
+
+
+# ---- hand-computed cases -------------------------------------------------------------------
+def test_a_two_block_leaf_is_offloaded_then_loaded_back():
+    """Pool of 4 device blocks, 4 host blocks, block size 4. a's 8 tokens are cached in device
+    blocks [0, 1]; b needs 3 blocks with 2 free: the leaf goes to host blocks [0, 1]
+    (to_host (0, 0), (1, 1)), b waits a step (the blocks come free then) and gets [2, 3, 0].
+    c matches the 8 host tokens: with one block free the load does not fit (the match stops
+    before it, 0); once b is gone it loads into device blocks [1, 0]."""
+    kv = KVCacheManager(4, BS, enable_prefix_caching=True, num_host_blocks=4)
+    assert kv.allocate_slots("a", 0, 8) == [] and kv.block_tables["a"] == [0, 1]
+    kv.free("a", A[:8])
+    assert kv.pool.num_free_blocks == 2 and kv.num_cached_blocks == 2
+    assert kv.allocate_slots("b", 0, 12) is None
+    assert kv.room_arrives("b", 0, 12)
+    assert kv.take_moves() == KVMoves([(0, 0), (1, 1)], [])
+    assert kv.blocks_offloaded == 2 and kv.num_host_blocks_used == 2
+    assert kv.pool.num_free_blocks == 2 and kv.pool.ref_counts[:2] == [1, 1]   # deferred
+    kv.check_integrity()
+    kv.begin_step()
+    assert kv.pool.num_free_blocks == 4 and kv.num_cached_blocks == 0
+    assert kv.prefix_cache.num_host_cached_blocks == 2
+    assert kv.allocate_slots("b", 0, 12) == [] and kv.block_tables["b"] == [2, 3, 0]
+    kv.check_integrity()
+    c = A[:8] + [99]
+    assert kv.match_prefix("c", c, 8) == 0            # 1 free block: the load does not fit
+    assert kv.take_moves() is None and kv.prefix_host_hits == 0
+    kv.free("b")
+    assert kv.match_prefix("c", c, 8) == 8
+    assert kv.block_tables["c"] == [1, 0]
+    assert kv.take_moves() == KVMoves([], [(0, 1), (1, 0)])
+    assert kv.table_busy("c") and kv.prefix_host_hits == 8 and kv.prefix_hits == 8
+    assert kv.blocks_loaded_back == 2 and kv.num_host_blocks_used == 2   # released next step
+    kv.check_integrity()
+    kv.begin_step()
+    assert kv.num_host_blocks_used == 0 and not kv.table_busy("c")
+    kv.free("c", c[:8])
+    kv.check_integrity()
+    assert kv.reset_prefix_cache() == 2 and kv.pool.num_free_blocks == 4
+
+
+def test_swap_out_and_in_moves_exact_blocks():
+    """a (7 tokens, blocks [0, 1]) and b (5 tokens, [2, 3]) fill a 4-block pool; a's decode
+    needs a third block: b, the newest, is swapped (to_host (2, 0), (3, 1)), a waits for the
+    step that frees b's blocks, then runs; b comes back when a finishes."""
+    kv = KVCacheManager(4, BS, num_host_blocks=4)
+    s = Scheduler(kv, 4, 64, preemption_mode="swap")
+    a = Request("a", list(range(1, 8)), SamplingParams(max_tokens=3))
+    b = Request("b", list(range(1, 6)), SamplingParams(max_tokens=3))
+    s.add(a)
+    s.add(b)
+
+    def step():
+        out = s.schedule()
+        got = s.update({c.request_id: 7 for c in out.chunks if c.sample})
+        s.check_integrity()
+        return out, got
+
+    out, _ = step()
+    assert kv.block_tables == {"a": [0, 1], "b": [2, 3]} and out.kv_moves is None
+    out, _ = step()       # a: position 7 fits block 1; b: position 5 fits block 3
+    assert [c.request_id for c in out.chunks] == ["a", "b"]
+    out, _ = step()       # a writes position 8: a new block; b is swapped, a waits
+    assert out.preempted_ids == ["b"] and out.chunks == []
+    assert out.kv_moves == KVMoves([(2, 0), (3, 1)], [])
+    assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 6
+    assert kv.host_tables == {"b": [0, 1]} and s.num_swap_preemptions == 1
+    out, _ = step()
+    assert [(c.request_id, c.start_pos) for c in out.chunks] == [("a", 8)]
+    assert kv.block_tables["a"] == [0, 1, 3] and out.kv_moves is None   # (2 free, 3 reused)
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    # b back: host [0, 1] into fresh device blocks (free list [2] + a's [3, 1, 0], tail
+    # first), runs next step
+    out, _ = step()
+    assert out.chunks == [] and out.kv_moves == KVMoves([], [(0, 2), (1, 3)])
+    assert kv.block_tables["b"] == [2, 3] and b.status is RequestStatus.RUNNING
+    out, _ = step()
+    assert [(c.request_id, c.start_pos, c.token_ids) for c in out.chunks] == [("b", 6, [7])]
+    assert kv.blocks_swapped_out == kv.blocks_swapped_in == 2 and kv.num_host_blocks_used == 0
+
+
+def test_forked_victims_and_p_d_holders_are_recomputed():
+    kv = KVCacheManager(8, BS, num_host_blocks=8)
+    s = Scheduler(kv, 4, 64, preemption_mode="swap")
+    kv.allocate_slots("p", 0, 6)
+    kv.fork("p", "c")
+    assert kv.swap_blocks("p", 6) == 0          # shared with its sibling
+    kv.allocate_slots("q", 0, 6)
+    assert kv.swap_blocks("q", 6) == 2
+    r = Request("q", [1] * 6, SamplingParams(), hold_kv=True, num_computed_tokens=6)
+    assert not s._should_swap(r)
+    with pytest.raises(ValueError):
+        Scheduler(KVCacheManager(8, BS), 4, 64, preemption_mode="swap")
+    with pytest.raises(ValueError):
+        Scheduler(kv, 4, 64, preemption_mode="later")
+    with pytest.raises(ValueError):
+        KVCacheManager(8, BS, num_host_blocks=-1)
+
+
+def test_cost_rule_compares_the_round_trip_with_the_measured_prefill():
+    """A 2-block victim of 8 computed tokens, 1 MB per block, 10 GB/s: out and back 0.4 ms.
+    Prefill measured at 1 ms / 20 tokens = 50 us per token -> 0.4 ms for 8: not cheaper, recompute;
+    at 100 us per token (0.8 ms) swap."""
+    kv = KVCacheManager(8, BS, num_host_blocks=8, kv_block_bytes=10**6)
+    s = Scheduler(kv, 4, 64, host_copy_gb_per_s=10.0)
+    kv.allocate_slots("v", 0, 8)
+    v = Request("v", [1] * 8, SamplingParams(), num_computed_tokens=8)
+    assert s._should_swap(v)                    # nothing measured yet: swap
+    s.prefill_rate.add(20, 1e-3)
+    assert not s._should_swap(v)
+    s.prefill_rate.add(20, 3e-3)                # 4 ms / 40 tokens = 100 us per token
+    assert s._should_swap(v)
+    s.preemption_mode = "recompute"
+    assert not s._should_swap(v)
+
+
+def test_prefill_rate_is_a_ratio_of_sums_over_a_window():
+    r = PrefillRate(window=2)
+    assert r.seconds_per_token() is None
+    r.add(0, 5.0)                               # no prefill: ignored
+    r.add(10, float("nan"))                     # not a time: ignored
+    assert r.seconds_per_token() is None
+    r.add(100, 1.0)
+    r.add(300, 1.0)
+    assert r.seconds_per_token() == pytest.approx(2.0 / 400)
+    r.add(100, 3.0)                             # the first step leaves the window
+    assert r.seconds_per_token() == pytest.approx(4.0 / 400)
+    with pytest.raises(ValueError):
+        PrefillRate(0)
+
+
+# ---- the state machine with a shadow runner ------------------------------------------------
+V = 3                                           # tiny vocabulary: prefixes collide
+
+
+def model(seq) -> int:
+    """The fake model's next token after `seq` (what the reference computes from tokens)."""
+    return (sum((i + 1) * t for i, t in enumerate(seq)) * 7 + len(seq)) % V
+
+
+def reference(prompt, max_tokens):
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        seq.append(model(seq))
+    return seq[len(prompt):]
+
+
+class ShadowRunner:
+    def __init__(self, kv: KVCacheManager, bs: int):
+        self.bs = bs
+        self.dev = [[None] * bs for _ in range(kv.pool.num_blocks)]
+        self.host = [[None] * bs for _ in range(kv.num_host_blocks)]
+
+    def run(self, sched: Scheduler, out) -> dict[str, int]:
+        bs = self.bs
+        moves = out.kv_moves or KVMoves([], [])
+        busy_dev = {d for d, _ in moves.to_host} | {d for _, d in moves.to_device}
+        busy_host = {h for _, h in moves.to_host} | {h for h, _ in moves.to_device}
+        # a block is moved at most once a step, and a freed busy block is not reused in it
+        assert len(busy_dev) == len(moves.to_host) + len(moves.to_device), moves
+        # (a host block saved this step may be loaded back in it: to_host copies run first)
+        assert len({h for _, h in moves.to_host}) == len(moves.to_host), moves
+        assert len({h for h, _ in moves.to_device}) == len(moves.to_device), moves
+        loaded = {d for _, d in moves.to_device}
+        for c in out.block_copies:   # (a copy may read a block being saved: both only read)
+            assert c.src not in loaded and c.dst not in busy_dev, (c, moves)
+        saved = [list(self.dev[c.src]) for c in out.block_copies]
+        for c, slots in zip(out.block_copies, saved):
+            self.dev[c.dst] = slots
+        for d, h in moves.to_host:
+            self.host[h] = list(self.dev[d])
+        for h, d in moves.to_device:
+            self.dev[d] = list(self.host[h])
+        sampled = {}
+        for ch in out.chunks:
+            req = sched.requests[ch.request_id]
+            end = ch.start_pos + len(ch.token_ids)
+            table = ch.block_table
+            seq = req.token_slice(0, end)
+            assert ch.token_ids == seq[ch.start_pos:], ch
+            used = table[:-(-end // bs)]
+            assert not set(used) & busy_dev, f"{ch.request_id} touches a block moved this step"
+            for p in range(ch.start_pos):
+                got = self.dev[table[p // bs]][p % bs]
+                assert got == (p, seq[p]), f"{ch.request_id}: position {p} holds {got}"
+            for p in range(ch.start_pos, end):
+                self.dev[table[p // bs]][p % bs] = (p, seq[p])
+            if ch.sample:   # the model reads its context from the store
+                ctx = [self.dev[table[p // bs]][p % bs][1] for p in range(end)]
+                sampled[ch.request_id] = model(ctx)
+        for f in out.forks:
+            sampled[f.request_id] = sampled[f.parent_id]
+        return sampled
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    @initialize(bs=st.sampled_from([2, 4]), num_blocks=st.integers(6, 12),
+                host=st.integers(0, 12), cache=st.booleans(),
+                mode=st.sampled_from([None, "swap", "recompute"]), budget=st.integers(4, 12))
+    def setup(self, bs, num_blocks, host, cache, mode, budget):
+        if mode == "swap" and host == 0:
+            mode = None
+        self.bs, self.num_blocks = bs, num_blocks
+        self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=cache,
+                                 num_host_blocks=host)
+        self.s = Scheduler(self.kv, 4, budget, preemption_mode=mode)
+        self.runner = ShadowRunner(self.kv, bs)
+        self.n = 0
+        self.done: dict[str, tuple[list[int], list[int], int]] = {}
+        self.bases = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1, 1, 1, 1, 2, 2, 2, 2, 0, 0]]
+
+    @rule(base=st.integers(0, 1), cut=st.integers(0, 12), tail=st.lists(st.integers(0, 2),
+          max_size=4), max_tokens=st.integers(1, 8), siblings=st.integers(0, 1))
+    def add(self, base, cut, tail, max_tokens, siblings):
+        prompt = self.bases[base][:cut] + tail or [base]
+        if len(prompt) + max_tokens + 1 > self.num_blocks * self.bs:
+            return                          # (the engine guarantees a sequence fits alone)
+        p = SamplingParams(max_tokens=max_tokens)
+        r = Request(f"r{self.n}", prompt, p)
+        for i in range(siblings):
+            r.siblings.append(Request(f"r{self.n}.{i}", prompt, p,
+                                      status=RequestStatus.FORK_PENDING))
+        self.n += 1
+        self.s.add(r)
+
+    @rule()
+    def step(self):
+        out = self.s.schedule()
+        sampled = self.runner.run(self.s, out)
+        for r in self.s.update(sampled):
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                self.done[r.request_id] = (r.prompt_token_ids, list(r.output_token_ids),
+                                           r.params.max_tokens)
+                self.s.finish(r, RequestStatus.FINISHED_LENGTH)
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = [r for r in self.s.requests.values() if r.status is not RequestStatus.FORK_PENDING]
+        if live:
+            self.s.finish(data.draw(st.sampled_from(live)), RequestStatus.FINISHED_ABORTED)
+
+    @rule()
+    def reset_cache(self):
+        self.kv.reset_prefix_cache()
+
+    @invariant()
+    def integrity(self):
+        self.s.check_integrity()
+
+    @invariant()
+    def outputs_match_the_reference(self):
+        for rid, (prompt, got, max_tokens) in self.done.items():
+            assert got == reference(prompt, max_tokens), rid
+        self.done.clear()
+
+    def teardown(self):
+        for _ in range(500):
+            if not self.s.has_unfinished():
+                break
+            self.step()
+            self.s.check_integrity()
+        assert not self.s.has_unfinished()
+        self.outputs_match_the_reference()
+        self.kv.begin_step()
+        self.kv.reset_prefix_cache()
+        self.kv.begin_step()
+        self.kv.check_integrity()
+        assert self.kv.pool.num_free_blocks == self.num_blocks, "device blocks leaked"
+        if self.kv.host_pool is not None:
+            assert self.kv.host_pool.num_free_blocks == self.kv.num_host_blocks, "host leaked"
+        assert not self.kv.block_tables and not self.kv.host_tables
+
+
+TestHostTierMachine = HostTierMachine.TestCase
+TestHostTierMachine.settings = settings(
+    max_examples=int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "80")), stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
