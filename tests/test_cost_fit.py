@@ -377,11 +377,13 @@ def test_the_serving_overhead_is_optional_and_older_files_load_with_zero():
     assert p.serving_overhead_ms == 3.5 and CostProfile.from_json(p.to_dict()) == p
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "bench", "results")
-    old = sorted(glob.glob(os.path.join(root, "profile-*.json")))
-    assert old
-    for path in old:        # the committed profiles, all made before the term existed
-        assert "serving_overhead_ms" not in json.loads(open(path).read())
+    committed = sorted(glob.glob(os.path.join(root, "profile-*.json")))
+    old = [p for p in committed if "serving_overhead_ms" not in json.loads(open(p).read())]
+    assert old          # profiles made before the term existed are committed and still load
+    for path in old:
         assert CostProfile.from_json(path).serving_overhead_ms == 0.0
+    for path in set(committed) - set(old):      # and those made after carry a measured value
+        assert CostProfile.from_json(path).serving_overhead_ms > 0.0
 
 
 PREFILL = {"prefill_fixed_ms": 2.0, "alpha_ms_per_token": 0.01, "prefill_quadratic_ms": 0.0}
