@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -708,3 +708,34 @@ TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=100, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 600), st.integers(0, 40), st.integers(0, 40), st.integers(0, 700),
+       st.integers(0, 3), st.randoms(use_true_random=False))
+def test_common_prefix_length_equals_a_naive_scan(shared, a0, b0, limit, tail, rnd):
+    """_common against a token-by-token scan, for mismatches at every offset, either side
+    running out first and limits inside or past the shared part."""
+    from pdserve.engine.prefix_cache import _common
+    common = [rnd.randrange(50) for _ in range(shared)]
+    a = [rnd.randrange(50) for _ in range(a0)] + common + [100 + rnd.randrange(5) for _ in range(tail)]
+    b = [rnd.randrange(50) for _ in range(b0)] + common + [200 + rnd.randrange(5) for _ in range(tail)]
+    n = 0
+    while (n < limit and a0 + n < len(a) and b0 + n < len(b)
+           and a[a0 + n] == b[b0 + n]):
+        n += 1
+    assert _common(a, a0, b, limit, b0) == n
+
+
+def test_common_prefix_length_at_every_mismatch_offset():
+    """Every mismatch offset up to past the second galloping step (64 + 256 + 1024), against
+    the offset it was built with."""
+    from pdserve.engine.prefix_cache import _common
+    base = list(range(1000, 2400))
+    for k in range(0, 1400):
+        other = [7, 7, 7] + base[:k] + [-1] + base[k + 1:]
+        assert _common(other, 3, base, 5000) == k, k
+        assert _common(base, 0, other, 5000, 3) == k, k
+    assert _common(base, 0, base[:900], 5000) == 900           # one side ends
+    assert _common(base, 10, base, 5000, 10) == len(base) - 10
+    assert _common(base, 0, base, 333) == 333                   # the limit

@@ -74,8 +74,8 @@ class Match:
 
 def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int:
     """Length of the common prefix of a[a0:] and b[b0:b0 + limit]. Compares slices (C loops),
-    growing them while they match and shrinking them around a mismatch, so a long match costs
-    about one pass and a mismatch a few short compares."""
+    growing them 4x while they match; the first slice that differs is bisected down to a few
+    tokens. A long match costs about one pass, a mismatch about one more over its slice."""
     n = min(len(a) - a0, len(b) - b0, limit)
     i, m = 0, 64
     while i < n:
@@ -83,12 +83,17 @@ def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int
         if a[a0 + i:a0 + i + m] == b[b0 + i:b0 + i + m]:
             i += m
             m *= 4
-        elif m > 8:
-            m //= 8
-        else:
-            while a[a0 + i] == b[b0 + i]:     # (a mismatch lies within these m)
-                i += 1
-            return i
+            continue
+        lo, hi = i, i + m                     # a mismatch lies in [lo, hi)
+        while hi - lo > 8:
+            mid = (lo + hi) // 2
+            if a[a0 + lo:a0 + mid] == b[b0 + lo:b0 + mid]:
+                lo = mid
+            else:
+                hi = mid
+        while a[a0 + lo] == b[b0 + lo]:
+            lo += 1
+        return lo
     return n
 
 
