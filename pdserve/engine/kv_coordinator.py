@@ -20,7 +20,10 @@ the last one). Two-sided, the producer's send is issued by the router before the
 sees the request, so the router decides (KVSource.skip_blocks: the whole blocks its prefix
 index believes this worker holds); the consumer reuses exactly those and receives the rest,
 block for block as sent, or, when they are gone from its cache, receives and discards the
-tail and recomputes the sequence.
+tail and recomputes the sequence. Two-sided, receives must meet sends in order: the loads of one
+producer's sequences leave in their admission order (the order the router asks that producer to
+send in), a receive-and-discard included; one that is known before an earlier sequence's load
+(that one still waiting for blocks) waits for it.
 
 The Scheduler calls (and nothing else; all of it is P/D):
     admit(req, source)             queue a sequence whose first source.num_tokens are remote
@@ -30,6 +33,8 @@ The Scheduler calls (and nothing else; all of it is P/D):
                                    returns those to recompute here instead (two-sided: the
                                    skipped blocks are gone)
     drop(req)                      a WAITING_FOR_KV / LOADING_KV sequence leaves for good
+                                   (two-sided, waiting: its receive-and-discard load is queued
+                                   behind the loads of that producer's earlier sequences)
     hold(rid, table, now)          keep a finished hold_kv sequence's blocks for a consumer
     finish_loads(done)             resolve ended loads: [(request, ok)] for the scheduler to place
     take_work()                    this step's KV work (None: none), once per schedule()
@@ -65,10 +70,11 @@ class KVStepWork:
 class KVCoordinator:
     """two_sided: the connector's producer sends whether or not the consumer still wants the
     KV, so a sequence dropped before its load still receives (and discards) what is sent, and
-    the next receive meets the next send. What it sends is the source's sent_block_ids (the
-    router skipped the whole blocks it believes this worker holds, KVSource.skip_blocks): a
-    consumer reuses exactly those from its prefix cache, or, when they are gone, receives and
-    discards the tail and recomputes the sequence (reported as a failed load)."""
+    the next receive meets the next send: per producer, loads leave in admission order
+    (_issue). What it sends is the source's sent_block_ids (the router skipped the whole blocks
+    it believes this worker holds, KVSource.skip_blocks): a consumer reuses exactly those from
+    its prefix cache, or, when they are gone, receives and discards the tail and recomputes the
+    sequence (reported as a failed load)."""
 
     def __init__(self, kv: KVCacheManager, max_loads: int = 64, two_sided: bool = False,
                  transfer_timeout_s: float = 30.0, hold_timeout_s: float = 300.0):
@@ -87,6 +93,11 @@ class KVCoordinator:
         # two-sided consumer: loads given up before they started (the skipped blocks were gone
         # here), reported with the next poll
         self.unpulled: list[KVLoadDone] = []
+        # two-sided consumer: per producer, a slot per admitted sequence whose load is not in
+        # the work yet, in admission order (that producer's send order); a slot holds its load
+        # once known and loads leave from the front only (_issue)
+        self._recvs: dict[str, deque[list[KVLoad]]] = {}
+        self._slots: dict[str, list[KVLoad]] = {}   # of waiting sequences, by id
         self._work = KVStepWork()
 
     # ---- called by the scheduler ------------------------------------------------------------
@@ -94,6 +105,9 @@ class KVCoordinator:
         self.sources[req.request_id] = source
         req.status = RequestStatus.WAITING_FOR_KV
         self.waiting.append(req)
+        if self.two_sided:
+            slot = self._slots[req.request_id] = []
+            self._recvs.setdefault(source.worker, deque()).append(slot)
 
     @property
     def num_loading(self) -> int:
@@ -121,7 +135,7 @@ class KVCoordinator:
                     kv.free(rid)   # (what did match, if any)
                     self.waiting.popleft()
                     del self.sources[rid]
-                    self._work.loads.append(KVLoad(rid, source.worker, source.sent_block_ids, []))
+                    self._issue(KVLoad(rid, source.worker, source.sent_block_ids, []))
                     self.unpulled.append(KVLoadDone(
                         rid, False, 0, 0.0, f"the {source.skip_blocks} blocks the producer "
                         "skipped are no longer cached here: recomputed"))
@@ -137,18 +151,34 @@ class KVCoordinator:
             req.status = RequestStatus.LOADING_KV
             self.loading[rid] = req
             k = kept // bs
-            self._work.loads.append(KVLoad(rid, source.worker, source.block_ids[k:],
-                                           kv.block_tables[rid][k:]))
+            self._issue(KVLoad(rid, source.worker, source.block_ids[k:],
+                               kv.block_tables[rid][k:]))
         return recompute
 
+    def _issue(self, load: KVLoad) -> None:
+        """Put a load into the step's work; two-sided, after the loads of the sequences admitted
+        before it from the same producer (held back until theirs are issued: a receive issued
+        early would take an earlier sequence's send, and that one the next)."""
+        if not self.two_sided:
+            self._work.loads.append(load)
+            return
+        self._slots.pop(load.request_id).append(load)
+        q = self._recvs[load.worker]
+        while q and q[0]:
+            self._work.loads.append(q.popleft()[0])
+        if not q:
+            del self._recvs[load.worker]
+
     def drop(self, req: Request) -> None:
-        """`req` (WAITING_FOR_KV or LOADING_KV) leaves; the scheduler frees its blocks."""
+        """`req` (WAITING_FOR_KV or LOADING_KV) leaves; the scheduler frees its blocks. Loading:
+        its pull is cancelled (a verdict). Waiting, two-sided: it still receives and discards
+        what its producer sends, after the loads of that producer's earlier sequences."""
         rid = req.request_id
         if req.status is RequestStatus.WAITING_FOR_KV:
             self.waiting.remove(req)
             if self.two_sided:
                 src = self.sources[rid]
-                self._work.loads.append(KVLoad(rid, src.worker, src.sent_block_ids, []))
+                self._issue(KVLoad(rid, src.worker, src.sent_block_ids, []))
         else:
             del self.loading[rid]
             self.started.pop(rid, None)
