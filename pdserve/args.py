@@ -64,6 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
                    help="how a preempted request gives up its KV: recompute (freed, computed "
                         "again) or swap (copied to the host tier, needs --swap-space) (default: "
                         "per request, whichever the cost model says is cheaper)")
+    g.add_argument("--kv-offload-policy", default="on-eviction",
+                   choices=list(_config.KV_OFFLOAD_POLICIES),
+                   help="when cached prefixes reach the host tier (--swap-space): on-eviction "
+                        "(copied when the GPU pool evicts them) or write-through (copied when "
+                        "cached, so eviction frees GPU blocks at once) (default %(default)s)")
     g.add_argument("--attention-backend", default="auto", choices=list(_config.ATTENTION_BACKENDS),
                    help="auto: triton on CUDA, torch on CPU (default %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

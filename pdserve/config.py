@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 KV_TRANSFER_MODES = ("sync", "async")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_OFFLOAD_POLICIES = ("on-eviction", "write-through")
 # No kernel assumes a block size: paged attention gathers a block id per key (no power of two, no
 # multiple of its key tile; it compiles once per size) and the KV pull masks its boxes (its tests
 # use 3). The cap is a sanity bound: a block is the least KV a sequence holds, so a larger block
@@ -95,6 +96,10 @@ class EngineConfig:
     # again), "swap" (copied to the host tier, copied back when it resumes; needs
     # swap_space_gb > 0), None: per victim, whichever the cost model says is cheaper.
     preemption_mode: str | None = None
+    # When the prefix cache's KV reaches the host tier: "on-eviction" (copied when the device
+    # pool evicts it; its blocks come free a step later) or "write-through" (copied when it is
+    # cached; evicting it frees its device blocks at once). Needs swap_space_gb > 0 to matter.
+    kv_offload_policy: str = "on-eviction"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -160,6 +165,9 @@ class EngineConfig:
                              f"{self.preemption_mode!r}")
         if self.preemption_mode == "swap" and not self.swap_space_gb:
             raise ValueError("preemption_mode 'swap' needs a host tier: set swap_space_gb > 0")
+        if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
+            raise ValueError(f"kv_offload_policy must be one of {KV_OFFLOAD_POLICIES}, got "
+                             f"{self.kv_offload_policy!r}")
         self._check_device()
 
     def _check_device(self) -> None:

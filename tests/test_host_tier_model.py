@@ -34,8 +34,9 @@ def test_swap_preemption_keeps_outputs(reference, mode):
     core.scheduler.check_integrity()
 
 
-def test_prefix_offload_and_load_back_keep_outputs(reference):
-    llm = LLM(device="cpu", num_kv_blocks=40, swap_space_gb=0.05)
+@pytest.mark.parametrize("policy", ["on-eviction", "write-through"])
+def test_prefix_offload_and_load_back_keep_outputs(reference, policy):
+    llm = LLM(device="cpu", num_kv_blocks=40, swap_space_gb=0.05, kv_offload_policy=policy)
     first = _tokens(llm)
     assert first == reference
     # the same prompts again: their prefixes were pushed to the host tier by the later ones

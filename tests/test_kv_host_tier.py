@@ -220,6 +220,13 @@ def test_tier_config_defaults_flags_and_llm_kwargs():
         engine_config(p.parse_args(["--preemption-mode", "swap"]))
     c, _ = split_engine_args(None, {"swap_space_gb": 1, "preemption_mode": "recompute"})
     assert (c.swap_space_gb, c.preemption_mode) == (1, "recompute")
+    assert EngineConfig().kv_offload_policy == "on-eviction"
+    c = engine_config(p.parse_args(["--swap-space", "1", "--kv-offload-policy", "write-through"]))
+    assert c.kv_offload_policy == "write-through"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-offload-policy", "later"])
+    with pytest.raises(ValueError, match="kv_offload_policy must be one of"):
+        EngineConfig(kv_offload_policy="later")
 
 
 def test_host_blocks_from_swap_space_by_hand():
@@ -290,6 +297,24 @@ def test_a_sequence_saved_scribbled_over_and_loaded_back_generates_the_same(tmp_
         return out.outputs[0].token_ids
 
     assert run(True) == run(False)
+
+
+def test_a_copy_on_write_reads_its_source_before_a_load_into_it(tmp_path):
+    """The runner's order rule for copies: a step's copy-on-write copies run before its host
+    tier moves. Block 5 is a copy's source and, given back by that copy, a load's destination
+    in the same step: the copy's destination gets block 5's old KV, block 5 the host's."""
+    from pdserve.engine.kv_cache_manager import BlockCopy
+    from pdserve.engine.scheduler import SchedulerOutput
+    eng = _engine(tmp_path, swap_space_gb=0.001)
+    kv, host = eng.runner.kv_cache, eng.runner.host_tier.host
+    g = torch.Generator().manual_seed(1)
+    kv[:, :, 5] = torch.randn(kv[:, :, 5].shape, generator=g)
+    host[2] = torch.randn(host[2].shape, generator=g)
+    old5, h2 = kv[:, :, 5].clone(), host[2].clone()
+    eng.runner.execute(SchedulerOutput(block_copies=[BlockCopy(5, 0)],
+                                       kv_moves=KVMoves([], [(2, 5)])))
+    assert torch.equal(kv[:, :, 0], old5)
+    assert torch.equal(kv[:, :, 5], h2)
 
 
 def test_kv_moves_reach_the_other_ranks():

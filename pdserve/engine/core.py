@@ -107,7 +107,8 @@ class EngineCore:
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 num_host_blocks=num_host_blocks, kv_block_bytes=kv_block_bytes)
+                                 num_host_blocks=num_host_blocks, kv_block_bytes=kv_block_bytes,
+                                 kv_offload_policy=config.kv_offload_policy)
         self.kv_coordinator = None
         if kv_transfer:
             self.kv_coordinator = KVCoordinator(

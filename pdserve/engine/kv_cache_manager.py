@@ -47,20 +47,25 @@ class BlockCopy(NamedTuple):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_host_blocks: int = 0, kv_block_bytes: int = 0):
+                 num_host_blocks: int = 0, kv_block_bytes: int = 0,
+                 kv_offload_policy: str = "on-eviction"):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if kv_block_bytes < 0:
             raise ValueError(f"kv_block_bytes must be >= 0, got {kv_block_bytes}")
+        if kv_offload_policy not in ("on-eviction", "write-through"):
+            raise ValueError("kv_offload_policy must be on-eviction or write-through, got "
+                             f"{kv_offload_policy!r}")
         self.block_size = block_size
         self.kv_block_bytes = kv_block_bytes    # one block's KV on this rank (0: unknown)
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
         self.block_tables: dict[str, list[int]] = {}
         self.host_tables: dict[str, list[int]] = {}    # swapped-out requests' host blocks
-        self.prefix_cache = (PrefixCache(self.pool, block_size, self.host_pool)
+        self.prefix_cache = (PrefixCache(self.pool, block_size, self.host_pool, write_through=(
+            kv_offload_policy == "write-through" and self.host_pool is not None))
                              if enable_prefix_caching else None)
         self._moves = KVMoves([], []) if self.prefix_cache is None else self.prefix_cache.moves
         self.blocks_swapped_out = 0             # counters since start (metrics)
@@ -212,6 +217,8 @@ class KVCacheManager:
         self.pool.flush()
         if self.host_pool is not None:
             self.host_pool.flush()
+            if self.prefix_cache is not None and self.prefix_cache.write_through:
+                self.prefix_cache.write_pending()
 
     def take_moves(self) -> KVMoves | None:
         """This step's copies between the tiers (None: none), once per schedule()."""

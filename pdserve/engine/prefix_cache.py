@@ -35,6 +35,14 @@ through a host node takes the inserting table's device blocks for it (they hold 
     device  root --(a b c d e)--(f g h)            host   (f g h) offloaded: [h4, h5]
                               \\-(x y)                      (its shared block index 1 is the
                                                            host's own copy)
+
+Write policy (`write_through`): on eviction (the default) copies a leaf's KV to the host when it
+is evicted, so the blocks come free one step later, after the copy. Write-through copies a new
+leaf's KV to the host when it is inserted (and keeps the host blocks of a node loaded back or
+promoted) as the node's `host_copy`: a device node with a copy is evicted by dropping its device
+blocks, which come free at once, and the host tier's LRU may drop a copy (the node stays on the
+device) as it drops host leaves. A node whose copy could not be made (the host was full of
+locked or busy blocks) is offloaded on eviction as without the policy.
 """
 from __future__ import annotations
 
@@ -56,6 +64,8 @@ class Node:
     lock: int = 0                           # requests using this node or a descendant
     last_use: int = 0                       # logical clock of the last match or insert
     on_host: bool = False                   # its blocks are host blocks (host tier)
+    host_copy: list[int] | None = None      # a device node's host blocks holding the same KV
+                                            # (write-through), one per block
 
     @property
     def end(self) -> int:
@@ -98,24 +108,30 @@ def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None):
+    def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None,
+                 write_through: bool = False):
+        if write_through and host_pool is None:
+            raise ValueError("prefix cache: write-through needs a host tier")
         self.pool = pool
         self.host_pool = host_pool               # None: one tier, evicted leaves are forgotten
+        self.write_through = write_through
         self.block_size = block_size
         self.root = Node([], 0, [])
         self._clock = 0
         self.num_cached_blocks = 0          # (node, block) listings of device nodes
-        self.num_host_cached_blocks = 0     # of host nodes
+        self.num_host_cached_blocks = 0     # of host nodes and device nodes' host copies
         # Eviction candidates, least recently used first: (last_use, seq, node), pushed whenever
         # a node may have become an unlocked leaf of its tier or was used; an entry is checked
         # when popped (still attached, a leaf of that tier, unlocked, not used since) and
-        # skipped otherwise. _lru: device leaves; _host_lru: host leaves.
+        # skipped otherwise. _lru: device leaves; _host_lru: host leaves and device nodes with
+        # a host copy.
         self._lru: list[tuple[int, int, Node]] = []
         self._host_lru: list[tuple[int, int, Node]] = []
         self._seq = itertools.count()
         self._num_nodes = 0
         self.moves = KVMoves([], [])        # this step's copies (the KV manager takes them)
-        self.blocks_offloaded = 0           # counters since start (metrics)
+        self._to_write: list[Node] = []     # write-through: leaves inserted since the last step
+        self.blocks_offloaded = 0           # counters since start (metrics): copied to the host
         self.blocks_loaded_back = 0
 
     def _pool(self, node: Node) -> BlockPool:
@@ -154,6 +170,8 @@ class PrefixCache:
                 blocks.extend(child.blocks[: (pos + n - 1) // bs - first + 1])
                 device_pos = pos + n
             child.last_use = self._clock
+            if child.host_copy is not None:      # (its queued copy entry is stale now)
+                self._offer(child)
             node, pos = child, pos + n
             if n < len(child.tokens):
                 break
@@ -196,8 +214,11 @@ class PrefixCache:
                 self.moves.to_device.extend(zip(node.blocks, dev))
                 self.pool.mark_busy(dev)
                 self.host_pool.mark_busy(node.blocks)
-                self.host_pool.release(node.blocks, cached=True)
-                self.num_host_cached_blocks -= k
+                if self.write_through:           # (the host blocks stay, as its copy)
+                    node.host_copy = node.blocks
+                else:
+                    self.host_pool.release(node.blocks, cached=True)
+                    self.num_host_cached_blocks -= k
                 self.num_cached_blocks += k
                 node.blocks, node.on_host = dev, False
                 self.blocks_loaded_back += k
@@ -246,6 +267,8 @@ class PrefixCache:
             n = done + _common(tokens, pos + done, child.tokens, len(child.tokens) - done, done)
             done = 0
             child.last_use = self._clock
+            if child.host_copy is not None:
+                self._offer(child)
             if n < len(child.tokens):
                 if pos + n == len(tokens):   # ends inside this edge: nothing new to keep
                     self._offer(child)
@@ -267,8 +290,45 @@ class PrefixCache:
         leaf = Node(list(tokens[pos:]), pos, list(new), parent=node, last_use=self._clock)
         node.children[tokens[pos]] = leaf
         self._num_nodes += 1
+        if self.write_through:
+            self._to_write.append(leaf)
         self._offer(leaf)
         return len(tokens) - pos
+
+    def write_pending(self) -> int:
+        """Write-through, at the start of a step (after the pools' flush, so the copies are this
+        step's moves and their blocks busy in it): copy the leaves inserted since the last step
+        to the host (_write_copy). Returns the blocks copied."""
+        pending, self._to_write = self._to_write, []
+        n = 0
+        for node in pending:
+            if node.parent is not None and not node.on_host and node.host_copy is None:
+                n += len(node.blocks) if self._write_copy(node) else 0
+        return n
+
+    def _write_copy(self, node: Node) -> bool:
+        """Write-through: copy a device node's KV to fresh host blocks (KVMoves.to_host), kept
+        as its host_copy; the host's least recently used leaves and copies make room. False
+        (no copy: it is offloaded on eviction instead) if the host has no room, or a block is
+        in a live table (a fork's sibling, a P/D producer's held table: a table may not list a
+        busy block)."""
+        host, k = self.host_pool, len(node.blocks)
+        rc, cc = self.pool.ref_counts, self.pool.cache_refs
+        if any(rc[b] != cc[b] for b in node.blocks):
+            return False
+        if host.num_free_blocks < k:
+            self.evict_host(k - host.num_free_blocks)
+        if host.num_free_blocks < k:
+            return False
+        dst = host.allocate(k, cached=True)
+        self.moves.to_host.extend(zip(node.blocks, dst))
+        self.pool.mark_busy(node.blocks)          # (a release waits for the copy)
+        host.mark_busy(dst)
+        node.host_copy = dst
+        self.num_host_cached_blocks += k
+        self.blocks_offloaded += k
+        self._offer(node)
+        return True
 
     def _promote(self, node: Node, table: Sequence[int]) -> None:
         """A host node whose positions `table` holds too (its parent is on the device): it takes
@@ -276,8 +336,11 @@ class PrefixCache:
         bs = self.block_size
         new = list(table[node.start // bs:(node.end - 1) // bs + 1])
         self.pool.incref(new, cached=True)
-        self.host_pool.release(node.blocks, cached=True)
-        self.num_host_cached_blocks -= len(node.blocks)
+        if self.write_through:                   # (the host blocks stay, as its copy)
+            node.host_copy = node.blocks
+        else:
+            self.host_pool.release(node.blocks, cached=True)
+            self.num_host_cached_blocks -= len(node.blocks)
         self.num_cached_blocks += len(new)
         node.blocks, node.on_host = new, False
         self._offer(node)
@@ -295,12 +358,21 @@ class PrefixCache:
         node.parent.children[node.tokens[0]] = upper
         self._num_nodes += 1
         shared = len(upper_blocks) + len(lower_blocks) - len(node.blocks)   # 1 if cut is mid-block
+        mid = slice(cut // bs - first, (cut - 1) // bs - first + 1)        # (the shared index)
         if shared:
-            self._pool(node).incref(node.blocks[cut // bs - first: (cut - 1) // bs - first + 1],
-                                    cached=True)
+            self._pool(node).incref(node.blocks[mid], cached=True)
             self._count(node, shared)
+        if node.host_copy is not None:           # (the copy splits as the blocks do)
+            copy = node.host_copy
+            upper.host_copy = copy[:len(upper_blocks)]
+            node.host_copy = copy[cut // bs - first:]
+            if shared:
+                self.host_pool.incref(copy[mid], cached=True)
+                self.num_host_cached_blocks += shared
         node.tokens, node.start, node.blocks, node.parent = node.tokens[n:], cut, lower_blocks, upper
         upper.children[node.tokens[0]] = node
+        if upper.host_copy is not None:
+            self._offer(upper)
         return upper
 
     # ---- eviction -----------------------------------------------------------------------
@@ -309,16 +381,21 @@ class PrefixCache:
         return (not node.on_host and node.lock == 0
                 and not any(not c.on_host for c in node.children.values()))
 
+    @staticmethod
+    def _host_droppable(node: Node) -> bool:
+        """What the host tier's LRU drops: a host leaf, or a device node's host copy."""
+        return not node.children if node.on_host else node.host_copy is not None
+
     def _offer(self, node: Node) -> None:
         if node is self.root:
             return
+        if self._host_droppable(node):
+            heapq.heappush(self._host_lru, (node.last_use, next(self._seq), node))
+            if len(self._host_lru) > 4 * self._num_nodes + 64:
+                self._host_lru = [(n.last_use, next(self._seq), n) for n in self.nodes()
+                                  if n is not self.root and self._host_droppable(n)]
+                heapq.heapify(self._host_lru)
         if node.on_host:
-            if not node.children:
-                heapq.heappush(self._host_lru, (node.last_use, next(self._seq), node))
-                if len(self._host_lru) > 4 * self._num_nodes + 64:
-                    self._host_lru = [(n.last_use, next(self._seq), n) for n in self.nodes()
-                                      if n.on_host and not n.children]
-                    heapq.heapify(self._host_lru)
             return
         if self._device_leaf(node):
             heapq.heappush(self._lru, (node.last_use, next(self._seq), node))
@@ -352,10 +429,22 @@ class PrefixCache:
                 continue
             parent = leaf.parent
             freed += sum(1 for b in leaf.blocks if rc[b] == 1)   # (only this listing holds it)
-            if not (offload and self._offload(leaf)):
+            if not (offload and (self._to_copy(leaf) or self._offload(leaf))):
                 self._drop(leaf)
             self._offer(parent)
         return freed
+
+    def _to_copy(self, leaf: Node) -> bool:
+        """Write-through: a device leaf with a host copy moves to the host by dropping its device
+        blocks (free at once, unless copied this step) and taking the copy as its blocks."""
+        copy = leaf.host_copy
+        if copy is None:
+            return False
+        self.pool.release(leaf.blocks, cached=True)
+        self.num_cached_blocks -= len(leaf.blocks)
+        leaf.blocks, leaf.host_copy, leaf.on_host = copy, None, True
+        self._offer(leaf)
+        return True
 
     def _offload(self, leaf: Node) -> bool:
         """Copy a device leaf's KV to the host and move the node there, if only the tree holds
@@ -383,19 +472,25 @@ class PrefixCache:
         return True
 
     def evict_host(self, num_blocks: int) -> int:
-        """Drop least recently used host leaves until num_blocks host blocks went free (or
-        will at the next step). Returns the host blocks freed."""
+        """Drop least recently used host leaves and device nodes' host copies until num_blocks
+        host blocks went free (or will at the next step). Returns the host blocks freed."""
         freed = 0
         if self.host_pool is None:
             return 0
         rc = self.host_pool.ref_counts
         while self._host_lru and freed < num_blocks:
-            last_use, _, leaf = heapq.heappop(self._host_lru)
-            if not (self._attached(leaf, last_use) and leaf.on_host and not leaf.children):
+            last_use, _, node = heapq.heappop(self._host_lru)
+            if not (self._attached(node, last_use) and self._host_droppable(node)):
                 continue
-            parent = leaf.parent
-            freed += sum(1 for b in leaf.blocks if rc[b] == 1)
-            self._drop(leaf)
+            if not node.on_host:                 # a copy: the node stays on the device
+                copy, node.host_copy = node.host_copy, None
+                freed += sum(1 for b in copy if rc[b] == 1)
+                self.host_pool.release(reversed(copy), cached=True)
+                self.num_host_cached_blocks -= len(copy)
+                continue
+            parent = node.parent
+            freed += sum(1 for b in node.blocks if rc[b] == 1)
+            self._drop(node)
             self._offer(parent)
         return freed
 
@@ -408,6 +503,10 @@ class PrefixCache:
             stack.extend(n.children.values())
             self._pool(n).release(reversed(n.blocks), cached=True)
             self._count(n, -len(n.blocks))
+            if n.host_copy is not None:
+                self.host_pool.release(reversed(n.host_copy), cached=True)
+                self.num_host_cached_blocks -= len(n.host_copy)
+                n.host_copy = None
             self._num_nodes -= 1
             n.blocks = []
             n.parent = None
@@ -434,8 +533,9 @@ class PrefixCache:
         return [n.blocks for n in self.nodes() if n.blocks and not n.on_host]
 
     def host_holders(self) -> list[list[int]]:
-        """The tree's host references, one list per host node."""
-        return [n.blocks for n in self.nodes() if n.blocks and n.on_host]
+        """The tree's host references, one list per host node or host copy."""
+        return [n.blocks if n.on_host else n.host_copy for n in self.nodes()
+                if (n.blocks and n.on_host) or n.host_copy]
 
     def num_evictable_blocks(self) -> int:
         """Blocks only the tree holds (no request lists them): what eviction can give back once
@@ -461,8 +561,13 @@ class PrefixCache:
                 host_listed += len(n.blocks)
                 assert self.host_pool is not None, "a host node without a host tier"
                 assert n.lock == 0, "a locked host node"
+                assert n.host_copy is None, "a host node with a host copy"
             else:
                 listed += len(n.blocks)
+                if n.host_copy is not None:
+                    assert self.write_through, "a host copy without write-through"
+                    assert len(n.host_copy) == len(n.blocks), "host copy length"
+                    host_listed += len(n.host_copy)
             for tok, c in n.children.items():
                 assert c.parent is n and c.tokens and c.tokens[0] == tok, "child key / parent"
                 assert c.start == n.end, f"child starts at {c.start}, parent ends at {n.end}"
@@ -475,5 +580,5 @@ class PrefixCache:
         queued = {id(n) for u, _, n in self._lru if self._evictable(n, u)}
         assert all(id(n) in queued for n in self.evictable_leaves()), "an evictable leaf not queued"
         hq = {id(n) for u, _, n in self._host_lru if self._attached(n, u)}
-        assert all(id(n) in hq for n in self.nodes() if n.on_host and not n.children), \
-            "a host leaf not queued"
+        assert all(id(n) in hq for n in self.nodes() if n is not self.root
+                   and self._host_droppable(n)), "a host leaf or copy not queued"

@@ -36,7 +36,8 @@ class LLM:
     (with load_format="dummy"); None loads the embedded SmolLM2-135M-Instruct. Engine args are
     EngineConfig's fields (dtype, device, block_size, max_num_seqs, max_num_batched_tokens,
     max_model_len, seed, num_kv_blocks, kv_cache_memory_gb, load_format, skip_tokenizer_init,
-    tensor_parallel_size, distributed_executor_backend, swap_space_gb and preemption_mode for
+    tensor_parallel_size, distributed_executor_backend, swap_space_gb, preemption_mode and
+    kv_offload_policy for
     the KV cache's host tier, ...).
 
     P/D disaggregation: prefill=N, decode=M (and/or collocated=K) start that many workers, each

@@ -293,18 +293,20 @@ class ModelRunner:
         if out.kv_work is not None:
             self._kv_work(out.kv_work)
         moves = out.kv_moves
+        if moves is not None and tier is None:
+            raise ValueError("the step moves KV blocks to or from a host tier this runner "
+                             "does not have (swap_space_gb is 0)")
+        # Copy-on-write copies first: a copy's source, given back by it, may be a block the
+        # moves load into in this step (apply() orders the moves after them).
+        for src, dst in out.block_copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if moves is not None:
-            if tier is None:
-                raise ValueError("the step moves KV blocks to or from a host tier this runner "
-                                 "does not have (swap_space_gb is 0)")
             tier.apply(moves)   # beside this step's forward, which never reads its blocks
         if out.is_empty:
             # (no forward: e.g. a step of host-tier moves only; the step before stays the one
             # whose sampled tokens the next pending inputs read)
             return Ready({})
         last, self._last_sampled = self._last_sampled, None
-        for src, dst in out.block_copies:
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
         # Decode rows (one token) first: attention backends batch them.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
