@@ -129,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         if sub == ["kv-tier"]:
             from .bench.kv_tier import main as bench_kv_tier
             return bench_kv_tier(argv[2:])
+        if sub == ["preemption"]:
+            from .bench.preemption import main as bench_preemption
+            return bench_preemption(argv[2:])
         if sub == ["predictor"]:
             from .bench.predictor import main as bench_predictor
             return bench_predictor(argv[2:])
-        print("usage: pdserve bench {offline,latency,step,tp,pd,serve,prefix,predictor,grammar,kv-tier} [options]   (pdserve bench offline --help)",
+        print("usage: pdserve bench {offline,latency,step,tp,pd,serve,prefix,predictor,grammar,kv-tier,preemption} [options]   (pdserve bench offline --help)",
               file=sys.stderr)
         return 2
     from .args import add_engine_args

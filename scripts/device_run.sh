@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs), kv-tier (pdserve serve + bench serve sweep). Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs), kv-tier (pdserve serve + bench serve sweep), preempt. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -50,6 +50,12 @@ for stage in "$@"; do
            # then the host tier's GPU tests (stream discipline)
            python3 -m pdserve bench kv-tier ${KV_TIER_ARGS:-} --output "$OUT/kv-tier-h200.json" 2>&1 | tee "$OUT/kv-tier.log" | tail -24
            python3 -m pytest -q -m gpu tests/test_kv_host_tier.py --timeout 300 -p no:cacheprovider 2>&1 | tail -8;;
+    preempt) # issue 21: swap vs recompute preemption on an oversubscribed pool (demand 3x the pool),
+           # 64 prompts of 2,048-4,096 tokens, 256 out; outputs against an unpressured engine's
+           # (PREEMPT_ARGS="--dtype float32" for token equality that bf16 noise cannot blur)
+           python3 -m pdserve bench preemption --model qwen2.5-1.5b --load-format dummy --device cuda \
+             --gpu-memory-utilization 0.5 --output "$OUT/preemption-h200.json" ${PREEMPT_ARGS:-} 2>&1 \
+             | tee "$OUT/preemption.log" | tail -16;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --batch-sizes 1 8 32 128 256 --peer hf-static --output "$OUT/decode-latency-h200.json" 2>&1 | grep -v Warn | tail -14;;
     step-compare) # issue 15: bench step on an older tree (carried as old/) and on this one, in turn
