@@ -152,10 +152,14 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            # "User: ...\nAssistant:" and ~66 of the answer as retokenized, so a conversation
            # ends at ~8 x 328 = 2,624 tokens = 164 blocks, and the 256 histories are ~42,000
            # blocks (19.3 GB). GPU pool 8,192 blocks (3.76 GB): the histories are 5.1x it, while
-           # it holds a running batch of ~50 last turns (164 blocks) or ~95 turns of mean length
-           # (~86 blocks: (1 + 8) / 2 turns of 328, plus 64 answer tokens). Host tier 24 GiB =
-           # 56,173 blocks (25.8 GB): every history fits, and the ~4 blocks a turn where the
+           # it holds a running batch of ~50 last turns (164 blocks) or ~89 turns of mean length
+           # (~92 blocks: a 3.5 x 328 + 262-token prompt and 64 answer tokens). Host tier 24 GiB
+           # = 56,173 blocks (25.8 GB): every history fits, and the ~4 blocks a turn where the
            # generated tokens and the retokenized answer part (~8,000 blocks, dead ends) too.
+           # Time (estimated from RESULTS' serve-prefix run, not measured): 131k output tokens at
+           # ~13k tok/s; GPU-only prefills ~2.9M prompt tokens (every turn's whole history) at
+           # ~130k tok/s, the tier ~0.7M; rate 16 spreads the starts over 16 s: ~10 + 21 s
+           # (tier) and ~30 + 30 s (GPU-only), plus two server starts of ~20 s: ~130 s.
            # A CPU dry run: TIER_MODEL= (empty: the embedded model) TIER_COMMON="--device cpu",
            # small TIER_CONVS/TURNS/USER/OUT/BLOCKS/SWAP.
            mdir=${TIER_MODEL-.qwen-text}; model=""
