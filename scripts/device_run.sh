@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve, serve-pd (two GPUs), kv-tier (pdserve serve + bench serve sweep), preempt. Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve (pdserve serve + bench serve sweep), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -148,6 +148,53 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              curl -s localhost:8000/metrics | grep -E "^pdserve:prefix_cache"
              kill -TERM $pid; wait $pid
            done;;
+    serve-kv-tier) # issue 21's multi-turn target served: prefix caching with the host tier
+           # (--swap-space) against GPU-only prefix caching on the same small GPU pool
+           # (--num-kv-blocks), side by side: 256 conversations x 8 turns (each turn sent after the
+           # previous answer), the cache reset before each rate, goodput at TTFT <= TIER_TTFT ms;
+           # the host tier's counters around each rate go into the result (tier_report.py attach),
+           # and tier_report.py compares the sides. Sizes (.qwen-text: Qwen2.5-1.5B shapes, the
+           # embedded tokenizer; 458,752 bytes a block): a turn adds 256 user tokens, ~6 of
+           # "User: ...\nAssistant:" and ~66 of the answer as retokenized, so a conversation
+           # ends at ~8 x 328 = 2,624 tokens = 164 blocks, and the 256 histories are ~42,000
+           # blocks (19.3 GB). GPU pool 8,192 blocks (3.76 GB): the histories are 5.1x it, while
+           # it holds a running batch of ~50 last turns (164 blocks) or ~89 turns of mean length
+           # (~92 blocks: a 3.5 x 328 + 262-token prompt and 64 answer tokens). Host tier 24 GiB
+           # = 56,173 blocks (25.8 GB): every history fits, and the ~4 blocks a turn where the
+           # generated tokens and the retokenized answer part (~8,000 blocks, dead ends) too.
+           # Time (estimated from RESULTS' serve-prefix run, not measured): 131k output tokens at
+           # ~13k tok/s; GPU-only prefills ~2.9M prompt tokens (every turn's whole history) at
+           # ~130k tok/s, the tier ~0.7M; rate 16 spreads the starts over 16 s: ~10 + 21 s
+           # (tier) and ~30 + 30 s (GPU-only), plus two server starts of ~20 s: ~130 s.
+           # A CPU dry run: TIER_MODEL= (empty: the embedded model) TIER_COMMON="--device cpu",
+           # small TIER_CONVS/TURNS/USER/OUT/BLOCKS/SWAP.
+           mdir=${TIER_MODEL-.qwen-text}; model=""
+           if [ -n "$mdir" ]; then
+             [ -d "$mdir" ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
+             model="--model $mdir --load-format dummy"
+           fi
+           common=${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"}
+           for side in ${TIER_SIDES:-tier gpu}; do
+             swap=${TIER_SWAP:-24}; [ $side = gpu ] && swap=0
+             python3 -m pdserve serve $model $common --port 8000 --enable-prefix-caching \
+               --num-kv-blocks ${TIER_BLOCKS:-8192} --swap-space $swap > "$OUT/serve-kv-tier-$side.log" 2>&1 &
+             pid=$!
+             wait_up $pid || { tail -5 "$OUT/serve-kv-tier-$side.log"; continue; }
+             before=$(mktemp)
+             for rate in ${TIER_RATES:-inf 16}; do
+               curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
+               curl -s localhost:8000/metrics > $before
+               res="$OUT/tier-mt-$side-$rate.json"
+               python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --dataset-name multi-turn \
+                 --multi-turn-conversations ${TIER_CONVS:-256} --multi-turn-turns ${TIER_TURNS:-8} \
+                 --multi-turn-user-len ${TIER_USER:-256} --multi-turn-output-len ${TIER_OUT:-64} \
+                 --request-rate $rate --goodput ttft:${TIER_TTFT:-500} --disable-tqdm --result-file "$res" 2>&1 | tail -3
+               curl -s localhost:8000/metrics | python3 scripts/tier_report.py attach "$res" $before -
+             done
+             rm -f $before
+             kill -TERM $pid; wait $pid
+           done
+           python3 scripts/tier_report.py report "$OUT" --output "$OUT/tier-report.json";;
     serve-adaptive) # issue 17: the mixed workload (short chat turns + long documents, Poisson)
            # through 1P1D on the one GPU, one sweep per policy; first the profile of this engine
            # config (the adaptive policy's cost model), with its held-out errors

@@ -145,6 +145,88 @@ def test_swap_out_and_in_moves_exact_blocks():
     assert kv.blocks_swapped_out == kv.blocks_swapped_in == 2 and kv.num_host_blocks_used == 0
 
 
+def _run(s, kv, steps=60):
+    """Steps until nothing is left (a request ends at max_tokens); the preempted ids, in order."""
+    preempted = []
+    for _ in range(steps):
+        out = s.schedule()
+        for r in s.update({c.request_id: 7 for c in out.chunks if c.sample}):
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+        kv.check_integrity()
+        s.check_integrity()
+        preempted += out.preempted_ids
+        if not s.has_unfinished():
+            return preempted
+    raise AssertionError("did not finish")
+
+
+@pytest.mark.parametrize("host", [0, 16])
+def test_a_loaded_back_prefix_is_admitted_only_with_room_for_its_tail(host):
+    """Pool of 10 blocks (size 4), budget 64. p's 8 tokens (2 blocks) and f's 32 (8 blocks)
+    are cached; r (16 tokens, 8 out) takes 4 blocks, pushing both out (to the host, with one),
+    and a 5th at its first decode: 5 free. c = p's 8 tokens + 24 new ones needs 2 + 6 blocks:
+    with the host tier its prefix loads back (2 blocks, 3 left free), but its 24 tokens (6
+    blocks) do not fit until r ends, so it waits, as it does without a host tier (where it has
+    no prefix). Before the fix it was admitted with the load and then, the newest, preempted
+    itself (swapped out what had just come back) every other step while r ran: 3 times."""
+    kv = KVCacheManager(10, BS, enable_prefix_caching=True, num_host_blocks=host)
+    s = Scheduler(kv, 8, 64)
+    for rid, toks in (("p", A[:8]), ("f", list(range(300, 332)))):
+        s.add(Request(rid, toks, SamplingParams(max_tokens=1)))
+        assert _run(s, kv) == []
+    r = Request("r", list(range(100, 116)), SamplingParams(max_tokens=8))
+    s.add(r)
+
+    def step():
+        out = s.schedule()
+        s.update({ch.request_id: 7 for ch in out.chunks if ch.sample})
+        return out
+    if host:                            # r waits a step for the offloaded blocks
+        assert step().chunks == [] and kv.blocks_offloaded == 10
+    assert [(ch.request_id, ch.start_pos) for ch in step().chunks] == [("r", 0)]
+    assert len(kv.block_tables["r"]) == 4 and kv.pool.num_free_blocks == 6
+    c = Request("c", A[:8] + list(range(200, 224)), SamplingParams(max_tokens=2))
+    s.add(c)
+    out = step()                        # r's first decode; c's prefix comes back, c waits
+    assert [(ch.request_id, ch.start_pos) for ch in out.chunks] == [("r", 16)]
+    if host:
+        assert len(out.kv_moves.to_device) == 2 and kv.blocks_loaded_back == 2
+    assert c.status is RequestStatus.WAITING and "c" not in kv.block_tables
+    assert _run(s, kv) == []
+    assert s.num_preemptions == 0 and kv.blocks_swapped_out == 0
+    assert len(c.output_token_ids) == 2 and len(r.output_token_ids) == 8
+
+
+def test_reserve_slots_gives_a_loading_table_its_tail_blocks():
+    """Pool of 6 (size 4), 4 host blocks: a's 8 tokens cached then offloaded by b (6 blocks).
+    Once b is gone, c (a's 8 + 8 more) loads the 2 blocks back and reserve_slots(c, 8, 8) adds
+    2 fresh blocks (not being loaded: only the first 2 are busy); 24 more positions (6 blocks,
+    4 free) do not fit and change nothing."""
+    kv = KVCacheManager(6, BS, enable_prefix_caching=True, num_host_blocks=4)
+    kv.allocate_slots("a", 0, 8)
+    kv.free("a", A[:8])
+    assert kv.allocate_slots("b", 0, 24) is None      # (a offloaded: its blocks come next step)
+    kv.begin_step()
+    assert kv.allocate_slots("b", 0, 24) == []
+    kv.free("b")
+    kv.begin_step()
+    c = A[:8] + list(range(50, 58))
+    assert kv.match_prefix("c", c, 15) == 8 and kv.table_busy("c")
+    loaded = list(kv.block_tables["c"])
+    assert len(loaded) == 2 and kv.pool.num_free_blocks == 4
+    assert not kv.reserve_slots("c", 8, 24) and kv.block_tables["c"] == loaded
+    assert kv.reserve_slots("c", 8, 8)
+    table = kv.block_tables["c"]
+    assert table[:2] == loaded and len(table) == 4 and kv.pool.num_free_blocks == 2
+    assert kv.pool.any_busy(table[:2]) and not kv.pool.any_busy(table[2:])
+    kv.check_integrity()
+    kv.begin_step()
+    assert kv.allocate_slots("c", 8, 8) == [] and kv.block_tables["c"] == table
+    kv.free("c", c)
+    kv.check_integrity()
+
+
 def test_forked_victims_and_p_d_holders_are_recomputed():
     kv = KVCacheManager(8, BS, num_host_blocks=8)
     s = Scheduler(kv, 4, 64, preemption_mode="swap")

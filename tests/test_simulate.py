@@ -172,6 +172,37 @@ def test_a_lone_conversation_turn_by_turn(cache):
         start, history = start + r.latency, prompt + outs[k]
 
 
+@pytest.mark.parametrize("host", [0, 600])
+def test_a_simulated_host_tier_reports_what_a_worker_does(host):
+    """The worker stats' host-tier fields, by name, from a simulated engine. 12 conversations of
+    3 turns (history 200 + 3 x (60 + 8) tokens, ~26 blocks of 16 each at the end: ~310 in all)
+    on a 64-block pool: the histories are ~5x the pool, so earlier turns' prefixes are evicted.
+    With a 600-block host tier (room for all of them) they are offloaded there and later turns
+    load them back (host hits); without one, the same names report 0."""
+    rng = np.random.default_rng(5)
+    convs = [SimConversation(0.01 * i, rng.integers(1, 30000, size=200).tolist(),
+                             [rng.integers(1, 30000, size=60).tolist() for _ in range(3)],
+                             [8, 8, 8]) for i in range(12)]
+    c = dict(max_num_seqs=64, max_num_batched_tokens=2048, block_size=16)
+    sim = Simulator(parse_deployment("1C"), {"default": profile()}, EngineConfig(**c), 64, 1024,
+                    "collocated", num_host_blocks=host)
+    res = sim.run_conversations(convs)
+    assert all(r.success for r in res.results) and len(res.results) == 36
+    (stats,) = sim.worker_stats().values()
+    assert stats.num_host_blocks == host and stats.num_kv_blocks == 64
+    fields = ("blocks_offloaded", "blocks_loaded_back", "prefix_host_hits")
+    if host:
+        assert all(getattr(stats, f) > 0 for f in fields), stats
+        assert stats.prefix_host_hits <= stats.prefix_cache_hits
+        assert 0 < stats.num_host_blocks_used <= host   # (the cached prefixes, nothing running)
+    else:
+        assert all(getattr(stats, f) == 0 for f in fields + (
+            "num_host_blocks_used", "blocks_swapped_out", "blocks_swapped_in")), stats
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        Simulator(parse_deployment("1C"), {"default": profile()}, EngineConfig(**c), 64, 1024,
+                  "collocated", num_host_blocks=-1)
+
+
 def test_the_turns_after_a_failed_turn_are_not_sent():
     """Turn 1's message alone is longer than max_model_len (8192): it is rejected, and turn 2
     is never sent; the other conversation is untouched."""

@@ -45,7 +45,7 @@ from typing import Callable, Iterable
 from ..config import EngineConfig
 from ..outputs import RequestOutput
 from ..protocol import (AddRequest, KVDrop, KVLoadDone, KVPeer, KVSend, KVSource, Prompt,
-                        StepRecord, check_token_ids, kv_transfer_unsupported, parse_prompt)
+                        StepRecord, WorkerStats, check_token_ids, kv_transfer_unsupported, parse_prompt)
 from ..sampling_params import SamplingParams
 from .executor import Executor, Ready, StepHandle
 from .kv_cache_manager import KVCacheManager
@@ -223,6 +223,19 @@ class EngineCore:
         for rid in ids:
             for req in self.outputs.remove(rid):
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def stats(self, kv_peers: int = 0, kv_broken: int = 0) -> WorkerStats:
+        """The engine's state now and its totals since start, as a worker reports them (a
+        served worker and a simulated one alike); kv_peers / kv_broken: its connector's."""
+        sched, kv = self.scheduler, self.kv
+        return WorkerStats(
+            len(sched.running), len(sched.waiting), self.num_kv_blocks - kv.num_free_blocks(),
+            self.num_kv_blocks, sched.num_preemptions, kv_peers, kv_broken, kv.prefix_queries,
+            kv.prefix_hits, kv.num_cached_blocks, num_host_blocks=kv.num_host_blocks,
+            num_host_blocks_used=kv.num_host_blocks_used,
+            blocks_swapped_out=kv.blocks_swapped_out, blocks_swapped_in=kv.blocks_swapped_in,
+            blocks_offloaded=kv.blocks_offloaded, blocks_loaded_back=kv.blocks_loaded_back,
+            prefix_host_hits=kv.prefix_host_hits)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix that no running request uses (they keep theirs until they

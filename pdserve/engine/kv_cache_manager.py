@@ -156,6 +156,22 @@ class KVCacheManager:
         table.extend(self.pool.allocate(grow))
         return copies
 
+    def reserve_slots(self, request_id: str, num_computed: int, num_new: int) -> bool:
+        """A request whose table is loaded back this step (table_busy) runs from the next one:
+        give it now the fresh blocks of positions [num_computed, num_computed + num_new), so the
+        room it runs in is its own then (admitted without it, it would preempt for it). The copy
+        on write of a block it shares waits for that step's allocate_slots (the block is still
+        being loaded), but its room counts here. False (nothing changed) when the pool cannot
+        give the room now, evicting cached blocks included (offloaded ones come free only at
+        the next step)."""
+        table = self.block_tables[request_id]
+        end = num_computed + num_new
+        grow = max(0, self.blocks_for(end) - len(table))
+        if not self._make_room(grow + len(self._shared_in_range(table, num_computed, end))):
+            return False
+        table.extend(self.pool.allocate(grow))
+        return True
+
     def fork(self, parent_id: str, child_id: str) -> None:
         table = self.block_tables[parent_id]
         self.pool.incref(table)

@@ -17,7 +17,8 @@ from the next step on. A victim whose blocks another sequence shares (n > 1 fork
 KV for P/D is recomputed. Copies between tiers (SchedulerOutput.kv_moves) run beside the step's
 forward, so the blocks a swap gives back come free at the next step: a sequence short of blocks
 that the next step brings waits one step rather than preempting more, and a sequence whose
-table lists a block copied this step (loaded back for its cached prefix) runs from the next step.
+table lists a block copied this step (loaded back for its cached prefix) runs from the next step,
+admitted only with the blocks of its next chunk held for it (KVCacheManager.reserve_slots).
 
 P/D lives in a KVCoordinator (kv_coordinator.py) given to the constructor: sequences whose
 prompt KV is on a producer (add_remote), loads in flight, blocks held for a consumer. Without
@@ -302,6 +303,13 @@ class Scheduler:
                 req.num_computed_tokens = self.kv.match_prefix(
                     req.request_id, req.token_slice(0, req.num_tokens), req.num_tokens - 1)
                 if self.kv.table_busy(req.request_id):   # (its prefix loads back this step)
+                    # (the blocks of its next chunk held now: none for it next step would
+                    # preempt others, or itself, the newest, swapping out what just came back)
+                    n = min(req.num_tokens - req.num_computed_tokens, self.max_num_batched_tokens)
+                    if not self.kv.reserve_slots(req.request_id, req.num_computed_tokens, n):
+                        self.kv.free(req.request_id)   # (the loaded prefix stays cached)
+                        req.num_computed_tokens = 0
+                        break
                     if req.num_cached_tokens is None:
                         req.num_cached_tokens = req.num_computed_tokens
                     self.waiting.popleft()

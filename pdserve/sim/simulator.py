@@ -183,15 +183,24 @@ class Simulator:
     (perf.cost_fit.device_time_profile): the step period under async scheduling.
 
     serving_overhead_ms: the time from a request's arrival to the router (the module docstring;
-    a profile's serving_overhead_ms; 0: arrivals reach the router at once)."""
+    a profile's serving_overhead_ms; 0: arrivals reach the router at once).
+
+    num_host_blocks: each worker's KV host tier (0: none), as a served worker's --swap-space
+    gives it: the real engine offloads, loads back and swaps as it would, and its stats carry
+    the host tier's counters; the copies cost no simulated time (the profile has no term for
+    them yet)."""
 
     def __init__(self, deployment: Deployment, profiles: Mapping[str, Any], config: EngineConfig,
                  num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000,
-                 *, pipelined_pickup: bool = False, serving_overhead_ms: float = 0.0):
+                 *, pipelined_pickup: bool = False, serving_overhead_ms: float = 0.0,
+                 num_host_blocks: int = 0):
         if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
             raise ValueError("profiles: give a 'default' profile or one per role")
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
+        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) \
+                or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}")
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         o = serving_overhead_ms
@@ -212,7 +221,7 @@ class Simulator:
             core = EngineCore(self.config, runner, num_kv_blocks=num_kv_blocks,
                               max_model_len=max_model_len, vocab_size=vocab_size,
                               eos_token_ids=(), kv_transfer=pd and role != "collocated",
-                              clock=clock)
+                              clock=clock, num_host_blocks=num_host_blocks)
             runner.coordinator = core.kv_coordinator
             self.workers[name] = SimWorker(name, role, clock, runner, core)
         # (prefix caching off: the router's prefix index tracks nothing)
@@ -377,12 +386,11 @@ class Simulator:
 
     @staticmethod
     def _stats(w: SimWorker) -> WorkerStats:
-        core, sched = w.core, w.core.scheduler
-        kv = core.kv
-        return WorkerStats(len(sched.running), len(sched.waiting),
-                           core.num_kv_blocks - kv.num_free_blocks(), core.num_kv_blocks,
-                           sched.num_preemptions, 0, 0, kv.prefix_queries, kv.prefix_hits,
-                           kv.num_cached_blocks)
+        return w.core.stats()
+
+    def worker_stats(self) -> dict[str, WorkerStats]:
+        """Each worker's stats now (what the router core observed after its last step)."""
+        return {name: self._stats(w) for name, w in self.workers.items()}
 
     def _do(self, actions: list) -> None:
         """Carry out the router core's actions in order (what one leads to comes first)."""

@@ -52,10 +52,6 @@ _PULL_WAIT_S = 2e-4
 # Step records (StepRecord) travel with the outputs; with no output to carry them, they go on
 # their own once this many have piled up, or when the engine goes idle.
 _STEP_RECORDS_BATCH = 64
-# WorkerStats fields read from the KV cache manager under the same name (the host tier's)
-_HOST_TIER_STATS = ("num_host_blocks", "num_host_blocks_used", "blocks_swapped_out",
-                    "blocks_swapped_in", "blocks_offloaded", "blocks_loaded_back",
-                    "prefix_host_hits")
 
 
 class ClientGone(Exception):
@@ -373,17 +369,9 @@ class _Driver:
                 eng.expire_held_kv(last_expiry)
 
     def _stats(self):
-        eng, sched = self.engine, self.engine.scheduler
-        conn = eng.runner.connector
-        # (getattr: the host tier's counters are the engine side's, 0 until it has them)
-        host = {f: getattr(eng.kv, f) for f in _HOST_TIER_STATS}
-        return self.m.WorkerStats(len(sched.running), len(sched.waiting),
-                                  eng.num_kv_blocks - eng.kv.num_free_blocks(), eng.num_kv_blocks,
-                                  sched.num_preemptions,
-                                  0 if conn is None else conn.num_peers(),
-                                  0 if conn is None else conn.num_broken(),
-                                  eng.kv.prefix_queries, eng.kv.prefix_hits,
-                                  eng.kv.num_cached_blocks, **host)
+        conn = self.engine.runner.connector
+        return self.engine.stats(0 if conn is None else conn.num_peers(),
+                                 0 if conn is None else conn.num_broken())
 
     def _read_messages(self) -> None:
         m, eng = self.m, self.engine

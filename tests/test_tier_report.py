@@ -1,0 +1,106 @@
+"""scripts/tier_report.py on hand-made result files: the ratios and counter deltas below are
+computed by hand from the numbers written here."""
+import importlib.util
+import json
+import math
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("tier_report", "scripts/tier_report.py")
+tier_report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tier_report)
+
+MODEL = 'model_name="m"'
+
+
+def metrics_text(host, used, out, back, offl, loaded, host_hits, hits, queries, preempt):
+    return "\n".join([
+        "# HELP pdserve:kv_host_blocks KV blocks in the host tier",
+        "# TYPE pdserve:kv_host_blocks gauge",
+        f"pdserve:kv_host_blocks{{{MODEL}}} {host}",
+        f"pdserve:kv_host_blocks_used{{{MODEL}}} {used}",
+        f'pdserve:kv_blocks_swapped_total{{direction="out",{MODEL}}} {out}',
+        f'pdserve:kv_blocks_swapped_total{{direction="in",{MODEL}}} {back}',
+        f"pdserve:kv_blocks_swapped_created{{direction=\"in\",{MODEL}}} 1.7e9",
+        f"pdserve:kv_blocks_offloaded_total{{{MODEL}}} {offl}",
+        f"pdserve:kv_blocks_loaded_back_total{{{MODEL}}} {loaded}",
+        f"pdserve:prefix_cache_host_hits_total{{{MODEL}}} {host_hits}",
+        f"pdserve:prefix_cache_hits_total{{{MODEL}}} {hits}",
+        f"pdserve:prefix_cache_queries_total{{{MODEL}}} {queries}",
+        f"pdserve:num_preemptions_total{{{MODEL}}} {preempt}",
+        f"pdserve:generation_tokens_total{{{MODEL}}} 12345.0",
+        ""])
+
+
+def result(rate, out_tps, goodput, mean_ttft, p99_ttft, completed=2048, failed=0):
+    run = {"request_rate": rate, "completed": completed, "failed": failed, "duration": 10.0,
+           "output_throughput": out_tps, "request_goodput": goodput,
+           "goodput_slos_ms": {"ttft": 500.0}, "mean_ttft_ms": mean_ttft,
+           "p99_ttft_ms": p99_ttft, "cached_token_fraction": 0.5}
+    return {"benchmark": "serve", "runs": [run], **run}
+
+
+def write(path, payload):
+    path.write_text(json.dumps(payload))
+    return str(path)
+
+
+def test_attach_then_report(tmp_path, capsys):
+    # tier side: inf (output 12,000 vs 4,000 tok/s: 3.0x; goodput 150 vs 20: 7.5x) and 16
+    # (9,000 vs 6,000: 1.5x; goodput 40 vs 0: inf)
+    files = {("tier", "inf"): result("inf", 12000.0, 150.0, 300.0, 900.0),
+             ("gpu", "inf"): result("inf", 4000.0, 20.0, 2500.0, 8000.0),
+             ("tier", "16"): result("16", 9000.0, 40.0, 80.0, 400.0),
+             ("gpu", "16"): result("16", 6000.0, 0.0, 700.0, 1500.0),
+             ("gpu", "8"): result("8", 5000.0, 30.0, 50.0, 100.0)}   # no tier side at 8
+    paths = {k: write(tmp_path / f"tier-mt-{k[0]}-{k[1]}.json", v) for k, v in files.items()}
+    before = tmp_path / "before.txt"
+    after = tmp_path / "after.txt"
+    # the tier side's inf run: counters 100 -> 1,100 offloaded, 10 -> 610 loaded back, host hits
+    # 0 -> 9,600, swapped out 5 -> 25 and in 5 -> 20, preemptions 3 -> 7; gauges after: 56,173
+    # host blocks, 4,000 used
+    before.write_text(metrics_text(56173, 800, 5, 5, 100, 10, 0, 50, 1000, 3))
+    after.write_text(metrics_text(56173, 4000, 25, 20, 1100, 610, 9600, 20050, 51000, 7))
+    assert tier_report.main(["attach", paths["tier", "inf"], str(before), str(after)]) == 0
+    printed = capsys.readouterr().out
+    assert "pdserve:kv_blocks_offloaded_total" in printed and "generation_tokens" not in printed
+
+    summary_path = tmp_path / "summary.json"
+    assert tier_report.main(["report", str(tmp_path), "--output", str(summary_path)]) == 0
+    s = json.loads(summary_path.read_text())
+    assert [r["rate"] for r in s["rates"]] == ["16", "inf"]
+    assert s["unpaired_rates"] == {"gpu": ["8"]}
+    r16, rinf = s["rates"]
+    assert rinf["output_tok_per_s_ratio"] == pytest.approx(3.0)
+    assert rinf["goodput_ratio"] == pytest.approx(7.5)
+    assert r16["output_tok_per_s_ratio"] == pytest.approx(1.5)
+    assert r16["goodput_ratio"] == "inf"      # 40 / 0, strict JSON
+    assert (rinf["tier"]["mean_ttft_ms"], rinf["tier"]["p99_ttft_ms"]) == (300.0, 900.0)
+    assert (rinf["gpu"]["mean_ttft_ms"], rinf["gpu"]["p99_ttft_ms"]) == (2500.0, 8000.0)
+    assert rinf["tier"]["server_metrics"] == {
+        "pdserve:kv_host_blocks": 56173.0, "pdserve:kv_host_blocks_used": 4000.0,
+        "pdserve:kv_blocks_swapped_total{direction=out}": 20.0,
+        "pdserve:kv_blocks_swapped_total{direction=in}": 15.0,
+        "pdserve:kv_blocks_offloaded_total": 1000.0,
+        "pdserve:kv_blocks_loaded_back_total": 600.0,
+        "pdserve:prefix_cache_host_hits_total": 9600.0,
+        "pdserve:prefix_cache_hits_total": 20000.0,
+        "pdserve:prefix_cache_queries_total": 50000.0,
+        "pdserve:num_preemptions_total": 4.0}
+    assert rinf["gpu"]["server_metrics"] is None     # not attached
+    # the result file itself still holds bench serve's fields
+    assert json.loads((tmp_path / "tier-mt-tier-inf.json").read_text())["runs"][0][
+        "output_throughput"] == 12000.0
+
+
+def test_ratio_edges():
+    assert tier_report.ratio(0.0, 0.0) is None
+    assert tier_report.ratio(3.0, 0.0) == math.inf
+    assert tier_report.ratio(None, 2.0) is None
+    assert tier_report.ratio(1.0, 4.0) == 0.25
+
+
+def test_report_without_a_side_is_an_error(tmp_path, capsys):
+    write(tmp_path / "tier-mt-tier-inf.json", result("inf", 1.0, 1.0, 1.0, 1.0))
+    assert tier_report.main(["report", str(tmp_path)]) == 2
+    assert "gpu" in capsys.readouterr().err
