@@ -175,9 +175,12 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            fi
            common=${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"}
            for side in ${TIER_SIDES:-tier gpu}; do
+             # (wt: the tier with --kv-offload-policy write-through)
              swap=${TIER_SWAP:-24}; [ $side = gpu ] && swap=0
+             policy=on-eviction; [ $side = wt ] && policy=write-through
              python3 -m pdserve serve $model $common --port 8000 --enable-prefix-caching \
-               --num-kv-blocks ${TIER_BLOCKS:-8192} --swap-space $swap > "$OUT/serve-kv-tier-$side.log" 2>&1 &
+               --num-kv-blocks ${TIER_BLOCKS:-8192} --swap-space $swap --kv-offload-policy $policy \
+               > "$OUT/serve-kv-tier-$side.log" 2>&1 &
              pid=$!
              wait_up $pid || { tail -5 "$OUT/serve-kv-tier-$side.log"; continue; }
              before=$(mktemp)
