@@ -312,23 +312,32 @@ class PrefixCache:
         (no copy: it is offloaded on eviction instead) if the host has no room, or a block is
         in a live table (a fork's sibling, a P/D producer's held table: a table may not list a
         busy block)."""
-        host, k = self.host_pool, len(node.blocks)
         rc, cc = self.pool.ref_counts, self.pool.cache_refs
         if any(rc[b] != cc[b] for b in node.blocks):
             return False
+        dst = self._copy_to_host(node.blocks)
+        if dst is None:
+            return False
+        node.host_copy = dst
+        self._offer(node)
+        return True
+
+    def _copy_to_host(self, blocks: list[int]) -> list[int] | None:
+        """Fresh host blocks (the cache's references) that this step's KVMoves.to_host fills
+        from `blocks`, both sides busy for the step; the host's least recently used leaves and
+        copies make room. None (nothing changed) if the host has no room."""
+        host, k = self.host_pool, len(blocks)
         if host.num_free_blocks < k:
             self.evict_host(k - host.num_free_blocks)
         if host.num_free_blocks < k:
-            return False
+            return None
         dst = host.allocate(k, cached=True)
-        self.moves.to_host.extend(zip(node.blocks, dst))
-        self.pool.mark_busy(node.blocks)          # (a release waits for the copy)
+        self.moves.to_host.extend(zip(blocks, dst))
+        self.pool.mark_busy(blocks)               # (a release waits for the copy)
         host.mark_busy(dst)
-        node.host_copy = dst
         self.num_host_cached_blocks += k
         self.blocks_offloaded += k
-        self._offer(node)
-        return True
+        return dst
 
     def _promote(self, node: Node, table: Sequence[int]) -> None:
         """A host node whose positions `table` holds too (its parent is on the device): it takes
@@ -450,24 +459,16 @@ class PrefixCache:
         """Copy a device leaf's KV to the host and move the node there, if only the tree holds
         its blocks, none is being loaded this step and the host has room (after dropping host
         leaves)."""
-        host, pool = self.host_pool, self.pool
-        if host is None or any(pool.ref_counts[b] != pool.cache_refs[b] or pool.is_busy(b)
-                               for b in leaf.blocks):
+        pool = self.pool
+        if self.host_pool is None or any(pool.ref_counts[b] != pool.cache_refs[b]
+                                         or pool.is_busy(b) for b in leaf.blocks):
             return False
-        k = len(leaf.blocks)
-        if host.num_free_blocks < k:
-            self.evict_host(k - host.num_free_blocks)
-        if host.num_free_blocks < k:
+        dst = self._copy_to_host(leaf.blocks)
+        if dst is None:
             return False
-        dst = host.allocate(k, cached=True)
-        self.moves.to_host.extend(zip(leaf.blocks, dst))
-        pool.mark_busy(leaf.blocks)
-        host.mark_busy(dst)
         pool.release(leaf.blocks, cached=True)          # (deferred: busy)
-        self.num_cached_blocks -= k
-        self.num_host_cached_blocks += k
+        self.num_cached_blocks -= len(leaf.blocks)
         leaf.blocks, leaf.on_host = dst, True
-        self.blocks_offloaded += k
         self._offer(leaf)
         return True
 
