@@ -21,7 +21,8 @@ A host tier (num_host_blocks > 0) adds a second BlockPool of host blocks, used t
   gives its device blocks back; the request then holds a host table (host_tables) until
   swap_in(id) copies it back into fresh device blocks;
 - prefix-cache offload: evicted cached prefixes move to the host and load back on a match
-  (prefix_cache.py).
+  (prefix_cache.py); with kv_offload_policy "write-through" they are copied when cached, by
+  begin_step() (so the copies are that step's moves), and an eviction then frees at once.
 Each copy is listed in this step's KVMoves (take_moves()); its source and destination blocks are
 busy until the next step (begin_step()): their releases are deferred, so no block is given out
 again in the step that copies it. A table that lists a busy block must not be read or written by
