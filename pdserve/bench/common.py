@@ -2,6 +2,7 @@
 written, plus the seeded random-token workload."""
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import statistics
@@ -193,6 +194,22 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float:
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def release_llm(llm) -> None:
+    """Free an LLM's CUDA graphs before the caller drops its last reference to it (then
+    free_device_memory: its KV pool, host tier and weights go with that reference)."""
+    runner = getattr(llm.llm_engine, "runner", None)
+    if runner is not None:
+        runner.release()
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Collect what an engine dropped just now left, and give CUDA's cached blocks back (so the
+    next engine built in this process sizes its pool from the whole budget)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_described(name: str, run, args, argv: list[str], output: str) -> dict[str, Any] | None:

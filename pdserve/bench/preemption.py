@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import math
 import os
 import sys
@@ -42,7 +41,8 @@ import torch
 
 from ..args import add_engine_args, engine_config
 from ..engine.core import STEP_RECORDS_KEPT
-from .common import CpuUsage, random_prompts, run_described, sync, write_result
+from .common import (CpuUsage, free_device_memory, random_prompts, release_llm, run_described,
+                     sync, write_result)
 
 # (side, preemption_mode, has a host tier); the reference runs first, always
 PRESSURED_SIDES = {"recompute": ("recompute", False), "swap": ("swap", True),
@@ -152,9 +152,6 @@ def _llm(args, max_model_len: int, num_kv_blocks: int, mode: str | None, swap_gb
     return LLM(**dataclasses.asdict(cfg))
 
 
-def _release(llm) -> None:
-    """Free the CUDA graphs before the engine goes (the caller drops its last reference)."""
-    llm.llm_engine.runner.release()
 
 
 def _counters(core) -> dict[str, int]:
@@ -215,11 +212,9 @@ def _run_side(args, prompts, max_model_len: int, num_kv_blocks: int, mode: str |
             "prefill_tokens_computed": (sum(r.num_prefill_tokens for r in records)
                                         if len(records) < STEP_RECORDS_KEPT else None)}
     core.scheduler.check_integrity()
-    _release(llm)
+    release_llm(llm)
     del llm, core, outs    # (the engine's KV pool, host tier and weights go with the last reference)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_device_memory(device)
     return side, tokens
 
 

@@ -21,7 +21,6 @@ multi-turn`.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -30,7 +29,8 @@ from typing import Any
 
 import torch
 
-from .common import random_prompts, run_described, sync, write_result
+from .common import (free_device_memory, random_prompts, release_llm, run_described, sync,
+                     write_result)
 
 
 def _llm(args, cache: bool):
@@ -41,11 +41,6 @@ def _llm(args, cache: bool):
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
 
 
-def _release(llm) -> None:
-    """Free the CUDA graphs before the engine goes (the caller drops its last reference)."""
-    runner = getattr(llm.llm_engine, "runner", None)
-    if runner is not None:
-        runner.release()
 
 
 def _timed(llm, prompts, max_tokens: int, device) -> tuple[float, list]:
@@ -125,11 +120,9 @@ def run(args) -> dict[str, Any]:
             r["zero_reuse"] = case_zero_reuse(llm, args, vocab, device)
         results[side] = r
         print(f"[bench prefix] cache {side}: {r}", flush=True)
-        _release(llm)
+        release_llm(llm)
         del llm          # (the engine's KV pool and weights go with the last reference)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
     on, off = results["on"], results["off"]
     summary = {}
     if "system" in on:
