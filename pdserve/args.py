@@ -104,7 +104,14 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--distributed-executor-backend", default="auto",
                    choices=list(_config.EXECUTOR_BACKENDS),
                    help="uni: engine in this process; mp: in worker processes (auto: mp iff tp > "
-                        "1) (default %(default)s)")
+                        "1); ray: worker processes placed by Ray on a cluster's nodes "
+                        "(RAY_ADDRESS or the latest `ray start` here, else a local cluster) "
+                        "(default %(default)s)")
+    g.add_argument("--ray-placement-strategy", default="STRICT_PACK",
+                   choices=list(_config.RAY_PLACEMENT_STRATEGIES),
+                   help="ray: how each worker's ranks spread over nodes (a placement group "
+                        "strategy, one bundle per rank; STRICT_PACK keeps a TP group on one "
+                        "node) (default %(default)s)")
 
 
 class _Group:
@@ -148,11 +155,12 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-tpot-ms", type=float, default=50.0,
                    help="adaptive: the time-per-output-token SLO a path must meet (ms) (default "
                         "%(default)s)")
-    g.add_argument("--kv-connector", default="shared",
+    g.add_argument("--kv-connector", default=None,
                    help="how KV moves between prefill and decode workers: a registered connector ("
                         + ", ".join(connector_names()) + "; pdserve/disagg/connectors/base.py "
-                        "says what each does) or a package.module:Class plugin path (default "
-                        "%(default)s)")
+                        "says what each does) or a package.module:Class plugin path (default: "
+                        "shared; with --distributed-executor-backend ray, whose workers may sit "
+                        "on different nodes, torch-dist on CPU and nccl on CUDA)")
     g.add_argument("--kv-transfer-mode", default="async", choices=list(_config.KV_TRANSFER_MODES),
                    help="sync: a decode worker pulls inside its step; async: beside its steps "
                         "(default %(default)s)")

@@ -20,7 +20,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 _DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-EXECUTOR_BACKENDS = ("auto", "uni", "mp")
+EXECUTOR_BACKENDS = ("auto", "uni", "mp", "ray")
+RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 KV_TRANSFER_MODES = ("sync", "async")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_OFFLOAD_POLICIES = ("on-eviction", "write-through")
@@ -77,8 +78,12 @@ class EngineConfig:
     cuda_graph_max_tokens: int | None = None
     tensor_parallel_size: int = 1       # ranks per worker (NCCL on CUDA, gloo on CPU)
     # "uni": the engine runs in the caller's process (tp 1 only); "mp": in worker processes the
-    # caller talks to over messages; "auto": uni for tp 1, mp otherwise.
+    # caller talks to over messages; "ray": the same worker processes, each rank placed by Ray
+    # on the cluster's nodes (worker/ray_launch.py); "auto": uni for tp 1, mp otherwise.
     distributed_executor_backend: str = "auto"
+    # "ray": how a worker's ranks are spread over nodes (a Ray placement group strategy, one
+    # bundle per rank): STRICT_PACK keeps a TP group on one node
+    ray_placement_strategy: str = "STRICT_PACK"
     disable_custom_all_reduce: bool = False  # CUDA TP: NCCL for every all-reduce (no one-shot P2P)
     # P/D disaggregation (set by the router for its workers): how KV moves between workers
     # (a registered connector name, pdserve/disagg/connectors/), whether a consumer's pull runs
@@ -145,8 +150,11 @@ class EngineConfig:
             raise ValueError("attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError("distributed_executor_backend must be auto, uni or mp, got "
-                             f"{self.distributed_executor_backend!r}")
+            raise ValueError("distributed_executor_backend must be one of "
+                             f"{EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
+                             f"got {self.ray_placement_strategy!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs worker processes "
                              "(distributed_executor_backend 'mp' or 'auto')")
@@ -174,7 +182,8 @@ class EngineConfig:
         m = _DEVICE.fullmatch(self.device) if isinstance(self.device, str) else None
         if m is None:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        if m.group(1) == "cuda":
+        # (Ray: the GPUs are the ranks' nodes', each rank checks its own)
+        if m.group(1) == "cuda" and self.distributed_executor_backend != "ray":
             import torch
             # (device_count asks NVML where it can: it leaves CUDA uninitialised in this process)
             n = torch.cuda.device_count()

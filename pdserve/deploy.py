@@ -26,7 +26,7 @@ def build(config: EngineConfig, deployment: DeploymentArgs | None = None,
     and restarts it); else an in-process LLMEngine or an EngineClient over worker processes,
     as config.executor_backend says. ValueError for a bad configuration."""
     if deployment is None:
-        if config.executor_backend == "mp":
+        if config.executor_backend in ("mp", "ray"):
             from .worker.client import EngineClient
             return EngineClient(config, startup_timeout_s)
         from .worker.llm_engine import LLMEngine
@@ -34,13 +34,29 @@ def build(config: EngineConfig, deployment: DeploymentArgs | None = None,
     from .routing import RestartPolicy, Router, plan_workers
     restart = RestartPolicy(max_restarts=deployment.worker_restarts,
                             backoff_s=deployment.restart_backoff_s)
+    connector = deployment.kv_connector or config.kv_connector or default_kv_connector(
+        config, deployment)
     specs = plan_workers(config, *deployment.counts, deployment.prefill_tp,
-                         deployment.decode_tp, deployment.collocated_tp,
-                         deployment.kv_connector or config.kv_connector or "shared",
+                         deployment.decode_tp, deployment.collocated_tp, connector,
                          deployment.num_gpus)
     policy = adaptive_policy(config, deployment) if deployment.policy == "adaptive" \
         else deployment.policy
     return Router(specs, policy, startup_timeout_s, restart)
+
+
+def default_kv_connector(config: EngineConfig, deployment: DeploymentArgs, log=None) -> str:
+    """The KV connector when none is named: "shared" (one host; the fastest there). Under Ray
+    a worker may be placed, or restarted, on any node, so the two-sided pair, which works
+    within a host and across hosts alike: "nccl" on CUDA, "torch-dist" on CPU (said on stderr
+    when the deployment has prefill and decode workers)."""
+    if config.executor_backend != "ray":
+        return "shared"
+    name = "nccl" if config.is_cuda else "torch-dist"
+    if deployment.prefill:
+        (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
+            f"ray: KV moves between prefill and decode workers over the two-sided {name!r} "
+            "connector (Ray may place them on different nodes; --kv-connector overrides)")
+    return name
 
 
 def profile_dir() -> str:

@@ -158,10 +158,10 @@ def _graph_floor_rank(rank: int, world: int, init: str, model: str, dtype: str, 
 
 def _launch_ranks(world: int, flag: str, args: list[str]) -> dict | list:
     """Runs this module's `flag` entry in `world` processes; returns what rank 0 wrote."""
-    from ..worker.client import _free_port
+    from ..worker.launch import free_port
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         procs = [subprocess.Popen([sys.executable, "-m", "pdserve.bench.tp", flag, str(r),
                                    str(world), init, out, *args]) for r in range(world)]
         try:

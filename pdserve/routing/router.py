@@ -42,6 +42,10 @@ from .prefix_index import PREFIX_INDEX_TOKENS
 from .workers import RestartPolicy, Starting, Worker, WorkerHealth, WorkerSpec
 
 
+def _nodes(w: Worker) -> str:
+    return ",".join(sorted({n[:12] for n in w.client.nodes}))
+
+
 def _sum_stats(stats) -> WorkerStats:
     total = WorkerStats(0, 0, 0, 0, 0)
     for s in stats:
@@ -61,6 +65,9 @@ class Router:
         policy = make_policy(policy)
         self.restart = restart if restart is not None else RestartPolicy()
         self.startup_timeout_s = startup_timeout_s
+        if any(s.config.executor_backend == "ray" for s in specs):
+            from ..worker.ray_launch import connect
+            connect()   # here, not in the start threads: ray.init wants the main thread
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = [pool.submit(EngineClient, s.config, startup_timeout_s, s.name,
                                    s.cpu_threads) for s in specs]
@@ -139,6 +146,13 @@ class Router:
         self.core.two_sided = cls.two_sided
         plan: dict[str, list] = {}
         if not cls.two_sided:
+            for p, d in ((p, d) for p in prefill for d in decode if wanted(p, d)):
+                if len(set(p.client.nodes + d.client.nodes)) > 1:
+                    raise ValueError(
+                        f"the {cls.name!r} KV connector works within one host, and "
+                        f"{p.spec.name} and {d.spec.name} run on different nodes "
+                        f"({_nodes(p)} / {_nodes(d)}); use a two-sided one (torch-dist on "
+                        "CPU, nccl on CUDA)")
             for d in decode:
                 peers = [p.client.info.kv_export for p in prefill if wanted(p, d)]
                 if peers:
@@ -148,10 +162,11 @@ class Router:
 
             import torch.distributed as dist
             if self._store is None:  # port 0: the store picks a free one
-                self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                self._store_host = self._address()
+                self._store = dist.TCPStore(self._store_host, 0, is_master=True,
                                             wait_for_workers=False,
                                             timeout=datetime.timedelta(seconds=120))
-            store = f"127.0.0.1:{self._store.port}"
+            store = f"{self._store_host}:{self._store.port}"
             heads = prefill[0].client.info.kv_export.num_kv_heads
             for p in prefill:
                 for d in decode:
@@ -178,6 +193,13 @@ class Router:
                 if time.monotonic() > deadline:
                     raise EngineDeadError(f"{name} did not join its KV peers in 300 s")
                 time.sleep(0.01)
+
+    def _address(self) -> str:
+        """Where this process is reached by its workers (loopback, unless Ray placed them)."""
+        if any(w.spec.config.executor_backend == "ray" for w in self.workers.values()):
+            from ..worker.ray_launch import ray_address
+            return ray_address()
+        return "127.0.0.1"
 
     # ---- carrying out the core's actions -----------------------------------------------------
     def _run(self, actions: list, results: list[RequestOutput], rejected: dict | None = None,

@@ -67,6 +67,10 @@ def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocat
     if (prefill == 0) != (decode == 0):
         raise ValueError("prefill and decode workers come together (--prefill N --decode M)")
     specs = []
+    ray = base.executor_backend == "ray"
+    if ray and num_gpus is not None:
+        raise ValueError("num_gpus places workers on this host's GPUs; under Ray, Ray places "
+                         "them (one GPU per rank)")
     dev = base.torch_device
     ranks = sum(n * (t or base.tensor_parallel_size) for n, t in
                 ((prefill, prefill_tp), (decode, decode_tp), (collocated, collocated_tp)))
@@ -86,13 +90,14 @@ def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocat
         tp = tp or base.tensor_parallel_size
         for i in range(count):
             device = base.device
-            if dev.type == "cuda":
+            if dev.type == "cuda" and not ray:   # (Ray assigns GPUs per rank)
                 if num_gpus is not None and used + tp > num_gpus:
                     used = 0   # wrap around: this worker shares GPUs with the first ones
                 device = f"cuda:{first + used}"
                 used += tp
             cfg = dataclasses.replace(
-                base, device=device, tensor_parallel_size=tp, distributed_executor_backend="mp",
+                base, device=device, tensor_parallel_size=tp,
+                distributed_executor_backend="ray" if ray else "mp",
                 kv_connector=kv_connector if role != "collocated" else None)
             specs.append(WorkerSpec(f"{role}-{i}", role, cfg, cpu_threads))
     return specs

@@ -12,9 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -29,6 +26,7 @@ from ..loader.model_loader import engine_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..outputs import RequestOutput
 from . import messages as m
+from .launch import RankHandle, RankLauncher, make_launcher
 from .output_delta import DeltaDecoder
 from .worker import WorkerAddresses, WorkerConfig
 
@@ -40,63 +38,26 @@ class EngineDeadError(RuntimeError):
     """The worker behind this client is gone; requests in flight are lost."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Rank:
-    """One rank's process: `python -m pdserve.worker.worker CONFIG RANK`. A fresh interpreter
-    (not multiprocessing's spawn), so the caller's script needs no `if __name__ == "__main__"`
-    guard. `sentinel` is a pidfd: readable once the process has exited."""
-
-    def __init__(self, config_path: str, rank: int):
-        self.rank = rank
-        # The child imports this very pdserve, wherever it was imported from.
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [root, os.environ.get("PYTHONPATH")])))
-        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve.worker.worker",
-                                       config_path, str(rank)], env=env)
-        self.pid = self.popen.pid
-        self.sentinel = os.pidfd_open(self.pid)
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def join(self, timeout_s: float) -> None:
-        try:
-            self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def close(self) -> None:
-        os.close(self.sentinel)
-
-
-def _stop_processes(procs: list[_Rank], grace_s: float) -> None:
+def _stop_processes(procs: list[RankHandle], grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
-            p.popen.terminate()
+            p.terminate()
     for p in procs:
         p.join(2.0)
         if p.is_alive():
-            p.popen.kill()
+            p.kill()
             p.join(2.0)
 
 
-def _cleanup(ctx: zmq.Context, procs: list[_Rank], tmpdir: str) -> None:
+def _cleanup(ctx: zmq.Context, procs: list[RankHandle], tmpdir: str,
+             launcher: RankLauncher) -> None:
     _stop_processes(procs, 0.0)
     for p in procs:
         p.close()
+    launcher.close()
     ctx.destroy(linger=0)
     shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -109,7 +70,7 @@ class EngineClient:
         source = resolve_source(config.model)
         tp = config.tensor_parallel_size
         ModelConfig.from_hf(source.hf_config).check_tensor_parallel(tp)
-        if config.torch_device.type == "cuda":
+        if config.is_cuda and config.executor_backend != "ray":  # (Ray: GPUs of its nodes)
             import torch
             first = config.torch_device.index or 0
             if first + tp > torch.cuda.device_count():
@@ -118,23 +79,36 @@ class EngineClient:
         self.config = config
         self.tokenizer = engine_tokenizer(config, source)
         self._tmp = tempfile.mkdtemp(prefix="pdserve-worker-")
-        addrs = WorkerAddresses(
-            requests=f"ipc://{self._tmp}/requests", outputs=f"ipc://{self._tmp}/outputs",
-            steps=tuple(f"ipc://{self._tmp}/steps-{r}" for r in range(1, tp)),
-            dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        try:
+            launcher = make_launcher(config, self._tmp, cpu_threads, startup_timeout_s)
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
         self._ctx = zmq.Context()
-        self._requests = self._ctx.socket(zmq.PUSH)
-        self._requests.bind(addrs.requests)
-        self._outputs = self._ctx.socket(zmq.PULL)
-        self._outputs.bind(addrs.outputs)
-        config_path = os.path.join(self._tmp, "worker-config.pickle")
-        with open(config_path, "wb") as f:
-            pickle.dump(WorkerConfig(config, addrs, os.getpid(), self._tmp, name,
-                                     cpu_threads=cpu_threads), f)
-        self._procs: list[_Rank] = []
-        self._finalizer = weakref.finalize(self, _cleanup, self._ctx, self._procs, self._tmp)
-        for r in range(tp):
-            self._procs.append(_Rank(config_path, r))
+        self._procs: list[RankHandle] = []
+        self._finalizer = weakref.finalize(self, _cleanup, self._ctx, self._procs, self._tmp,
+                                           launcher)
+        try:
+            sites = launcher.place(tp, name)
+            here = launcher.client_address()
+            self._requests = self._bind(zmq.PUSH, launcher.endpoint(here, "requests"))
+            self._outputs = self._bind(zmq.PULL, launcher.endpoint(here, "outputs"))
+            addrs = WorkerAddresses(
+                self._requests.getsockopt(zmq.LAST_ENDPOINT).decode(),
+                self._outputs.getsockopt(zmq.LAST_ENDPOINT).decode(),
+                tuple(launcher.endpoint(s.address, f"steps-{r}")
+                      for r, s in enumerate(sites) if r > 0),
+                launcher.rendezvous())
+            devices = tuple(s.device for s in sites)
+            wc = WorkerConfig(config, addrs, os.getpid(), self._tmp, name,
+                              cpu_threads=launcher.cpu_threads,
+                              rank_devices=devices if all(devices) else ())
+            self._procs.extend(launcher.start(pickle.dumps(wc)))
+        except BaseException:
+            self._finalizer()
+            raise
+        #: the node each rank runs on (RankSite.node): KV transports that need one host check it
+        self.nodes = tuple(s.node for s in sites)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(m.FromWorker)
         self._poller = zmq.Poller()
@@ -334,6 +308,11 @@ class EngineClient:
         self.shutdown()
 
     # ---- plumbing ----------------------------------------------------------------------------
+    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.bind(endpoint)
+        return sock
+
     def _send(self, msg) -> None:
         """Sends msg (a message, or one already encoded) to rank 0. A PUSH socket with no
         connected peer blocks forever, so never block: wait for room a second at a time and
@@ -408,6 +387,7 @@ class EngineClient:
 
     def _deaths(self) -> str:
         return ", ".join(f"worker rank {p.rank} (pid {p.pid}) exited with code {p.exitcode}"
+                         + (f" ({p.error})" if p.error else "")
                          for p in self._procs if not p.is_alive())
 
     def _fail(self, why: str) -> None:

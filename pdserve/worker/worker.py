@@ -40,6 +40,7 @@ import zmq
 from ..checks import check_int, check_number
 from ..config import EngineConfig
 from ..kv_layout import kv_bytes_per_token
+from .launch import host_id
 from .output_delta import DeltaEncoder
 from .step_broadcast import StepDecoder, StepEncoder
 
@@ -193,7 +194,9 @@ class WorkerAddresses:
     """Where the processes meet (chosen by whoever starts the worker, never constants)."""
     requests: str               # client -> rank 0 (zmq; the client binds)
     outputs: str                # rank 0 -> client (zmq; the client binds)
-    steps: tuple[str, ...]      # rank 0 -> rank r for r >= 1 (zmq; rank r binds)
+    # rank 0 -> rank r for r >= 1 (zmq): rank r binds steps[r - 1] (a `*` port: one picked
+    # then) and tells rank 0 the endpoint it got through the TP group's first gather
+    steps: tuple[str, ...]
     dist_init_method: str       # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
 
 
@@ -201,7 +204,9 @@ class WorkerAddresses:
 class WorkerConfig:
     engine: EngineConfig
     addresses: WorkerAddresses
-    client_pid: int             # ranks exit when this process is gone
+    # ranks exit when this process, their parent, is gone: the client, or (Ray) the actor that
+    # stands for it on the rank's node
+    client_pid: int
     workdir: str | None = None  # the worker's own directory (KV pool files of a P/D worker)
     name: str = "worker"        # how P/D peers name this worker
     # a follower rank that takes no step for this long, with rank 0's queue to it full, is gone
@@ -211,6 +216,9 @@ class WorkerConfig:
     client_timeout_s: float = 60.0
     # CPU: torch threads per rank; None: the host's cores split among this worker's ranks
     cpu_threads: int | None = None
+    # each rank's device where the launcher assigned them (Ray); empty: the engine config's
+    # (consecutive GPUs from its device, EngineConfig.rank_device)
+    rank_devices: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("send_timeout_s", "client_timeout_s"):
@@ -227,8 +235,8 @@ def worker_main(wc: WorkerConfig, rank: int) -> None:
     tp = wc.engine.tensor_parallel_size
     # This rank's view of the configuration: its own GPU; "mp" is how it was started, and
     # inside the process the engine runs in place.
-    cfg = replace(wc.engine, device=str(wc.engine.rank_device(rank)),
-                  distributed_executor_backend="mp")
+    device = wc.rank_devices[rank] if wc.rank_devices else str(wc.engine.rank_device(rank))
+    cfg = replace(wc.engine, device=device, distributed_executor_backend="mp")
     device = cfg.torch_device
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -247,13 +255,20 @@ def worker_main(wc: WorkerConfig, rank: int) -> None:
             sock.connect(wc.addresses.outputs)
             out = _Outbox(sock, f"the client (pid {wc.client_pid})",
                           lambda: _client_alive(wc.client_pid), wc.client_timeout_s, ClientGone)
+        steps = None
+        if rank > 0:  # bound before the gather, which tells rank 0 where
+            steps = ctx.socket(zmq.PULL)
+            steps.bind(wc.addresses.steps[rank - 1])
         init_tp_group(rank, tp, wc.addresses.dist_init_method, device,
                       one_shot=not cfg.disable_custom_all_reduce)
-        pids = get_tp_group().all_gather_object(os.getpid())  # rank 0 watches the others
+        # rank 0 connects to the others and watches them
+        found = get_tp_group().all_gather_object(_RankPlace(
+            os.getpid(), host_id(),
+            "" if steps is None else steps.getsockopt(zmq.LAST_ENDPOINT).decode()))
         if rank == 0:
-            _Driver(cfg, wc, ctx, out, pids[1:]).run()
+            _Driver(cfg, wc, ctx, out, found[1:]).run()
         else:
-            _follow(cfg, wc, ctx, rank)
+            _follow(cfg, wc, steps, rank)
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
         if out is not None:
             from .messages import Failed
@@ -278,11 +293,26 @@ def _client_alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
+@dataclass(frozen=True)
+class _RankPlace:
+    """What a rank tells the others when the TP group forms."""
+    pid: int
+    host: str                   # launch.host_id(): where `pid` means this process
+    steps: str                  # the endpoint it takes steps on (rank >= 1)
+
+    def alive_check(self) -> Callable[[], bool]:
+        """Seen from this process: a pidfd where the pid means the rank, else no check (the
+        rank sits on another host: a full queue to it waits out send_timeout_s)."""
+        if self.host != host_id():
+            return lambda: True
+        return _process_alive(self.pid)
+
+
 class _Driver:
     """Rank 0: the engine loop. Reads client messages between steps, never during one."""
 
     def __init__(self, cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, out: _Outbox,
-                 follower_pids: list[int]):
+                 followers: list[_RankPlace]):
         from . import messages as m
         from .llm_engine import LLMEngine
         self.m = m
@@ -291,11 +321,11 @@ class _Driver:
         self.requests = ctx.socket(zmq.PULL)
         self.requests.connect(wc.addresses.requests)
         self.followers: list[_Outbox] = []
-        for rank, (addr, pid) in enumerate(zip(wc.addresses.steps, follower_pids), start=1):
+        for rank, f in enumerate(followers, start=1):
             s = ctx.socket(zmq.PUSH)
-            s.connect(addr)
-            self.followers.append(_Outbox(s, f"worker rank {rank} (pid {pid})",
-                                          _process_alive(pid), wc.send_timeout_s, RankGone))
+            s.connect(f.steps)
+            self.followers.append(_Outbox(s, f"worker rank {rank} (pid {f.pid})",
+                                          f.alive_check(), wc.send_timeout_s, RankGone))
         self.step_encoder = StepEncoder()
         self.engine = LLMEngine(cfg, on_schedule=self._broadcast if self.followers else None,
                                 kv_dir=wc.workdir)
@@ -418,16 +448,14 @@ class _Driver:
                 eng.drop_kv_peer(msg.worker)
 
 
-def _follow(cfg: EngineConfig, wc: WorkerConfig, ctx: zmq.Context, rank: int) -> None:
-    """Ranks >= 1: run every step rank 0 sends until it sends _STOP, or until the client is
-    gone (checked whenever no step came for _IDLE_POLL_MS)."""
+def _follow(cfg: EngineConfig, wc: WorkerConfig, steps: zmq.Socket, rank: int) -> None:
+    """Ranks >= 1: run every step rank 0 sends (on `steps`) until it sends _STOP, or until the
+    client is gone (checked whenever no step came for _IDLE_POLL_MS)."""
     from .build import build_model_runner, kv_export
     runner, _, _ = build_model_runner(cfg, kv_dir=wc.workdir)
     if runner.connector is not None:
         kv_export(runner, wc.name)  # its part of the driver's gather
     decoder = StepDecoder()
-    steps = ctx.socket(zmq.PULL)
-    steps.bind(wc.addresses.steps[rank - 1])
     profiler = _StepProfiler(rank)
     try:
         while True:

@@ -1,0 +1,276 @@
+"""RayLauncher: a worker's ranks on a Ray cluster (distributed_executor_backend="ray").
+
+    client ── placement group: one bundle per rank (CPU: cpu_threads CPUs; CUDA: one GPU),
+      │       strategy EngineConfig.ray_placement_strategy (STRICT_PACK: the TP group on one node)
+      ├── _RankActor per bundle ── site(): its node, node address, GPU ids
+      └── start: actor.run(config, rank) ── `python -m pdserve.worker.worker CONFIG RANK`, the
+              same rank program as a local worker's, a child of the actor on the actor's node;
+              run() returns its exit status
+
+Ray owns placement and lifetime: it ends the actors when the client's process (their owner) ends,
+and a rank watches its parent, the actor, so it goes too. A rank the client can no longer reach
+(its actor died, its node was lost) counts as exited: a thread per rank waits on run()'s result
+and makes the rank's sentinel readable, which the client treats like any rank's exit (the worker
+is dead; a router restarts it wherever Ray can place it then).
+
+The cluster: the one this process is connected to, else `ray.init()`'s (RAY_ADDRESS, the latest
+`ray start` on this machine, else a local one started for this process).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import pickle
+import shutil
+import subprocess
+import tempfile
+import threading
+import uuid
+import weakref
+
+from ..config import EngineConfig
+from .launch import RankHandle, RankLauncher, RankSite, free_port, rank_command
+
+try:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError:  # the backend is refused by name until ray is installed
+    ray = None
+
+_WATCH_S = 0.25   # how long a watcher waits on Ray at a time (a stop waits at most this long)
+_START_S = 60.0   # how long an actor may take to start its rank's process
+
+
+def ray_address() -> str:
+    """This process's address on the cluster (where ranks reach the client and the router)."""
+    return ray.util.get_node_ip_address()
+
+
+_WATCHERS: "weakref.WeakSet[RayRank]" = weakref.WeakSet()
+_AT_EXIT = []
+
+
+def connect() -> None:
+    """Join the cluster (see the module docstring) unless this process already has."""
+    if ray is None:
+        raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
+                         "'ray>=2.40,<3' (or pdserve[ray])")
+    if not ray.is_initialized():
+        ray.init()
+    if not _AT_EXIT:
+        # Registered after ray.init's own exit hook, so it runs first: watcher threads must not
+        # be inside a Ray call while Ray's core worker is torn down (it crashes the process).
+        _AT_EXIT.append(atexit.register(_stop_watchers))
+
+
+def _stop_watchers() -> None:
+    for r in list(_WATCHERS):
+        r.stop_watching()
+
+
+def _quietly(call) -> None:
+    """A Ray call on the way out: the actor, its node or the cluster may be gone already."""
+    if ray.is_initialized():
+        try:
+            call()
+        except Exception:  # noqa: BLE001 - (see above) nothing left to stop
+            pass
+
+
+class _RankActor:
+    """Stands for the client on a rank's node: reports where it is, then runs the rank as its
+    child process. Threaded (max_concurrency), so terminate() reaches it while run() waits."""
+
+    def __init__(self):
+        self.popen: subprocess.Popen | None = None
+        self.stopped = False
+        self.started = threading.Event()   # run() has started the rank (or given up)
+
+    def site(self) -> tuple[str, str, list[str]]:
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                [str(g) for g in ray.get_gpu_ids()])
+
+    def rank_pid(self, timeout_s: float) -> int | None:
+        """The rank process's pid, once run() has started it (None: it did not start)."""
+        self.started.wait(timeout_s)
+        return None if self.popen is None else self.popen.pid
+
+    def free_port(self) -> int:
+        return free_port(ray.util.get_node_ip_address())
+
+    def run(self, config: bytes, rank: int, env: dict[str, str]) -> int:
+        # the rank's parent (what it watches) is this actor; its files stay on this node
+        workdir = tempfile.mkdtemp(prefix="pdserve-ray-rank-")
+        try:
+            wc = dataclasses.replace(pickle.loads(config), client_pid=os.getpid(),
+                                     workdir=workdir)
+            path = os.path.join(workdir, "worker-config.pickle")
+            with open(path, "wb") as f:
+                pickle.dump(wc, f)
+            argv, base = rank_command(path, rank)
+            if self.stopped:
+                return -15
+            self.popen = subprocess.Popen(argv, env={**base, **env})
+            self.started.set()
+            return self.popen.wait()
+        finally:
+            self.started.set()
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def terminate(self) -> None:
+        self.stopped = True
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+
+
+def _why(e: Exception) -> str:
+    """Ray's error in a line: its first, and the one that says why the actor died."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    cause = next((ln for ln in lines[1:] if "died because" in ln or "node" in ln.lower()), None)
+    return "; ".join(filter(None, [f"{type(e).__name__}: {lines[0] if lines else ''}", cause]))
+
+
+class RayRank(RankHandle):
+    """A rank run by a _RankActor. The sentinel is a pipe that a watcher thread closes the
+    write end of once run() has returned or failed (the actor died, its node was lost)."""
+
+    def __init__(self, actor, rank: int, config: bytes, env: dict[str, str]):
+        self.actor, self.rank = actor, rank
+        self.sentinel, self._w = os.pipe()
+        self._done = threading.Event()
+        self._stop = threading.Event()
+        self._code: int | None = None
+        self.error: str | None = None
+        ref = actor.run.remote(config, rank, env)
+        self.pid = ray.get(actor.rank_pid.remote(_START_S)) or 0
+        self._thread = threading.Thread(target=self._watch, args=(ref,), daemon=True,
+                                        name=f"pdserve-ray-rank-{rank}")
+        _WATCHERS.add(self)
+        self._thread.start()
+
+    def _watch(self, ref) -> None:
+        try:
+            while not self._stop.is_set():  # (a short wait: stop_watching() ends it)
+                if ray.wait([ref], timeout=_WATCH_S)[0]:
+                    self._code = ray.get(ref)
+                    break
+            else:
+                self._code, self.error = 1, "no longer watched (this process is exiting)"
+        except Exception as e:  # noqa: BLE001 - whatever Ray says (actor died, node lost, ...):
+            self._code, self.error = 1, _why(e)  # the rank is gone
+        self._done.set()
+        os.close(self._w)       # the sentinel's read end turns readable (end of file)
+
+    def stop_watching(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * _WATCH_S)
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._code if self._done.is_set() else None
+
+    def join(self, timeout_s: float) -> None:
+        self._done.wait(timeout_s)
+
+    def terminate(self) -> None:
+        if not self._done.is_set():
+            _quietly(lambda: self.actor.terminate.remote())
+
+    def kill(self) -> None:
+        _quietly(lambda: ray.kill(self.actor))
+
+    def close(self) -> None:
+        self.stop_watching()
+        os.close(self.sentinel)
+
+
+def rank_sites(found: list[tuple[str, str, list[str]]], cuda: bool) -> list[RankSite]:
+    """Each rank's site from what its actor reported: (node id, node address, the GPU ids Ray
+    gave it). CUDA: a rank sees every GPU its worker holds on its node, in id order (NCCL and
+    the one-shot all-reduce want the peers on a node visible to each other), and takes its own
+    by index among them:
+
+        node A: rank 0 got GPU 3, rank 1 got GPU 1  ->  both CUDA_VISIBLE_DEVICES=1,3;
+                                                        rank 0 cuda:1, rank 1 cuda:0
+    """
+    if not cuda:
+        return [RankSite(node, address) for node, address, _ in found]
+    held: dict[str, set[str]] = {}
+    for node, _, ids in found:
+        held.setdefault(node, set()).update(ids)
+    sites = []
+    for node, address, ids in found:
+        if len(ids) != 1:
+            raise RuntimeError(f"a CUDA rank on node {node} was given GPUs {ids}, not one")
+        mine = sorted(held[node], key=lambda g: (len(g), g))   # numeric order of the ids
+        sites.append(RankSite(node, address, f"cuda:{mine.index(ids[0])}",
+                              (("CUDA_VISIBLE_DEVICES", ",".join(mine)),)))
+    return sites
+
+
+class RayLauncher(RankLauncher):
+    local = False
+
+    def __init__(self, config: EngineConfig, cpu_threads: int | None = None,
+                 place_timeout_s: float = 900.0):
+        connect()
+        self.config = config
+        # CPU: the CPUs a rank's bundle reserves, and its torch threads
+        self.cpu_threads = None if config.is_cuda else cpu_threads or 1
+        self.place_timeout_s = place_timeout_s
+        self.pg = None
+        self.actors: list = []
+        self.sites: list[RankSite] = []
+
+    def _bundle(self) -> dict[str, float]:
+        if self.config.is_cuda:
+            return {"GPU": 1, "CPU": 1}
+        return {"CPU": self.cpu_threads}
+
+    def place(self, tp: int, name: str) -> list[RankSite]:
+        bundle = self._bundle()
+        self.pg = placement_group([bundle] * tp, strategy=self.config.ray_placement_strategy,
+                                  name=f"pdserve-{name}-{uuid.uuid4().hex[:8]}")
+        try:
+            ray.get(self.pg.ready(), timeout=self.place_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"Ray could not place {tp} rank(s) of {bundle} "
+                f"({self.config.ray_placement_strategy}) for worker {name} within "
+                f"{self.place_timeout_s:g} s; the cluster has {ray.available_resources()} "
+                "available") from None
+        cls = ray.remote(_RankActor)
+        self.actors = [cls.options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=4,
+            max_restarts=0, name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=r)).remote() for r in range(tp)]
+        self.sites = rank_sites(ray.get([a.site.remote() for a in self.actors]),
+                                self.config.is_cuda)
+        return self.sites
+
+    def client_address(self) -> str:
+        return ray_address()
+
+    def endpoint(self, address: str, name: str) -> str:
+        return f"tcp://{address}:*"
+
+    def rendezvous(self) -> str:
+        return f"tcp://{self.sites[0].address}:{ray.get(self.actors[0].free_port.remote())}"
+
+    def start(self, config: bytes) -> list[RankHandle]:
+        return [RayRank(a, r, config, dict(s.env))
+                for r, (a, s) in enumerate(zip(self.actors, self.sites))]
+
+    def close(self) -> None:
+        for a in self.actors:
+            _quietly(lambda: ray.kill(a))
+        self.actors = []
+        if self.pg is not None:
+            pg, self.pg = self.pg, None
+            _quietly(lambda: remove_placement_group(pg))
