@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
-# Stages: wheels (first, when .whl is carried), info, tests, latency-quick, latency, step, offline,
+# Stages: wheels (first, when .whl is carried), ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
 # skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve (pdserve serve + bench serve sweep), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -68,6 +68,13 @@ for stage in "$@"; do
     offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;
     wheels) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
             export PYTHONPATH="/tmp/site:$PYTHONPATH";;
+    ray-stash) # the carried part of .whl-ray (scripts/device_ray_wheel.sh) kept for a later call
+           mkdir -p /tmp/pdserve-ray && cp .whl-ray/*/* /tmp/pdserve-ray/ && ls -la /tmp/pdserve-ray;;
+    ray-install) # both parts stashed: join the Ray wheel and install it beside the others
+           (cd /tmp/pdserve-ray && cat ray-*.part-* > "$(ls ray-*.part-aa | sed 's/.part-aa//')" \
+             && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ./*.whl)
+           export PYTHONPATH="/tmp/site:$PYTHONPATH"; python3 -c "import ray; print('ray', ray.__version__)";;
+    ray-tests) python3 -m pytest -q -m gpu tests/test_gpu_ray.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-ray-tests.log" | tail -20;;
     tp-tests) python3 -m pytest -q -m gpu tests/test_gpu_tp.py tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tp-tests.log" | tail -40;;
     pd-tests) python3 -m pytest -q -m gpu tests/test_gpu_disagg.py tests/test_gpu_tp.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-pd-tests.log" | tail -40;;
     launch-profile) python3 scripts/profile_launch.py --output "$OUT/launch-profile.json" 2>&1 | tee "$OUT/launch-profile.log" | tail -12;;
