@@ -9,6 +9,7 @@ place it on; a rank whose actor dies takes the worker down with it, and no proce
 The pure parts (rank sites, liveness across hosts, the plan, flags) are tested without Ray.
 """
 import os
+import re
 import time
 
 import pytest
@@ -193,13 +194,17 @@ def test_a_one_host_connector_across_nodes_is_refused(cluster, model):
     _wait_free(2)
 
 
-def test_a_placement_the_cluster_cannot_give_is_a_clear_error(cluster, model):
+def test_a_placement_the_cluster_cannot_give_is_a_clear_error(cluster, model, monkeypatch,
+                                                             capfd):
     from pdserve.worker.client import EngineClient
     path, *_ = model
+    monkeypatch.setattr(ray_launch, "_PLACE_NOTICE_S", 0.5)
     cfg = EngineConfig(path, tensor_parallel_size=4, distributed_executor_backend="ray",
                        ray_placement_strategy="STRICT_SPREAD", **DUMMY)
     with pytest.raises(RuntimeError, match="could not place 4 rank"):
         EngineClient(cfg, startup_timeout_s=2)
+    # while it waited, it said so (Ray keeps an impossible placement pending, silently)
+    assert re.search(r"waiting \d+ s so far for Ray to place 4 rank\(s\)", capfd.readouterr().err)
     _wait_free(2)                       # the placement group was given back
 
 

@@ -24,6 +24,7 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -41,6 +42,7 @@ except ImportError:  # the backend is refused by name until ray is installed
 
 _WATCH_S = 0.25   # how long a watcher waits on Ray at a time (a stop waits at most this long)
 _START_S = 60.0   # how long an actor may take to start its rank's process
+_PLACE_NOTICE_S = 30.0  # how often a placement that waits says so
 
 
 def ray_address() -> str:
@@ -236,14 +238,21 @@ class RayLauncher(RankLauncher):
         bundle = self._bundle()
         self.pg = placement_group([bundle] * tp, strategy=self.config.ray_placement_strategy,
                                   name=f"pdserve-{name}-{uuid.uuid4().hex[:8]}")
-        try:
-            ray.get(self.pg.ready(), timeout=self.place_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"Ray could not place {tp} rank(s) of {bundle} "
-                f"({self.config.ray_placement_strategy}) for worker {name} within "
-                f"{self.place_timeout_s:g} s; the cluster has {ray.available_resources()} "
-                "available") from None
+        what = (f"{tp} rank(s) of {bundle} ({self.config.ray_placement_strategy}) for worker "
+                f"{name}")
+        ready, waited = self.pg.ready(), 0.0
+        while True:   # (Ray keeps a placement it cannot make pending: say so while waiting)
+            step = min(_PLACE_NOTICE_S, self.place_timeout_s - waited)
+            if ray.wait([ready], timeout=step)[0]:
+                break
+            waited += step
+            if waited >= self.place_timeout_s:
+                raise RuntimeError(
+                    f"Ray could not place {what} within {self.place_timeout_s:g} s; the cluster "
+                    f"has {ray.available_resources()} available")
+            print(f"pdserve: waiting {waited:.0f} s so far for Ray to place {what}; the cluster "
+                  f"has {ray.available_resources()} available", file=sys.stderr, flush=True)
+        ray.get(ready)
         cls = ray.remote(_RankActor)
         self.actors = [cls.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=4,
