@@ -105,6 +105,56 @@ def test_write_through_copies_at_insert_and_eviction_frees_at_once():
         KVCacheManager(4, BS, kv_offload_policy="sometimes")
 
 
+def test_a_parent_sharing_a_block_with_a_child_offloaded_in_the_same_step_is_kept():
+    """Issue 21's multi-turn churn: a node boundary inside a block (a next turn diverging from
+    the cached prompt + answer at the prompt's end) makes parent and child list the same block.
+    Pool of 3 device blocks, 8 host blocks, block size 4. a caches A[:8] in [0, 1]; b's prompt
+    A[:6] + [50, 51] matches 6 tokens (copy on write of block 1 into 2) and splits the leaf at
+    position 6: U = A[:6] [0, 1], its children D = A[6:8] [1] (the same block 1) and
+    N = [50, 51] [2]. c needs all 3 blocks: N, the least recently used leaf (D was locked by
+    b's match when N was inserted, and queued at its unlock after), goes to host 0, D to
+    host 1 (to_host (2, 0), (1, 1)); then U is a leaf, but its block 1 is read by D's copy
+    this step. It is kept (not dropped with D and N): next step it goes to host [2, 3]
+    (to_host (0, 2), (1, 3)), and c gets the blocks the step after, [2, 0, 1]. Then all 8
+    tokens of b's prompt load back from the host: U into [1, 0], N into [2] (c's blocks freed
+    tail first; to_device (2, 1), (3, 0), (0, 2))."""
+    kv = KVCacheManager(3, BS, enable_prefix_caching=True, num_host_blocks=8)
+    assert kv.allocate_slots("a", 0, 8) == [] and kv.block_tables["a"] == [0, 1]
+    kv.free("a", A[:8])
+    b = A[:6] + [50, 51]
+    assert kv.match_prefix("b", b, 7) == 6 and kv.block_tables["b"] == [0, 1]
+    assert kv.allocate_slots("b", 6, 2) == [(1, 2)] and kv.block_tables["b"] == [0, 2]
+    kv.free("b", b)
+    assert kv.pool.ref_counts == [1, 2, 1] and kv.num_cached_blocks == 4
+    kv.check_integrity()
+    assert kv.allocate_slots("c", 0, 12) is None
+    assert kv.take_moves() == KVMoves([(2, 0), (1, 1)], [])
+    assert kv.prefix_cache.num_host_cached_blocks == 2 and kv.num_cached_blocks == 2   # U kept
+    assert not kv.room_arrives("c", 0, 12)        # (1 block arrives: 2, N's)
+    kv.check_integrity()
+    kv.begin_step()
+    assert kv.pool.num_free_blocks == 1 and kv.pool.ref_counts == [1, 1, 0]
+    assert kv.allocate_slots("c", 0, 12) is None
+    assert kv.take_moves() == KVMoves([(0, 2), (1, 3)], [])
+    assert kv.room_arrives("c", 0, 12) and kv.blocks_offloaded == 4
+    kv.check_integrity()
+    kv.begin_step()
+    assert kv.allocate_slots("c", 0, 12) == [] and kv.block_tables["c"] == [2, 0, 1]
+    assert kv.prefix_cache.num_host_cached_blocks == 4 and kv.num_cached_blocks == 0
+    kv.free("c")
+    kv.check_integrity()
+    assert kv.match_prefix("d", b + [99], 8) == 8 and kv.block_tables["d"] == [1, 2]
+    assert kv.take_moves() == KVMoves([], [(2, 1), (3, 0), (0, 2)])
+    assert kv.prefix_host_hits == 8 and kv.blocks_loaded_back == 3
+    kv.check_integrity()
+    kv.begin_step()
+    kv.free("d", b)
+    kv.check_integrity()
+    assert kv.reset_prefix_cache() == 3
+    kv.begin_step()
+    assert kv.pool.num_free_blocks == 3 and kv.num_host_blocks_used == 0
+
+
 def test_swap_out_and_in_moves_exact_blocks():
     """a (7 tokens, blocks [0, 1]) and b (5 tokens, [2, 3]) fill a 4-block pool; a's decode
     needs a third block: b, the newest, is swapped (to_host (2, 0), (3, 1)), a waits for the

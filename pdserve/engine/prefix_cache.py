@@ -27,8 +27,10 @@ under ancestors (a host node's children are host nodes), so a match is a device 
 part. Evicting an unlocked device leaf (a device node without device children) with a host tier
 *offloads* it: its KV is copied to fresh host blocks (KVMoves.to_host, in `moves`) and the node
 moves to the host; its device blocks come free at the next step (BlockPool: busy blocks). A leaf
-whose blocks a request still holds, or that is being loaded this step, is dropped instead, as
-without a host tier. The host tier evicts least recently used host leaves by dropping them.
+whose blocks a request still holds is dropped instead, as without a host tier. A leaf that lists
+a block copied this step (loaded back, or shared with a child just offloaded: a node boundary
+inside a block) waits in the queue for the next step's eviction (dropping it would lose its
+host subtree too). The host tier evicts least recently used host leaves by dropping them.
 load_back() turns matched host nodes into device nodes (KVMoves.to_device); an insert that walks
 through a host node takes the inserting table's device blocks for it (they hold the same KV).
 
@@ -429,18 +431,31 @@ class PrefixCache:
         to the pool's free list or will at the next step (or nothing is left to evict). With a
         host tier (and offload) a leaf whose blocks only the tree holds is offloaded (its
         device blocks come free at the next step); otherwise it is dropped, with its host
-        descendants. Returns the blocks freed (now or at the next step)."""
+        descendants. A leaf without a host copy that lists a block copied between the tiers
+        this step (loaded back just now, or the block it shares with a child offloaded just
+        now, when a node boundary falls inside a block) cannot be offloaded in this step: with
+        offload it is skipped, and stays queued, rather than dropped, which would lose its KV
+        and its host descendants to free its blocks one step sooner.
+        Returns the blocks freed (now or at the next step)."""
         freed = 0
         rc = self.pool.ref_counts
+        tiered = offload and self.host_pool is not None
+        skipped = []
         while self._lru and freed < num_blocks:
-            last_use, _, leaf = heapq.heappop(self._lru)
+            entry = heapq.heappop(self._lru)
+            last_use, _, leaf = entry
             if not self._evictable(leaf, last_use):
+                continue
+            if tiered and leaf.host_copy is None and self.pool.any_busy(leaf.blocks):
+                skipped.append(entry)      # (offloadable from the next step on)
                 continue
             parent = leaf.parent
             freed += sum(1 for b in leaf.blocks if rc[b] == 1)   # (only this listing holds it)
             if not (offload and (self._to_copy(leaf) or self._offload(leaf))):
                 self._drop(leaf)
             self._offer(parent)
+        for entry in skipped:
+            heapq.heappush(self._lru, entry)
         return freed
 
     def _to_copy(self, leaf: Node) -> bool:
