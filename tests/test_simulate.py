@@ -349,24 +349,48 @@ def test_same_seed_same_json(profile_file, tmp_path, capsys):
     assert "TTFT ms" in capsys.readouterr().out
 
 
-def test_multi_turn_on_the_command_line(profile_file, tmp_path, capsys):
+@pytest.mark.parametrize("host", [0, 600])
+def test_the_host_tier_on_the_command_line(profile_file, tmp_path, host):
+    """--num-host-blocks gives the simulated worker a host tier: 12 conversations x 3 turns of
+    60 + 8 tokens (~13 blocks each at the end, ~150 in all) on a 64-block pool, all at once.
+    Their evicted prefixes go to a 600-block tier and come back (offloaded, loaded back, host
+    hits in the run's facts); without a tier, none."""
+    out = str(tmp_path / "tier.json")
+    assert simulate_main(["--dataset-name", "multi-turn", "--multi-turn-conversations", "12",
+                          "--multi-turn-turns", "3", "--multi-turn-user-len", "60",
+                          "--multi-turn-output-len", "8", "--num-kv-blocks", "64",
+                          "--max-model-len", "1024", "--num-host-blocks", str(host),
+                          "--profile", profile_file, "--result-file", out]) == 0
+    d = json.load(open(out))
+    assert d["completed"] == 36 and d["failed"] == 0
+    (w,) = d["simulation"]["workers"].values()
+    fields = ("blocks_offloaded", "blocks_loaded_back", "prefix_cache_host_hits")
+    assert all((w[f] > 0) == bool(host) for f in fields), w
+
+
+@pytest.mark.parametrize("retokenized", [False, True])
+def test_multi_turn_on_the_command_line(profile_file, tmp_path, capsys, retokenized):
     """bench serve's multi-turn flags: 3 conversations x 4 turns, a 40-token system prompt,
     30-token messages, 5-token answers, conversations far apart (rate 0.001/s). By hand: turn
     k's prompt is 40 + k (30 + 5) + 30 tokens; the cache holds the conversation so far but for
     its last answer's final token, 40 + k (30 + 5) - 1 tokens, for every k >= 1; at turn 0 the
-    second and third conversations find the system prompt (40), the first nothing."""
+    second and third conversations find the system prompt (40), the first nothing. With the
+    answers retokenized (6 other ids in the next turn's history for each 5-token answer), turn
+    k's prompt is 40 + k (30 + 6) + 30, and turn k >= 1 finds only turn k - 1's prompt."""
     out = str(tmp_path / "mt.json")
     assert simulate_main(["--dataset-name", "multi-turn", "--multi-turn-conversations", "3",
                           "--multi-turn-turns", "4", "--multi-turn-user-len", "30",
                           "--multi-turn-output-len", "5", "--multi-turn-system-len", "40",
                           "--request-rate", "0.001", "--profile", profile_file,
-                          "--result-file", out]) == 0
+                          "--result-file", out]
+                         + ["--multi-turn-retokenized-answers"] * retokenized) == 0
     d = json.load(open(out))
     assert d["completed"] == 12 and d["failed"] == 0 and d["num_prompts"] == 12
     turns = d["per_turn"]
-    assert [t["mean_input_tokens"] for t in turns] == [40 + k * 35 + 30 for k in range(4)]
-    assert [t["cached_tokens"] for t in turns] == [80] + [3 * (40 + k * 35 - 1)
-                                                          for k in range(1, 4)]
+    turn = 36 if retokenized else 35                  # tokens a turn adds to the history
+    assert [t["mean_input_tokens"] for t in turns] == [40 + k * turn + 30 for k in range(4)]
+    found = [40 + (k - 1) * 36 + 30 if retokenized else 40 + k * 35 - 1 for k in range(1, 4)]
+    assert [t["cached_tokens"] for t in turns] == [80] + [3 * f for f in found]
 
 
 @pytest.mark.parametrize("args,msg", [

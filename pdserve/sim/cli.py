@@ -122,10 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the profile's engine_config, else the pool's tokens")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--num-host-blocks", type=int, default=0,
+                   help="the KV cache's host tier per worker in blocks (a server's --swap-space "
+                        "GiB over one block's bytes); its copies take no simulated time "
+                        "(default %(default)s: none)")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests per second, one or more (a sweep); inf = all at once")
     add_workload_args(g)
+    g.add_argument("--multi-turn-retokenized-answers", action="store_true",
+                   help="multi-turn: the next turn carries each answer as other token ids, one "
+                        "more than it had, as a served run does when the answer's text does not "
+                        "tokenize back to the same ids (dummy weights): the cached answer is "
+                        "never reused, and a turn matches at most the previous turn's prompt "
+                        "(default: the engine's ids)")
     g = p.add_argument_group("output")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")
@@ -265,7 +275,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
     for rate in a.request_rate:
         sim = Simulator(dep, profiles, config, blocks, max_len, _policy(a, dep, profile)[1],
                         a.vocab_size, pipelined_pickup=a.async_scheduling,
-                        serving_overhead_ms=overhead)
+                        serving_overhead_ms=overhead, num_host_blocks=a.num_host_blocks,
+                        retokenized_answers=a.multi_turn_retokenized_answers)
         if a.dataset_name == "multi-turn":
             offsets = arrival_times(len(convs), rate, a.burstiness, a.seed)
             res = sim.run_conversations([SimConversation(float(t), s, u, o)

@@ -54,7 +54,12 @@ from ..protocol import AddRequest, WorkerStats
 from ..routing import actions as act
 from ..routing.router_core import RouterCore
 from ..sampling_params import SamplingParams
-from .runner import CostModelRunner, SimClock
+from .runner import SIM_TOKEN_ID, CostModelRunner, SimClock
+
+# multi-turn with retokenized answers: an answer comes back in the next turn's history as one
+# token more than it had, all of this id (any id but the engine's own, SIM_TOKEN_ID): a text
+# tokenized again rarely keeps its ids, its count, or the block alignment of what follows
+RETOKENIZED_ID = SIM_TOKEN_ID + 1
 
 _PART = re.compile(r"(\d+)([PDC])", re.IGNORECASE)
 _ROLE = {"P": "prefill", "D": "decode", "C": "collocated"}
@@ -193,7 +198,7 @@ class Simulator:
     def __init__(self, deployment: Deployment, profiles: Mapping[str, Any], config: EngineConfig,
                  num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000,
                  *, pipelined_pickup: bool = False, serving_overhead_ms: float = 0.0,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, retokenized_answers: bool = False):
         if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
             raise ValueError("profiles: give a 'default' profile or one per role")
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
@@ -207,6 +212,10 @@ class Simulator:
         if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
             raise ValueError(f"serving_overhead_ms must be a finite number >= 0, got {o!r}")
         self.serving_overhead_s = float(o) / 1e3
+        # multi-turn: the next turn carries each answer as RETOKENIZED_ID tokens, not the
+        # engine's (SIM_TOKEN_ID): what a served run sends when the answer's text tokenizes
+        # back to other ids (and another count)
+        self.retokenized_answers = bool(retokenized_answers)
         self.deployment = deployment
         self.pipelined_pickup = bool(pipelined_pickup)
         self.config = dataclasses.replace(config, async_scheduling=False)
@@ -436,7 +445,9 @@ class Simulator:
             elif tr.turn is not None:   # the next turn goes now, when this answer has ended
                 i, k, prompt = tr.turn
                 if k + 1 < len(self._convs[i].user_messages):
-                    self._send_turn(i, k + 1, prompt + list(o.token_ids), self.now)
+                    answer = [RETOKENIZED_ID] * (len(o.token_ids) + 1) \
+                        if self.retokenized_answers else list(o.token_ids)
+                    self._send_turn(i, k + 1, prompt + answer, self.now)
 
     def _token_times(self) -> None:
         """Each finished request's token times from the runners (P/D: its first token from the
@@ -473,10 +484,15 @@ class Simulator:
         st = self.router.stats
         per = {}
         for n, w in self.workers.items():
+            kv = w.core.kv
             per[n] = {"role": w.role, "steps": w.runner.num_steps,
                       "busy_s": w.runner.busy_s, "preemptions": w.core.scheduler.num_preemptions,
-                      "kv_loads": w.runner.num_loads, "prefix_cache_hits": w.core.kv.prefix_hits,
-                      "prefix_cache_queries": w.core.kv.prefix_queries}
+                      "kv_loads": w.runner.num_loads, "prefix_cache_hits": kv.prefix_hits,
+                      "prefix_cache_queries": kv.prefix_queries,
+                      "prefix_cache_host_hits": kv.prefix_host_hits,
+                      "blocks_offloaded": kv.blocks_offloaded,
+                      "blocks_loaded_back": kv.blocks_loaded_back,
+                      "blocks_swapped_out": kv.blocks_swapped_out}
         return {"simulated_s": self.now, "events": self.num_events, "wall_s": wall_s,
                 "requests": dict(st.requests), "transfers": st.transfers,
                 "transfer_bytes": st.transfer_bytes, "transfer_seconds": st.transfer_seconds,
