@@ -67,7 +67,7 @@ class Router:
         self.startup_timeout_s = startup_timeout_s
         if any(s.config.executor_backend == "ray" for s in specs):
             from ..worker.ray_launch import connect
-            connect()   # here, not in the start threads: ray.init wants the main thread
+            connect()   # once, here: the start threads below would race to join
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = [pool.submit(EngineClient, s.config, startup_timeout_s, s.name,
                                    s.cpu_threads) for s in specs]
