@@ -60,7 +60,13 @@ def connect() -> None:
         raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
                          "'ray>=2.40,<3' (or pdserve[ray])")
     if not ray.is_initialized():
-        ray.init()
+        try:
+            ray.init()
+        except ConnectionError as e:
+            raise RuntimeError(
+                f"could not join the Ray cluster: {e} (a cluster made by `ray start` with Ray "
+                ">= 2.59 checks a token: set RAY_AUTH_MODE=token, with the cluster's token in "
+                "~/.ray/auth_token or RAY_AUTH_TOKEN)") from e
     if not _AT_EXIT:
         # Registered after ray.init's own exit hook, so it runs first: watcher threads must not
         # be inside a Ray call while Ray's core worker is torn down (it crashes the process).
