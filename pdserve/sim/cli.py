@@ -36,6 +36,11 @@ from ..perf.workload import (add_multi_turn_args, arrival_times, load_sharegpt,
 from .simulator import Deployment, SimConversation, SimRequest, Simulator, parse_deployment
 
 DEFAULT_NUM_KV_BLOCKS = 65536
+# The host tier's copy rate a run assumes (GB/s): the low end of what kv_host_tier.py moved on one
+# H200 with 64 to 1,024 blocks per step (bench/results/kv-tier-h200.json: 28.8-34.5 GB/s with
+# scattered host ids, 41-45.5 with consecutive ones), so a host tier is not predicted faster than
+# it runs; 0 makes the copies free (the simulator before this flag).
+DEFAULT_HOST_COPY_GBPS = 30.0
 
 
 def add_workload_args(g) -> None:
@@ -124,8 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--num-host-blocks", type=int, default=0,
                    help="the KV cache's host tier per worker in blocks (a server's --swap-space "
-                        "GiB over one block's bytes); its copies take no simulated time "
-                        "(default %(default)s: none)")
+                        "GiB over one block's bytes) (default %(default)s: none)")
+    g.add_argument("--host-copy-gbps", type=float, default=DEFAULT_HOST_COPY_GBPS, metavar="GB/S",
+                   help="the host tier's copy rate: a step's moves (offloads, load-backs, swaps) "
+                        "take blocks * block bytes / this on a copy stream beside its forward, "
+                        "and the next forward waits for them; 0: free (default %(default)s, "
+                        "kv_host_tier.py's scattered-id rate on one H200, "
+                        "bench/results/kv-tier-h200.json)")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests per second, one or more (a sweep); inf = all at once")
@@ -276,7 +286,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         sim = Simulator(dep, profiles, config, blocks, max_len, _policy(a, dep, profile)[1],
                         a.vocab_size, pipelined_pickup=a.async_scheduling,
                         serving_overhead_ms=overhead, num_host_blocks=a.num_host_blocks,
-                        retokenized_answers=a.multi_turn_retokenized_answers)
+                        retokenized_answers=a.multi_turn_retokenized_answers,
+                        host_copy_gb_per_s=a.host_copy_gbps)
         if a.dataset_name == "multi-turn":
             offsets = arrival_times(len(convs), rate, a.burstiness, a.seed)
             res = sim.run_conversations([SimConversation(float(t), s, u, o)

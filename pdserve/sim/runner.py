@@ -11,11 +11,32 @@ the profile says the step costs, from the step's own mix:
 P/D: a consumer's KV loads (the step's kv_work) start when the step starts and end
 transfer_ms(tokens) later on the same clock (tokens: what the load moves, the source's
 positions past the blocks this worker already had cached); poll_loads reports those that
-have ended by the clock's time. Plain Python.
+have ended by the clock's time.
+
+Host tier (the step's kv_moves: prefix-cache offloads and load-backs, swap-outs and swap-ins,
+all alike): a step's copies run on a copy stream beside its forward and the next step's forward
+waits for them, as the ModelRunner queues them on a GPU (worker/kv_host_tier.py: apply() queues
+step N's copies after the work already on the compute stream, the forward of N does not wait for
+them, begin_step() makes step N + 1's compute wait for them; the sampled tokens wait only for
+the forward). On the simulated clock, with host_copy_gb_per_s > 0:
+
+    start_N  = max(clock, copies_end_{N-1})          the forward (and step N's copies) start
+    end_N    = start_N + step_ms(N)                  its tokens' time; the clock moves here
+    copies_end_N = start_N + copy_ms(N)              copy_ms = blocks moved (to_host + to_device)
+                                                     * block_size * kv_bytes_per_token
+                                                     / host_copy_gb_per_s
+
+so copies no longer than their step's forward cost nothing, and longer ones delay the next
+step's forward by the difference. (kv_bytes_per_token is one rank's, as the profiler measures
+it: under TP every rank moves its own share at this rate at once.) A step without chunks (moves only) starts its copies at
+max(clock, copies_end) and ends at once. 0 (the default here): the copies take no time.
+Leaves out: the copy stream's gathers taking SMs from the forward, and the rate's dependence
+on the step's move count and host-id runs (one rate for all). Plain Python.
 """
 from __future__ import annotations
 
 import heapq
+import math
 
 from ..engine.executor import SampledToken
 from ..engine.scheduler import SchedulerOutput
@@ -40,9 +61,16 @@ class SimClock:
 
 class CostModelRunner:
     """An Executor whose steps take the profile's time on `clock`. coordinator: the engine
-    core's KVCoordinator (a P/D consumer: where a load's token count is read), else None."""
+    core's KVCoordinator (a P/D consumer: where a load's token count is read), else None.
+    host_copy_gb_per_s: the host tier's copy rate (GB/s, both ways; 0: copies are free), see
+    the module docstring."""
 
-    def __init__(self, profile, clock: SimClock, block_size: int, token_id: int = SIM_TOKEN_ID):
+    def __init__(self, profile, clock: SimClock, block_size: int, token_id: int = SIM_TOKEN_ID,
+                 host_copy_gb_per_s: float = 0.0):
+        r = host_copy_gb_per_s
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
+            raise ValueError(f"host_copy_gb_per_s must be a finite number >= 0, got {r!r}")
+        self.host_copy_gb_per_s = float(r)
         self.profile = profile
         self.clock = clock
         self.block_size = block_size
@@ -57,6 +85,13 @@ class CostModelRunner:
         self.busy_s = 0.0
         self.num_loads = 0
         self.last_step_ms = 0.0
+        # host tier: when the copy stream has run every move queued (s), its busy time, the time
+        # forwards waited for it, and the blocks it moved
+        self.copies_end = 0.0
+        self.copy_s = 0.0
+        self.copy_wait_s = 0.0
+        self.blocks_copied = 0
+        self.last_moves = 0        # blocks the last step moved (a step of moves only progressed)
         # per sequence: when each of its tokens was sampled (the end of its step), in order
         self.token_times: dict[str, list[float]] = {}
 
@@ -78,6 +113,15 @@ class CostModelRunner:
             return p.decode_ms(b, ctx)
         return p.mixed_ms(b, ctx, n)
 
+    def copy_ms(self, sched: SchedulerOutput) -> float:
+        """The simulated duration of `sched`'s host-tier copies on the copy stream (ms)."""
+        m = sched.kv_moves
+        if m is None or self.host_copy_gb_per_s <= 0:
+            return 0.0
+        nbytes = (len(m.to_host) + len(m.to_device)) * self.block_size \
+            * self.profile.kv_bytes_per_token
+        return nbytes / (self.host_copy_gb_per_s * 1e6)
+
     # ---- Executor ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
         for rid in sched.finished_ids:
@@ -88,13 +132,25 @@ class CostModelRunner:
         work = sched.kv_work
         if work is not None and work.loads:
             self._start_loads(work.loads, now)
+        # (the previous step's copies first: this step's forward and copies wait for them)
+        start = max(now, self.copies_end)
+        self.last_moves = 0
+        if sched.kv_moves is not None:
+            m = sched.kv_moves
+            self.last_moves = len(m.to_host) + len(m.to_device)
+            self.blocks_copied += self.last_moves
+            cs = self.copy_ms(sched) / 1e3
+            if cs > 0:
+                self.copies_end = start + cs
+                self.copy_s += cs
         if not sched.chunks:
             return {}
         ms = self.step_ms(sched)
         self.last_step_ms = ms
         self.num_steps += 1
         self.busy_s += ms / 1e3
-        end = self.clock.t = now + ms / 1e3
+        self.copy_wait_s += start - now
+        end = self.clock.t = start + ms / 1e3
         self._gpu_times[sched.step_id] = ms
         tok = self.token
         times = self.token_times

@@ -25,8 +25,10 @@ again.)
 
 Events are ordered by time, then by the order they were made (a heap; deterministic). A worker
 runs one step at a time; between steps it takes what the router sent it meanwhile (as a
-worker process takes its messages at a step boundary). A step without chunks costs nothing; a
-worker whose only work is KV in flight sleeps until the first load ends. The engine cores run
+worker process takes its messages at a step boundary). A step without chunks costs nothing
+(host-tier copies it carries run on the copy stream, runner.py) and, if it moved host-tier
+blocks, the worker steps again at once; a worker whose only work is KV in flight sleeps until
+the first load ends. The engine cores run
 synchronously (async_scheduling off: with no device there is nothing to overlap; the
 scheduler's decisions are those of a synchronous engine). pipelined_pickup=True models what
 async scheduling does to admissions (a request reaching a busy worker joins the step after the
@@ -192,13 +194,17 @@ class Simulator:
 
     num_host_blocks: each worker's KV host tier (0: none), as a served worker's --swap-space
     gives it: the real engine offloads, loads back and swaps as it would, and its stats carry
-    the host tier's counters; the copies cost no simulated time (the profile has no term for
-    them yet)."""
+    the host tier's counters. host_copy_gb_per_s: the tier's copy rate (GB/s; 0: the copies
+    take no simulated time): each step's moves (offloads, load-backs, swaps) run on a copy
+    stream beside its forward and the next forward waits for them (runner.py); the engine
+    core gets the rate and the block's bytes (block_size * the profile's kv_bytes_per_token)
+    for its swap-or-recompute rule, as a served worker gets its measured rate."""
 
     def __init__(self, deployment: Deployment, profiles: Mapping[str, Any], config: EngineConfig,
                  num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000,
                  *, pipelined_pickup: bool = False, serving_overhead_ms: float = 0.0,
-                 num_host_blocks: int = 0, retokenized_answers: bool = False):
+                 num_host_blocks: int = 0, retokenized_answers: bool = False,
+                 host_copy_gb_per_s: float = 0.0):
         if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
             raise ValueError("profiles: give a 'default' profile or one per role")
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
@@ -226,11 +232,15 @@ class Simulator:
         for name, role in deployment.workers():
             prof = profiles.get(role, profiles.get("default"))
             clock = SimClock()
-            runner = CostModelRunner(prof, clock, self.config.block_size)
+            runner = CostModelRunner(prof, clock, self.config.block_size,
+                                     host_copy_gb_per_s=host_copy_gb_per_s)
             core = EngineCore(self.config, runner, num_kv_blocks=num_kv_blocks,
                               max_model_len=max_model_len, vocab_size=vocab_size,
                               eos_token_ids=(), kv_transfer=pd and role != "collocated",
-                              clock=clock, num_host_blocks=num_host_blocks)
+                              clock=clock, num_host_blocks=num_host_blocks,
+                              host_copy_gb_per_s=runner.host_copy_gb_per_s,
+                              kv_block_bytes=(self.config.block_size * prof.kv_bytes_per_token
+                                              if runner.host_copy_gb_per_s > 0 else 0))
             runner.coordinator = core.kv_coordinator
             self.workers[name] = SimWorker(name, role, clock, runner, core)
         # (prefix caching off: the router's prefix index tracks nothing)
@@ -359,8 +369,10 @@ class Simulator:
             if w.deferred:              # scheduled after this step's launch: the next one
                 self._flush_deferred(w)
             return
-        # no forward: nothing ran, it cost nothing; KV loads may have ended
-        progressed = self._collect(w, outs)
+        # no forward: nothing ran, it cost nothing; KV loads may have ended, or the step moved
+        # host-tier blocks only (a swap-out when every sequence was short of blocks: what it
+        # frees comes at the next step, which a worker runs at once)
+        progressed = self._collect(w, outs) or w.runner.last_moves > 0
         if progressed:
             self._dirty[w.name] = w
             return
@@ -492,7 +504,10 @@ class Simulator:
                       "prefix_cache_host_hits": kv.prefix_host_hits,
                       "blocks_offloaded": kv.blocks_offloaded,
                       "blocks_loaded_back": kv.blocks_loaded_back,
-                      "blocks_swapped_out": kv.blocks_swapped_out}
+                      "blocks_swapped_out": kv.blocks_swapped_out,
+                      "blocks_copied": w.runner.blocks_copied,
+                      "host_copy_s": w.runner.copy_s,
+                      "host_copy_wait_s": w.runner.copy_wait_s}
         return {"simulated_s": self.now, "events": self.num_events, "wall_s": wall_s,
                 "requests": dict(st.requests), "transfers": st.transfers,
                 "transfer_bytes": st.transfer_bytes, "transfer_seconds": st.transfer_seconds,
