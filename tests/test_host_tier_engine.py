@@ -277,6 +277,115 @@ def test_reserve_slots_gives_a_loading_table_its_tail_blocks():
     kv.check_integrity()
 
 
+def _x_and_y_written_through(evict_x):
+    """Pool of 6 device blocks, 16 host blocks, block size 4, write-through. X = A[:4] (device
+    [0]) and Y = A[4:12] (device [1, 2], below X) are copied to host [0] and [1, 2] at the next
+    step. A step later e's 5 blocks (6 with evict_x) evict Y, then X, at once (their blocks go
+    back to the free list): e gets [3, 4, 5, 1, 2] (+ [0]) and frees them tail first. d's 16
+    tokens then take 4 of them, cached as Z; 2 blocks stay free with X evicted, 1 without."""
+    kv = KVCacheManager(6, BS, enable_prefix_caching=True, num_host_blocks=16,
+                        kv_offload_policy="write-through")
+    assert kv.allocate_slots("a", 0, 4) == [] and kv.block_tables["a"] == [0]
+    kv.free("a", A[:4])
+    assert kv.match_prefix("a2", A[:12], 11) == 4
+    assert kv.allocate_slots("a2", 4, 8) == [] and kv.block_tables["a2"] == [0, 1, 2]
+    kv.free("a2", A[:12])
+    kv.begin_step()
+    assert kv.take_moves() == KVMoves([(0, 0), (1, 1), (2, 2)], [])
+    kv.begin_step()
+    n = 6 if evict_x else 5
+    assert kv.allocate_slots("e", 0, 4 * n) == [] and kv.take_moves() is None
+    assert kv.block_tables["e"] == [3, 4, 5, 1, 2, 0][:n]
+    kv.free("e")
+    assert kv.prefix_cache.num_host_cached_tokens() == (12 if evict_x else 8)
+    assert kv.allocate_slots("d", 0, 16) == []
+    z = kv.block_tables["d"]
+    assert z == ([0, 2, 1, 5] if evict_x else [2, 1, 5, 4])
+    kv.free("d", list(range(100, 116)))
+    assert kv.pool.num_free_blocks == (2 if evict_x else 1)
+    kv.check_integrity()
+    return kv, z
+
+
+@pytest.mark.parametrize("max_waits", [Scheduler.MAX_LOAD_WAITS, 0])
+@pytest.mark.parametrize("evict_x", [True, False])
+def test_a_load_back_stopped_for_room_the_next_step_brings_waits_for_it(evict_x, max_waits):
+    """Write-through; c = A[:12] + [99], 4 tokens a step, matches X and Y on the host
+    (evict_x), or X on the device and Y on the host. Its first step starts by copying Z (d's
+    leaf, inserted since the last step) to host [3, 4, 5, 6]. With evict_x X loads into the
+    free block 4 (host 0 -> 4). Y needs 2 blocks with 1 free: evicting Z frees its 4 blocks
+    only at the next step (Z's copy reads them), so the load stops there. c's first chunk
+    fits (1 block: 3), so before the rule c ran with 4 of its 12 cached tokens (max_waits 0:
+    with its waits spent, it still does). With the rule it waits, its blocks given back (3 at
+    once): the next step Y loads into [3, 0] (evict_x) or [3, 2] (block 3, then Z's blocks
+    tail first) and c is admitted with all 12 tokens and the block of its last position (2,
+    or 1), and runs a step later."""
+    kv, z = _x_and_y_written_through(evict_x)
+    s = Scheduler(kv, 8, 4)
+    s.MAX_LOAD_WAITS = max_waits
+    c = Request("c", A[:12] + [99], SamplingParams(max_tokens=1))
+    s.add(c)
+    out = s.schedule()
+    x = [4] if evict_x else [0]
+    assert out.kv_moves == KVMoves(list(zip(z, [3, 4, 5, 6])), [(0, 4)] if evict_x else [])
+    assert kv.pool.num_arriving == 4
+    if not max_waits:           # admitted with the part that loaded, as before the rule
+        assert c.num_cached_tokens == 4 and c.status is RequestStatus.RUNNING
+        assert kv.block_tables["c"] == x + [3] and c.num_load_waits == 0
+        if evict_x:
+            assert out.chunks == []                       # (X loads this step)
+            out = s.schedule()
+        assert [(ch.request_id, ch.start_pos, ch.token_ids) for ch in out.chunks] == [
+            ("c", 4, A[4:8])]
+        return
+    assert out.chunks == [] and c.status is RequestStatus.WAITING and c.num_load_waits == 1
+    assert "c" not in kv.block_tables and kv.pool.num_free_blocks == 1
+    s.check_integrity()
+    out = s.schedule()
+    y = [3, 0] if evict_x else [3, 2]
+    assert out.kv_moves == KVMoves([], [(1, y[0]), (2, y[1])]) and out.chunks == []
+    assert c.num_cached_tokens == 12 and c.status is RequestStatus.RUNNING
+    assert kv.block_tables["c"] == x + y + ([2] if evict_x else [1])
+    assert kv.blocks_loaded_back == (3 if evict_x else 2)
+    assert kv.prefix_host_hits == (12 if evict_x else 8)
+    s.check_integrity()
+    out = s.schedule()
+    assert [(ch.request_id, ch.start_pos, ch.token_ids) for ch in out.chunks] == [
+        ("c", 12, [99])]
+    assert out.kv_moves is None and c.num_load_waits == 1
+
+
+def test_a_load_back_stopped_for_room_that_does_not_come_does_not_wait():
+    """Pool of 3 (block size 4), write-through: X = A[:4] and Y = A[4:12] are copied to the
+    host, then r's 3 blocks evict both at once ([1, 2, 0]); r keeps [0, 2]. c's match loads X
+    into the free block 1 and stops at Y: nothing else can be evicted (X is c's own), so no
+    room arrives and load_room_arrives says no. Once r is gone Y loads into [2, 0]."""
+    kv = KVCacheManager(3, BS, enable_prefix_caching=True, num_host_blocks=8,
+                        kv_offload_policy="write-through")
+    kv.allocate_slots("a", 0, 4)
+    kv.free("a", A[:4])
+    kv.match_prefix("a2", A[:12], 11)
+    kv.allocate_slots("a2", 4, 8)
+    kv.free("a2", A[:12])
+    kv.begin_step()
+    assert kv.take_moves() == KVMoves([(0, 0), (1, 1), (2, 2)], [])
+    kv.begin_step()
+    assert kv.allocate_slots("r", 0, 12) == [] and kv.block_tables["r"] == [1, 2, 0]
+    kv.free("r")
+    assert kv.allocate_slots("r", 0, 8) == [] and kv.block_tables["r"] == [0, 2]
+    c = A[:12] + [99]
+    assert kv.match_prefix("c", c, 12) == 4 and kv.block_tables["c"] == [1]
+    assert kv.take_moves() == KVMoves([], [(0, 1)])
+    assert kv.pool.num_arriving == 0 and not kv.load_room_arrives("c")
+    kv.free("c")
+    kv.begin_step()
+    kv.free("r")
+    assert kv.match_prefix("c", c, 12) == 12 and kv.block_tables["c"] == [1, 2, 0]
+    assert kv.take_moves() == KVMoves([], [(1, 2), (2, 0)])
+    assert not kv.load_room_arrives("c")
+    kv.check_integrity()
+
+
 def test_forked_victims_and_p_d_holders_are_recomputed():
     kv = KVCacheManager(8, BS, num_host_blocks=8)
     s = Scheduler(kv, 4, 64, preemption_mode="swap")

@@ -368,6 +368,26 @@ def test_the_host_tier_on_the_command_line(profile_file, tmp_path, host):
     assert all((w[f] > 0) == bool(host) for f in fields), w
 
 
+@pytest.mark.parametrize("policy", ["on-eviction", "write-through"])
+def test_the_kv_offload_policy_on_the_command_line(profile_file, tmp_path, policy):
+    """--kv-offload-policy reaches the simulated engine: the same 12 conversations x 3 turns on
+    a pool that holds them all (1,024 blocks), so nothing is evicted. On eviction nothing goes
+    to the 600-block host tier; write-through copies every cached prefix there when it is
+    cached. Nothing is loaded back either way (every match is on the device)."""
+    out = str(tmp_path / "policy.json")
+    assert simulate_main(["--dataset-name", "multi-turn", "--multi-turn-conversations", "12",
+                          "--multi-turn-turns", "3", "--multi-turn-user-len", "60",
+                          "--multi-turn-output-len", "8", "--num-kv-blocks", "1024",
+                          "--max-model-len", "1024", "--num-host-blocks", "600",
+                          "--kv-offload-policy", policy,
+                          "--profile", profile_file, "--result-file", out]) == 0
+    d = json.load(open(out))
+    assert d["completed"] == 36 and d["config"]["kv_offload_policy"] == policy
+    (w,) = d["simulation"]["workers"].values()
+    assert (w["blocks_offloaded"] > 0) == (policy == "write-through"), w
+    assert w["blocks_loaded_back"] == 0 and w["prefix_cache_hits"] > 0, w
+
+
 @pytest.mark.parametrize("retokenized", [False, True])
 def test_multi_turn_on_the_command_line(profile_file, tmp_path, capsys, retokenized):
     """bench serve's multi-turn flags: 3 conversations x 4 turns, a 40-token system prompt,

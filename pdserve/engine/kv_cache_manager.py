@@ -75,6 +75,9 @@ class KVCacheManager:
         # request -> (the cache node its prefix matched, the matched length): locked while the
         # request lives; its insert at the end resumes from there (PrefixCache.insert's known)
         self._locked: dict[str, tuple[Node, int]] = {}
+        # the last match_prefix: (its request, the blocks of the host node its load-back stopped
+        # at for lack of device room), or None (it loaded all it matched, or nothing to load)
+        self._load_short: tuple[str, int] | None = None
         self.prefix_queries = 0                 # tokens looked up in the cache (metrics)
         self.prefix_hits = 0                    # of them, found
 
@@ -83,7 +86,10 @@ class KVCacheManager:
         """A request without blocks: start its table with the blocks of the longest cached
         prefix of tokens[:limit] (shared, copied on write). Returns the matched length.
         whole_blocks: only the fully matched blocks (the length rounded down to a block), for a
-        table whose remaining blocks are written whole (a P/D consumer pulling the rest)."""
+        table whose remaining blocks are written whole (a P/D consumer pulling the rest).
+        A host part is loaded back while the device has room for it; where it stops for lack
+        of room, load_room_arrives() says whether waiting a step would bring that room."""
+        self._load_short = None
         if self.prefix_cache is None or request_id in self.block_tables:
             return 0
         pc = self.prefix_cache
@@ -91,7 +97,13 @@ class KVCacheManager:
         from_host = None       # with host nodes matched: positions from here were loaded
         if m.host_nodes:   # load what fits back to the device (the request runs next step)
             from_host = m.num_device_tokens
-            loaded = pc.load_back(m.host_nodes, self._make_room)
+
+            def make_room(k: int) -> bool:
+                if self._make_room(k):
+                    return True
+                self._load_short = (request_id, k)   # (load_back stops there)
+                return False
+            loaded = pc.load_back(m.host_nodes, make_room)
             device_end = m.host_nodes[loaded - 1].end if loaded else m.num_device_tokens
             m = pc.match(tokens, min(limit, device_end))
         n = m.num_tokens - m.num_tokens % self.block_size if whole_blocks else m.num_tokens
@@ -107,6 +119,18 @@ class KVCacheManager:
         self.prefix_cache.lock(m.node)
         self._locked[request_id] = (m.node, m.num_tokens)
         return n
+
+    def load_room_arrives(self, request_id: str) -> bool:
+        """The last match_prefix, this request's, stopped loading its cached prefix back from
+        the host for lack of device room (the rest of the match stays on the host, and the
+        request would run with part of it), and the blocks released this step make that room
+        at the next (evicting for it freed blocks copied this step: a write-through copy, a
+        load-back, an offload). The request may wait a step for the rest rather than compute
+        it again."""
+        short = self._load_short
+        if short is None or short[0] != request_id:
+            return False
+        return short[1] - self.pool.num_free_blocks <= self.pool.num_arriving
 
     def _make_room(self, n: int) -> bool:
         """At least n free blocks, evicting cached ones if needed (with a host tier they are

@@ -59,6 +59,7 @@ class Request:
     hold_kv: bool = False                   # P/D producer: keep the blocks when finished
     num_cached_tokens: int | None = None    # prompt positions found in the prefix cache when
                                             # first admitted (None: not admitted yet)
+    num_load_waits: int = 0                 # steps it waited for room to load its prefix back
 
     num_tokens: int = 0                     # prompt + output; kept by append_output (hot path)
 

@@ -19,6 +19,10 @@ forward, so the blocks a swap gives back come free at the next step: a sequence 
 that the next step brings waits one step rather than preempting more, and a sequence whose
 table lists a block copied this step (loaded back for its cached prefix) runs from the next step,
 admitted only with the blocks of its next chunk held for it (KVCacheManager.reserve_slots).
+A cached prefix whose load-back stopped for room that the next step brings (the eviction made
+it from blocks copied this step, as write-through's fresh copies are) is not admitted with part
+of its prefix: it waits a step for the rest, MAX_LOAD_WAITS times at most in its life (then it
+takes what loaded, so it cannot wait forever), and admission stops behind it.
 
 P/D lives in a KVCoordinator (kv_coordinator.py) given to the constructor: sequences whose
 prompt KV is on a producer (add_remote), loads in flight, blocks held for a consumer. Without
@@ -105,6 +109,7 @@ class SchedulerOutput:
 
 class Scheduler:
     PREEMPTION_MODES = (None, "recompute", "swap")
+    MAX_LOAD_WAITS = 4      # steps a sequence may wait for room to load its cached prefix back
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_coordinator: KVCoordinator | None = None, preemption_mode: str | None = None,
@@ -306,7 +311,8 @@ class Scheduler:
                     # (the blocks of its next chunk held now: none for it next step would
                     # preempt others, or itself, the newest, swapping out what just came back)
                     n = min(req.num_tokens - req.num_computed_tokens, self.max_num_batched_tokens)
-                    if not self.kv.reserve_slots(req.request_id, req.num_computed_tokens, n):
+                    if (not self.kv.reserve_slots(req.request_id, req.num_computed_tokens, n)
+                            or self._waits_for_load(req)):
                         self.kv.free(req.request_id)   # (the loaded prefix stays cached)
                         req.num_computed_tokens = 0
                         break
@@ -318,7 +324,7 @@ class Scheduler:
                     continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
-            if copies is None:
+            if copies is None or self._waits_for_load(req):
                 self.kv.free(req.request_id)   # (the matched prefix: matched again next time)
                 req.num_computed_tokens = 0
                 break
@@ -378,6 +384,18 @@ class Scheduler:
         if out.chunks:
             self._unread.append(samplers + forked)
         return out
+
+    def _waits_for_load(self, req: Request) -> bool:
+        """Admitting req (its room for the next chunk just made), whose cached prefix stopped
+        loading back from the host for room that the next step brings (what eviction freed is
+        being copied this step: KVCacheManager.load_room_arrives): it waits a step for the rest
+        rather than computing it again, MAX_LOAD_WAITS times at most in its life, so it cannot
+        wait forever. The room taken for its chunk goes back at once with its table."""
+        if req.num_load_waits >= self.MAX_LOAD_WAITS or not self.kv.load_room_arrives(
+                req.request_id):
+            return False
+        req.num_load_waits += 1
+        return True
 
     @staticmethod
     def _waits_for_host(req: Request) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import EngineConfig
+from ..config import KV_OFFLOAD_POLICIES, EngineConfig
 from ..perf.cost_profile import CostProfile
 from ..perf.files import read_json_object, write_json
 from ..perf.metrics import compute_metrics
@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the next forward waits for them; 0: free (default %(default)s, "
                         "kv_host_tier.py's scattered-id rate on one H200, "
                         "bench/results/kv-tier-h200.json)")
+    g.add_argument("--kv-offload-policy", default="on-eviction",
+                   choices=list(KV_OFFLOAD_POLICIES),
+                   help="when cached prefixes reach the host tier (--num-host-blocks), as the "
+                        "engine's flag: on-eviction or write-through (default %(default)s)")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests per second, one or more (a sweep); inf = all at once")
@@ -260,7 +264,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
                           max_num_batched_tokens=a.max_num_batched_tokens,
                           block_size=a.block_size, num_kv_blocks=blocks,
                           enable_prefix_caching=a.enable_prefix_caching, skip_tokenizer_init=True,
-                          async_scheduling=False)
+                          async_scheduling=False, kv_offload_policy=a.kv_offload_policy)
     max_len = a.max_model_len if a.max_model_len is not None else (
         ec.get("max_model_len") if isinstance(ec.get("max_model_len"), int) else blocks * a.block_size)
     policy_name, _ = _policy(a, dep, profile)   # (checks the flags once)
