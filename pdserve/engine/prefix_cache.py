@@ -289,7 +289,7 @@ class PrefixCache:
         new = table[first:last + 1]
         self.pool.incref(new, cached=True)
         self.num_cached_blocks += len(new)
-        leaf = Node(list(tokens[pos:]), pos, list(new), parent=node, last_use=self._clock)
+        leaf = Node(tokens[pos:], pos, list(new), parent=node, last_use=self._clock)
         node.children[tokens[pos]] = leaf
         self._num_nodes += 1
         if self.write_through:
