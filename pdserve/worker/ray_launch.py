@@ -146,13 +146,13 @@ class RayRank(RankHandle):
 
     def __init__(self, actor, rank: int, config: bytes, env: dict[str, str]):
         self.actor, self.rank = actor, rank
-        self.sentinel, self._w = os.pipe()
         self._done = threading.Event()
         self._stop = threading.Event()
         self._code: int | None = None
         self.error: str | None = None
         ref = actor.run.remote(config, rank, env)
-        self.pid = ray.get(actor.rank_pid.remote(_START_S)) or 0
+        self.pid = ray.get(actor.rank_pid.remote(_START_S), timeout=2 * _START_S) or 0
+        self.sentinel, self._w = os.pipe()
         self._thread = threading.Thread(target=self._watch, args=(ref,), daemon=True,
                                         name=f"pdserve-ray-rank-{rank}")
         _WATCHERS.add(self)
@@ -265,8 +265,12 @@ class RayLauncher(RankLauncher):
             max_restarts=0, name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=r)).remote() for r in range(tp)]
-        self.sites = rank_sites(ray.get([a.site.remote() for a in self.actors]),
-                                self.config.is_cuda)
+        try:
+            found = ray.get([a.site.remote() for a in self.actors], timeout=_START_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the actors Ray placed for {what} did not start within "
+                               f"{_START_S:g} s") from None
+        self.sites = rank_sites(found, self.config.is_cuda)
         return self.sites
 
     def client_address(self) -> str:
@@ -276,11 +280,20 @@ class RayLauncher(RankLauncher):
         return f"tcp://{address}:*"
 
     def rendezvous(self) -> str:
-        return f"tcp://{self.sites[0].address}:{ray.get(self.actors[0].free_port.remote())}"
+        port = ray.get(self.actors[0].free_port.remote(), timeout=_START_S)
+        return f"tcp://{self.sites[0].address}:{port}"
 
     def start(self, config: bytes) -> list[RankHandle]:
-        return [RayRank(a, r, config, dict(s.env))
-                for r, (a, s) in enumerate(zip(self.actors, self.sites))]
+        ranks: list[RankHandle] = []
+        try:
+            for r, (a, s) in enumerate(zip(self.actors, self.sites)):
+                ranks.append(RayRank(a, r, config, dict(s.env)))
+        except BaseException:   # (the client holds none of them yet: stop the ones started)
+            for h in ranks:
+                h.kill()
+                h.close()
+            raise
+        return ranks
 
     def close(self) -> None:
         for a in self.actors:
