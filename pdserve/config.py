@@ -183,7 +183,12 @@ class EngineConfig:
         if m is None:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         # (Ray: the GPUs are the ranks' nodes', each rank checks its own)
-        if m.group(1) == "cuda" and self.distributed_executor_backend != "ray":
+        if m.group(1) == "cuda" and self.distributed_executor_backend == "ray":
+            if m.group(2) is not None:
+                raise ValueError(f"device {self.device!r}: under Ray each rank gets its GPU "
+                                 "from Ray; give device 'cuda'")
+            return
+        if m.group(1) == "cuda":
             import torch
             # (device_count asks NVML where it can: it leaves CUDA uninitialised in this process)
             n = torch.cuda.device_count()

@@ -71,6 +71,8 @@ def test_the_backend_and_strategy_are_flags_and_checked():
     assert engine_config(p.parse_args(engine_argv(cfg))) == cfg
     with pytest.raises(ValueError, match="ray_placement_strategy"):
         EngineConfig(ray_placement_strategy="ANYWHERE")
+    with pytest.raises(ValueError, match="gets its GPU from Ray"):
+        EngineConfig(device="cuda:1", distributed_executor_backend="ray")
 
 
 def test_a_ray_plan_leaves_gpus_to_ray_and_moves_kv_two_sided():
@@ -82,6 +84,9 @@ def test_a_ray_plan_leaves_gpus_to_ray_and_moves_kv_two_sided():
     specs = plan_workers(base, prefill=1, decode=1, prefill_tp=2, kv_connector="nccl")
     assert [(s.config.device, s.config.tensor_parallel_size, s.config.executor_backend)
             for s in specs] == [("cuda", 2, "ray"), ("cuda", 1, "ray")]
+    # CPU: this host's cores say nothing of the nodes' (each rank reserves one CPU there)
+    cpu = plan_workers(EngineConfig(distributed_executor_backend="ray"), prefill=1, decode=1)
+    assert [s.cpu_threads for s in cpu] == [None, None]
     with pytest.raises(ValueError, match="Ray places them"):
         plan_workers(base, collocated=2, num_gpus=1)
     said = []
@@ -93,6 +98,28 @@ def test_a_ray_plan_leaves_gpus_to_ray_and_moves_kv_two_sided():
     assert default_kv_connector(EngineConfig(), pd, said.append) == "shared" and len(said) == 2
 
 
+def test_a_start_that_fails_part_way_leaves_no_rank(monkeypatch, tmp_path):
+    """(The local launcher, the contract both share.) Rank 1's process cannot be started: the
+    client's start fails with that error, and rank 0, already started, is stopped."""
+    from pdserve.worker import launch
+    from pdserve.worker.client import EngineClient
+    started = []
+
+    class FailingSecond(launch.LocalRank):
+        def __init__(self, path, rank):
+            if rank == 1:
+                raise OSError("no process for rank 1")
+            super().__init__(path, rank)
+            started.append(self.pid)
+
+    monkeypatch.setattr(launch, "LocalRank", FailingSecond)
+    with pytest.raises(OSError, match="no process for rank 1"):
+        EngineClient(EngineConfig(_folder(tmp_path, LLAMA_8Q_2KV), tensor_parallel_size=2,
+                                  **DUMMY))
+    assert len(started) == 1
+    assert_processes_gone(started)
+
+
 def test_without_ray_the_backend_is_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_launch, "ray", None)
     with pytest.raises(ValueError, match="needs Ray"):
@@ -100,12 +127,13 @@ def test_without_ray_the_backend_is_refused_by_name(monkeypatch, tmp_path):
 
 
 # ---- on a local two-node cluster -------------------------------------------------------------
-ray = pytest.importorskip("ray")
+ray = ray_launch.ray   # (None without Ray: the cluster fixture skips what needs it)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Head (runs nothing) + nodes A and B of one CPU each; this process is its driver."""
+    pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for _ in range(2):
@@ -134,10 +162,12 @@ def _free_cpus() -> float:
 
 
 def _wait_free(cpus: float, timeout_s: float = 20) -> None:
-    """Every placement group given back (the cluster's CPUs free again)."""
+    """Every placement group removed, and the cluster's CPUs free again."""
+    from ray.util import placement_group_table
     deadline = time.monotonic() + timeout_s
-    while _free_cpus() < cpus:
-        assert time.monotonic() < deadline, ray.available_resources()
+    while _free_cpus() < cpus or any(g["state"] != "REMOVED"
+                                     for g in placement_group_table().values()):
+        assert time.monotonic() < deadline, (ray.available_resources(), placement_group_table())
         time.sleep(0.1)
 
 
@@ -209,8 +239,9 @@ def test_a_placement_the_cluster_cannot_give_is_a_clear_error(cluster, model, mo
 
 
 def test_a_rank_whose_actor_dies_takes_its_worker_down(cluster, model):
-    """The actor is the rank's parent: killed, its rank exits by itself (the parent watch), and
-    the client fails the worker naming the rank and what Ray said."""
+    """A rank's actor killed: its rank ends with it (Ray ends an actor's children; the rank
+    also watches its parent), and the client fails the worker naming the rank and what Ray
+    said."""
     from pdserve.protocol import AddRequest
     from pdserve.worker.client import EngineClient, EngineDeadError
     path, *_ = model
@@ -272,8 +303,8 @@ time.sleep(600)
 
 
 def test_a_client_killed_leaves_no_rank_behind(cluster, model):
-    """kill -9 the client's process: Ray ends the actors it owned, and each rank, watching its
-    actor, exits by itself on whichever node it runs."""
+    """kill -9 the client's process: Ray ends the actors it owned, and with them their ranks
+    (each rank also watches its actor, its parent), on whichever node they run."""
     import json
     import signal
     import subprocess

@@ -146,6 +146,12 @@ class Router:
         self.core.two_sided = cls.two_sided
         plan: dict[str, list] = {}
         if not cls.two_sided:
+            ray_gpus = [w.spec.name for w in live
+                        if w.spec.config.executor_backend == "ray" and w.spec.config.is_cuda]
+            if ray_gpus:   # (its device indices: each worker numbers the GPUs Ray gave it)
+                raise ValueError(f"the {cls.name!r} KV connector names the producer's GPU by its "
+                                 f"index, and under Ray each worker numbers its own GPUs "
+                                 f"({', '.join(ray_gpus)}); use nccl")
             for p, d in ((p, d) for p in prefill for d in decode if wanted(p, d)):
                 if len(set(p.client.nodes + d.client.nodes)) > 1:
                     raise ValueError(

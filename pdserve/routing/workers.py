@@ -75,7 +75,7 @@ def plan_workers(base: EngineConfig, prefill: int = 0, decode: int = 0, collocat
     ranks = sum(n * (t or base.tensor_parallel_size) for n, t in
                 ((prefill, prefill_tp), (decode, decode_tp), (collocated, collocated_tp)))
     cpu_threads = None
-    if dev.type == "cpu" and ranks > 1:
+    if dev.type == "cpu" and ranks > 1 and not ray:   # (under Ray: its nodes' cores, not ours)
         cpu_threads = max(1, len(os.sched_getaffinity(0)) // ranks)
     if num_gpus is not None:
         if not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1:

@@ -9,6 +9,7 @@ wait forever in a collective with the dead one).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -100,7 +101,11 @@ class EngineClient:
                       for r, s in enumerate(sites) if r > 0),
                 launcher.rendezvous())
             devices = tuple(s.device for s in sites)
-            wc = WorkerConfig(config, addrs, os.getpid(), self._tmp, name,
+            ranks_config = config
+            if config.is_cuda and len({s.node for s in sites}) > 1:
+                # the one-shot all-reduce maps its peers' memory: never across nodes
+                ranks_config = dataclasses.replace(config, disable_custom_all_reduce=True)
+            wc = WorkerConfig(ranks_config, addrs, os.getpid(), self._tmp, name,
                               cpu_threads=launcher.cpu_threads,
                               rank_devices=devices if all(devices) else ())
             self._procs.extend(launcher.start(pickle.dumps(wc)))
@@ -140,7 +145,7 @@ class EngineClient:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs if p.pid is not None]
 
     @property
     def is_dead(self) -> bool:

@@ -45,7 +45,7 @@ class RankHandle(abc.ABC):
     """One rank's process, as its client sees it. `sentinel` turns readable (POLLIN) once the
     process has ended, whatever ended it, and stays so until close()."""
     rank: int
-    pid: int                    # on its own node
+    pid: int | None             # on its own node (None: its process never started)
     sentinel: int
     error: str | None = None    # why it ended, when not by its own exit (Ray: actor or node lost)
 
@@ -81,8 +81,6 @@ class RankLauncher(abc.ABC):
     gone (after its handles are joined). Errors: ValueError for a configuration the launcher
     cannot satisfy (it names why), RuntimeError for a place or start that failed."""
 
-    #: the ranks run on this host, as children of this process (ipc:// channels will do)
-    local: bool = True
     #: CPU: torch threads of each rank (None: the rank's default, see worker_main)
     cpu_threads: int | None = None
 
@@ -175,7 +173,6 @@ class LocalRank(RankHandle):
 
 class ProcessLauncher(RankLauncher):
     """Every rank a child process of the client, on this host (the "mp" backend)."""
-    local = True
 
     def __init__(self, workdir: str, cpu_threads: int | None = None):
         self.workdir = workdir        # the client's directory: the config file goes there
@@ -199,7 +196,17 @@ class ProcessLauncher(RankLauncher):
         path = os.path.join(self.workdir, "worker-config.pickle")
         with open(path, "wb") as f:
             f.write(config)
-        return [LocalRank(path, r) for r in range(self.tp)]
+        ranks: list[RankHandle] = []
+        try:
+            for r in range(self.tp):
+                ranks.append(LocalRank(path, r))
+        except BaseException:   # (the client holds none of them yet: stop the ones started)
+            for h in ranks:
+                h.kill()
+                h.join(2.0)
+                h.close()
+            raise
+        return ranks
 
 
 def make_launcher(config: "EngineConfig", workdir: str, cpu_threads: int | None,

@@ -95,6 +95,7 @@ class _RankActor:
         self.popen: subprocess.Popen | None = None
         self.stopped = False
         self.started = threading.Event()   # run() has started the rank (or given up)
+        self.lock = threading.Lock()       # terminate() either stops the rank or comes first
 
     def site(self) -> tuple[str, str, list[str]]:
         return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
@@ -118,9 +119,10 @@ class _RankActor:
             with open(path, "wb") as f:
                 pickle.dump(wc, f)
             argv, base = rank_command(path, rank)
-            if self.stopped:
-                return -15
-            self.popen = subprocess.Popen(argv, env={**base, **env})
+            with self.lock:
+                if self.stopped:
+                    return -15
+                self.popen = subprocess.Popen(argv, env={**base, **env})
             self.started.set()
             return self.popen.wait()
         finally:
@@ -128,9 +130,10 @@ class _RankActor:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def terminate(self) -> None:
-        self.stopped = True
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.terminate()
+        with self.lock:
+            self.stopped = True
+            if self.popen is not None and self.popen.poll() is None:
+                self.popen.terminate()
 
 
 def _why(e: Exception) -> str:
@@ -151,7 +154,7 @@ class RayRank(RankHandle):
         self._code: int | None = None
         self.error: str | None = None
         ref = actor.run.remote(config, rank, env)
-        self.pid = ray.get(actor.rank_pid.remote(_START_S), timeout=2 * _START_S) or 0
+        self.pid = ray.get(actor.rank_pid.remote(_START_S), timeout=2 * _START_S)
         self.sentinel, self._w = os.pipe()
         self._thread = threading.Thread(target=self._watch, args=(ref,), daemon=True,
                                         name=f"pdserve-ray-rank-{rank}")
@@ -222,13 +225,16 @@ def rank_sites(found: list[tuple[str, str, list[str]]], cuda: bool) -> list[Rank
 
 
 class RayLauncher(RankLauncher):
-    local = False
+    """A worker's ranks on the Ray cluster (see the module docstring): place() reserves a
+    placement group and starts an actor per bundle, start() runs each rank under its actor,
+    close() kills the actors and removes the group."""
 
     def __init__(self, config: EngineConfig, cpu_threads: int | None = None,
                  place_timeout_s: float = 900.0):
         connect()
         self.config = config
-        # CPU: the CPUs a rank's bundle reserves, and its torch threads
+        # CPU: the CPUs a rank's bundle reserves, and its torch threads (one unless given: this
+        # host's cores say nothing of the nodes')
         self.cpu_threads = None if config.is_cuda else cpu_threads or 1
         self.place_timeout_s = place_timeout_s
         self.pg = None
