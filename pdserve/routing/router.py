@@ -65,7 +65,9 @@ class Router:
         policy = make_policy(policy)
         self.restart = restart if restart is not None else RestartPolicy()
         self.startup_timeout_s = startup_timeout_s
-        if any(s.config.executor_backend == "ray" for s in specs):
+        # Ray placed the workers: this process is reached at its node's address
+        self._on_ray = any(s.config.executor_backend == "ray" for s in specs)
+        if self._on_ray:
             from ..worker.ray_launch import connect
             connect()   # once, here: the start threads below would race to join
         with ThreadPoolExecutor(len(specs)) as pool:
@@ -202,7 +204,7 @@ class Router:
 
     def _address(self) -> str:
         """Where this process is reached by its workers (loopback, unless Ray placed them)."""
-        if any(w.spec.config.executor_backend == "ray" for w in self.workers.values()):
+        if self._on_ray:
             from ..worker.ray_launch import ray_address
             return ray_address()
         return "127.0.0.1"

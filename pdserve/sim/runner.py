@@ -118,9 +118,13 @@ class CostModelRunner:
         m = sched.kv_moves
         if m is None or self.host_copy_gb_per_s <= 0:
             return 0.0
-        nbytes = (len(m.to_host) + len(m.to_device)) * self.block_size \
-            * self.profile.kv_bytes_per_token
+        nbytes = (len(m.to_host) + len(m.to_device)) * self.block_bytes
         return nbytes / (self.host_copy_gb_per_s * 1e6)
+
+    @property
+    def block_bytes(self) -> int:
+        """One KV block's bytes on one rank (what a host-tier move copies per block)."""
+        return self.block_size * self.profile.kv_bytes_per_token
 
     # ---- Executor ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:

@@ -239,7 +239,7 @@ class Simulator:
                               eos_token_ids=(), kv_transfer=pd and role != "collocated",
                               clock=clock, num_host_blocks=num_host_blocks,
                               host_copy_gb_per_s=runner.host_copy_gb_per_s,
-                              kv_block_bytes=(self.config.block_size * prof.kv_bytes_per_token
+                              kv_block_bytes=(runner.block_bytes
                                               if runner.host_copy_gb_per_s > 0 else 0))
             runner.coordinator = core.kv_coordinator
             self.workers[name] = SimWorker(name, role, clock, runner, core)
