@@ -727,6 +727,21 @@ def test_common_prefix_length_equals_a_naive_scan(shared, a0, b0, limit, tail, r
     assert _common(a, a0, b, limit, b0) == n
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 1), max_size=400), st.lists(st.integers(0, 1), max_size=400),
+       st.integers(0, 3), st.integers(0, 3), st.integers(0, 450))
+def test_common_prefix_length_when_the_sequences_agree_again(a, b, a0, b0, limit):
+    """Two-letter sequences agree again after they part, at any offset: the bisection's guess is
+    wrong as often as not, and the answer must still be a naive scan's."""
+    from pdserve.engine.prefix_cache import _common
+    b = a[:len(b)] if len(b) % 3 == 0 else b        # (often a long shared part first)
+    n = 0
+    while (n < limit and a0 + n < len(a) and b0 + n < len(b)
+           and a[a0 + n] == b[b0 + n]):
+        n += 1
+    assert _common(a, a0, b, limit, b0) == n
+
+
 def test_common_prefix_length_at_every_mismatch_offset():
     """Every mismatch offset up to past the second galloping step (64 + 256 + 1024), against
     the offset it was built with."""

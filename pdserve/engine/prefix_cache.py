@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -85,10 +86,35 @@ class Match:
 
 
 def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int:
-    """Length of the common prefix of a[a0:] and b[b0:b0 + limit]. Compares slices (C loops),
-    growing them 4x while they match; the first slice that differs is bisected down to a few
-    tokens. A long match costs about one pass, a mismatch about one more over its slice."""
+    """Length of the common prefix of a[a0:] and b[b0:b0 + limit].
+
+    Reading a token costs more than anything else here (each is an int object compared by
+    value), so this reads each about once:
+    - if the last tokens of the range agree, the whole range is compared at once (the common
+      case: a whole edge matches; the edge itself is not copied);
+    - otherwise single tokens are probed by bisection for where the two stop agreeing (after
+      two token sequences part, their tokens at equal positions rarely agree again), and that
+      guess g is checked: a[:g] == b[:g], so g is the answer (a[g] != b[g] is known);
+    - if the check fails (they agreed again somewhere), the range before g is compared in
+      slices growing 4x from 64 tokens, the one that differs is scanned 64 tokens at a time,
+      and those 64 pairwise (in C)."""
     n = min(len(a) - a0, len(b) - b0, limit)
+    if n <= 0:
+        return 0
+    if a[a0 + n - 1] == b[b0 + n - 1]:
+        if a[a0:a0 + n] == (b if b0 == 0 and n == len(b) else b[b0:b0 + n]):
+            return n
+    else:
+        lo, hi = -1, n - 1                     # a[hi] != b[hi]; a[lo] == b[lo] (or lo = -1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if a[a0 + mid] == b[b0 + mid]:
+                lo = mid
+            else:
+                hi = mid
+        if a[a0:a0 + hi] == b[b0:b0 + hi]:
+            return hi
+        n = hi                                 # a mismatch lies before the guess
     i, m = 0, 64
     while i < n:
         m = min(m, n - i)
@@ -96,16 +122,12 @@ def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int
             i += m
             m *= 4
             continue
-        lo, hi = i, i + m                     # a mismatch lies in [lo, hi)
-        while hi - lo > 8:
-            mid = (lo + hi) // 2
-            if a[a0 + lo:a0 + mid] == b[b0 + lo:b0 + mid]:
-                lo = mid
-            else:
-                hi = mid
-        while a[a0 + lo] == b[b0 + lo]:
-            lo += 1
-        return lo
+        end = i + m                            # a mismatch lies in [i, end)
+        while end - i > 64 and a[a0 + i:a0 + i + 64] == b[b0 + i:b0 + i + 64]:
+            i += 64
+        k = min(64, end - i)
+        differs = map(operator.ne, a[a0 + i:a0 + i + k], b[b0 + i:b0 + i + k])
+        return i + next(itertools.compress(itertools.count(), differs))
     return n
 
 
@@ -287,9 +309,11 @@ class PrefixCache:
             return 0
         first, last = pos // bs, (len(tokens) - 1) // bs
         new = table[first:last + 1]
+        if not isinstance(new, list):
+            new = list(new)
         self.pool.incref(new, cached=True)
         self.num_cached_blocks += len(new)
-        leaf = Node(tokens[pos:], pos, list(new), parent=node, last_use=self._clock)
+        leaf = Node(tokens[pos:], pos, new, parent=node, last_use=self._clock)
         node.children[tokens[pos]] = leaf
         self._num_nodes += 1
         if self.write_through:
@@ -364,9 +388,16 @@ class PrefixCache:
         first = node.start // bs
         upper_blocks = node.blocks[: (cut - 1) // bs - first + 1]
         lower_blocks = node.blocks[cut // bs - first:]
-        upper = Node(node.tokens[:n], node.start, upper_blocks, parent=node.parent,
+        edge = node.tokens                       # (a node's own list: cut it, copying the
+        if n >= len(edge) - n:                   # shorter part)
+            upper_tokens, lower_tokens = edge, edge[n:]
+            del edge[n:]
+        else:
+            upper_tokens, lower_tokens = edge[:n], edge
+            del edge[:n]
+        upper = Node(upper_tokens, node.start, upper_blocks, parent=node.parent,
                      lock=node.lock, last_use=node.last_use, on_host=node.on_host)
-        node.parent.children[node.tokens[0]] = upper
+        node.parent.children[upper_tokens[0]] = upper
         self._num_nodes += 1
         shared = len(upper_blocks) + len(lower_blocks) - len(node.blocks)   # 1 if cut is mid-block
         mid = slice(cut // bs - first, (cut - 1) // bs - first + 1)        # (the shared index)
@@ -380,7 +411,7 @@ class PrefixCache:
             if shared:
                 self.host_pool.incref(copy[mid], cached=True)
                 self.num_host_cached_blocks += shared
-        node.tokens, node.start, node.blocks, node.parent = node.tokens[n:], cut, lower_blocks, upper
+        node.tokens, node.start, node.blocks, node.parent = lower_tokens, cut, lower_blocks, upper
         upper.children[node.tokens[0]] = node
         if upper.host_copy is not None:
             self._offer(upper)
