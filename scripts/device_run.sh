@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), serve (pdserve serve + bench serve sweep), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -81,6 +81,12 @@ for stage in "$@"; do
     pull-profile) python3 scripts/profile_pull.py --tile-bytes 4096 16384 65536 --output "$OUT/pull-profile.json" 2>&1 | tee "$OUT/pull-profile.log" | tail -12;;
     pd) python3 -m pdserve bench pd ${PD_ARGS:-} --output "$OUT/pd-handoff-h200x2${PD_TAG:-}.json" 2>&1 | tee "$OUT/pd.log" | tail -30;;
     tp) python3 -m pdserve bench tp --models qwen2.5-7b --tp-sizes 1 2 --batch-sizes 1 8 --output "$OUT/tp-h200x2.json" 2>&1 | grep -v "^Processed" | tee "$OUT/tp.log" | tail -20;;
+    profile-serve) # issue 18: the profile for simulating the serve stage's sweep (run it right before
+           # `serve`, one commit): steps timed synchronously as always, and the serving path measured
+           # on the server the sweep runs (the defaults: async scheduling, 2,048 tokens, 256 seqs)
+           python3 -m pdserve profile --model qwen2.5-1.5b --load-format dummy --device cuda \
+             --gpu-memory-utilization 0.8 --serving-args "--async-scheduling --max-num-batched-tokens 2048 --max-num-seqs 256" \
+             --output "$OUT/profile-h200-serve.json" 2>&1 | grep -v Warn | tail -24;;
     serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
              --device cuda --port 8000 --gpu-memory-utilization 0.8 ${SERVE_ARGS:---no-enable-prefix-caching} > "$OUT/serve-server.log" 2>&1 &

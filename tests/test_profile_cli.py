@@ -138,8 +138,12 @@ def test_transfer_and_server_failures_fall_back_to_stated_values(tmp_path, monke
     file."""
     import pdserve.routing as routing
     from pdserve.perf import serving_path
-    monkeypatch.setattr(serving_path, "server_argv", lambda cfg, port: [
-        sys.executable, "-c", "import sys; sys.exit('no room for a server')"])
+    tried = []
+
+    def server_argv(cfg, port):
+        tried.append(cfg)
+        return [sys.executable, "-c", "import sys; sys.exit('no room for a server')"]
+    monkeypatch.setattr(serving_path, "server_argv", server_argv)
 
     class NoSecondWorker:
         def __init__(self, *a, **kw):
@@ -149,9 +153,15 @@ def test_transfer_and_server_failures_fall_back_to_stated_values(tmp_path, monke
     out = tmp_path / "p.json"
     rc = _profile(["--model", model, "--prefill-tokens", "8", "16", "24", "--decode-batches",
                    "1", "2", "3", "--contexts", "8", "24", "--mixed", "2:8", "--mixed-context", "8",
-                   "--transfer-tokens", "8", "16", "32", "--reps", "1", "--warmup", "0"], out)
+                   "--transfer-tokens", "8", "16", "32", "--reps", "1", "--warmup", "0",
+                   "--serving-args", "--async-scheduling --max-num-batched-tokens 16"], out)
     assert rc == 0
+    # the server it tried was the profile's engine with --serving-args' flags on top
+    assert [(c.async_scheduling, c.max_num_batched_tokens, c.device) for c in tried] == [
+        (True, 16, "cpu")]
     p = CostProfile.from_json(out)
+    assert p.engine_config["async_scheduling"] is False       # (the steps' engine: unchanged)
+    assert p.extra["row_set"]["serving_tokens"] == [16]       # (within the server's budget)
     f = p.fit["transfer"]
     assert f["source"] == "estimate" and f["n_samples"] == 0
     assert "no room for a second worker" in f["note"] and f["heldout_mean_abs_rel_err"] is None
@@ -164,6 +174,22 @@ def test_transfer_and_server_failures_fall_back_to_stated_values(tmp_path, monke
     assert "no room for a server" in p.extra["serving_setup"]["error"]
 
 
+def test_serving_args_are_engine_flags_over_the_profiles_own():
+    from pdserve.config import EngineConfig
+    cfg = EngineConfig(device="cpu", async_scheduling=False, max_num_batched_tokens=8192,
+                       max_num_seqs=17, enable_prefix_caching=False, skip_tokenizer_init=True)
+    assert profiler.serving_config(cfg, "") is cfg
+    got = profiler.serving_config(cfg, "--async-scheduling --max-num-batched-tokens 2048")
+    assert (got.async_scheduling, got.max_num_batched_tokens) == (True, 2048)
+    assert (got.device, got.max_num_seqs, got.enable_prefix_caching) == ("cpu", 17, False)
+    for bad, said in (("--no-such-flag", "unrecognized arguments: --no-such-flag"),
+                      ("--max-num-batched-tokens many", "invalid int value: 'many'"),
+                      ("--block-size '16", "No closing quotation")):
+        with pytest.raises(ValueError, match="--serving-args") as e:
+            profiler.serving_config(cfg, bad)
+        assert said in str(e.value)
+
+
 def test_bad_arguments_are_refused_before_any_engine(capsys, monkeypatch):
     monkeypatch.setattr(profiler, "_step_rows", None)   # never reached
     assert main(["profile", "--device", "cpu", "--contexts", "16"]) == 2
@@ -172,3 +198,9 @@ def test_bad_arguments_are_refused_before_any_engine(capsys, monkeypatch):
     assert "B:N" in capsys.readouterr().err
     assert main(["profile", "--device", "cpu", "--kv-connector", "no-such-connector"]) == 2
     assert "no-such-connector" in capsys.readouterr().err
+    assert main(["profile", "--device", "cpu", "--serving-args", "--bogus 1"]) == 2
+    assert "--serving-args: unrecognized arguments: --bogus 1" in capsys.readouterr().err
+    # a serving prompt longer than the measured server's budget takes two steps, not one
+    assert main(["profile", "--device", "cpu", "--serving-tokens", "16", "64",
+                 "--serving-args", "--max-num-batched-tokens 32"]) == 2
+    assert "token budget is 32" in capsys.readouterr().err

@@ -483,3 +483,32 @@ def test_the_simulator_imports_without_torch_or_zmq():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=".")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_a_serving_overhead_measured_on_another_scheduling_is_said(tmp_path):
+    """The profile says on which server its serving path was measured (serving_setup's
+    async_scheduling, or its command's flag in files made before the field); a run that
+    schedules otherwise gets a note naming both, a matching run none."""
+    import argparse
+    import dataclasses
+
+    from pdserve.sim.cli import serving_path_async, serving_path_note
+    import pathlib
+    committed = CostProfile.from_json(pathlib.Path(__file__).resolve().parents[1] / "bench"
+                                      / "results" / "profile-h200-qwen2.5-1.5b-54eafc8.json")
+    assert "--no-async-scheduling" in committed.extra["serving_setup"]["command"]
+    assert serving_path_async(committed) is False               # (from the command)
+    said = dataclasses.replace(committed, extra={**committed.extra, "serving_setup": {
+        **committed.extra["serving_setup"], "async_scheduling": True}})
+    assert serving_path_async(said) is True                     # (the field wins)
+    unsaid = dataclasses.replace(committed, extra={})
+    assert serving_path_async(unsaid) is None
+    sync_run, async_run = argparse.Namespace(async_scheduling=False), argparse.Namespace(
+        async_scheduling=True)
+    assert serving_path_note(sync_run, committed, 5.27) is None
+    note = serving_path_note(async_run, committed, 5.27)
+    assert note and "synchronous server" in note and "asynchronously" in note
+    assert "--serving-args" in note
+    assert serving_path_note(sync_run, said, 5.27) and not serving_path_note(async_run, said, 5.27)
+    assert serving_path_note(async_run, committed, 0.0) is None  # (no overhead added)
+    assert serving_path_note(async_run, unsaid, 5.27) is None

@@ -51,7 +51,7 @@ from .common import copy_bandwidth, random_prompts, run_described, sync, write_r
 EMBEDDED = "embedded"   # --models name of the embedded SmolLM2 (model=None)
 _ENGINE_FLAGS_EXCLUDED = ("--model", "--skip-tokenizer-init", "--tensor-parallel-size",
                           "--distributed-executor-backend", "--disable-custom-all-reduce",
-                          "--no-async-scheduling")
+                          "--async-scheduling")
 
 
 def build_parser() -> argparse.ArgumentParser:

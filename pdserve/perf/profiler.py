@@ -16,9 +16,13 @@ What runs, in order:
      workers share it (each with --transfer-kv-gb of KV pool). If the deployment cannot run,
      the file says why and the transfer terms are an estimate that says what it is.
   3. the serving path (perf/serving_path.py; --no-serving-overhead skips it): `pdserve serve`
-     started as a subprocess with this engine config, streaming requests of a few prompt
-     lengths (--serving-tokens) sent one at a time through bench serve's client; the term
-     serving_overhead_ms is the median of their TTFT less the prefill fit's lone-prefill time.
+     started as a subprocess with this engine config, then the flags of --serving-args (the
+     deployment the term will be added to, e.g. a server with async scheduling and a 2,048-token
+     budget: the server's defaults), streaming requests of a few prompt lengths
+     (--serving-tokens, each within the server's token budget: one prefill step) sent one at
+     a time through bench serve's client; the term serving_overhead_ms is the median of their
+     TTFT less the prefill fit's lone-prefill time. The file's serving_setup says which server
+     (its command, serving_args, async_scheduling).
      If the server cannot start, the file says why and the term is 0 ("not measured").
   4. the fits, a table of term / value / held-out error, and the JSON (--output).
 
@@ -44,7 +48,7 @@ from ..args import add_engine_args, engine_config
 from .cost_fit import profile_from_samples
 from .cost_profile import CostProfile, hardware_label, model_name
 _EXCLUDED = ("--skip-tokenizer-init", "--tensor-parallel-size", "--distributed-executor-backend",
-             "--disable-custom-all-reduce", "--no-async-scheduling")
+             "--disable-custom-all-reduce", "--async-scheduling")
 
 # Row sets. GPU sizes follow bench step's defaults and what an H200 step costs (a 1.5B model:
 # lone prefill 3 ms at 256 tokens .. 59 ms at 8192; decode 2.7 ms at batch 1 .. 9.6 ms at 256).
@@ -118,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed requests per length (after one untimed)")
     s.add_argument("--serving-max-tokens", type=int, default=None,
                    help="max_tokens of each request (its token gaps: the batch-1 ITL)")
+    s.add_argument("--serving-args", default="",
+                   help="engine flags of the measured server, after the profile's own (later "
+                        "ones win), quoted as one string: the deployment the term is added to, "
+                        "e.g. \"--async-scheduling --max-num-batched-tokens 2048\" for a "
+                        "server run with the defaults (default: the profile's engine config, "
+                        "synchronous)")
     add_engine_args(p, exclude=_EXCLUDED)
     p.set_defaults(device=None, max_num_batched_tokens=None, max_num_seqs=None)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
@@ -143,6 +153,7 @@ def resolve(a: argparse.Namespace, device_type: str) -> argparse.Namespace:
             setattr(out, k, v)
     out.preset = ("cuda" if device_type == "cuda" else "cpu") + ("-quick" if a.quick else "")
     lo, hi = min(out.prefill_tokens), max(out.prefill_tokens)
+    out.serving_tokens_given = a.serving_tokens is not None
     if a.serving_tokens is None:
         # the preset's lengths where the prefill fit interpolates, else the prefill lengths
         out.serving_tokens = ([n for n in preset["serving_tokens"] if lo <= n <= hi]
@@ -305,13 +316,44 @@ def _transfer_rows(a, cfg, kvb: int) -> tuple[list[dict], dict[str, Any]]:
     return rows, info
 
 
+def serving_config(cfg, serving_args: str):
+    """The measured server's engine config: cfg's flags, then serving_args' (a shell-quoted
+    string of engine flags; later flags win). ValueError for a flag that is not an engine flag
+    or a bad value, and for a server whose token budget cannot take the longest serving prompt
+    in one step."""
+    import shlex
+
+    from ..args import engine_argv
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(f"--serving-args: {message}")
+
+    try:
+        extra = shlex.split(serving_args or "")
+    except ValueError as e:
+        raise ValueError(f"--serving-args: {e}") from None
+    if not extra:
+        return cfg
+    p = _Parser(add_help=False, prog="--serving-args")
+    add_engine_args(p)
+    try:
+        ns = p.parse_args([*engine_argv(cfg), *extra])
+    except SystemExit:     # (argparse's own exits, e.g. a bad choice: said by error() above)
+        raise ValueError(f"--serving-args: cannot parse {serving_args!r}") from None
+    return engine_config(ns)
+
+
 def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], dict[str, Any]]:
     """Requests one at a time through a `pdserve serve` of this engine config."""
     from .serving_path import measure
     print(f"serving path: starting pdserve serve ({len(a.serving_tokens)} prompt lengths x "
-          f"{a.serving_reps} requests, max_tokens {a.serving_max_tokens})", flush=True)
+          f"{a.serving_reps} requests, max_tokens {a.serving_max_tokens}"
+          + (f", {a.serving_args}" if a.serving_args else "") + ")", flush=True)
     rows, info = measure(cfg, a.serving_tokens, a.serving_reps, a.serving_max_tokens,
                          facts["vocab_size"], a.seed, a.threads)
+    info["serving_args"] = a.serving_args
+    info["async_scheduling"] = bool(cfg.async_scheduling)
     for n in a.serving_tokens:
         ttft = [r["ttft_ms"] for r in rows if r["n"] == n]
         print(f"serving {n:>6} tokens: TTFT median {statistics.median(ttft):9.3f} ms over "
@@ -424,6 +466,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes.append("prefix caching off in the engines measured: each step and each pull moves "
                  "the whole prompt")
     cfg = engine_config(ns)
+    serving_cfg = serving_config(cfg, a.serving_args)   # (a bad flag fails before measuring)
+    if not a.no_serving_overhead:
+        # each request is one lone-prefill step: the prefill fit subtracted from its TTFT
+        budget = serving_cfg.max_num_batched_tokens
+        fit = [n for n in a.serving_tokens if n <= budget]
+        if a.serving_tokens_given and len(fit) < len(a.serving_tokens):
+            raise ValueError(f"--serving-tokens {a.serving_tokens}: the measured server's token "
+                             f"budget is {budget}, so a longer prompt takes more than one step")
+        if not fit:
+            raise ValueError(f"no serving prompt length fits the measured server's token budget "
+                             f"({budget}); give --serving-tokens")
+        a.serving_tokens = fit
     hw_start = hardware_info()
     t0 = time.perf_counter()
     with CpuUsage() as usage:
@@ -445,7 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             serving_note = "not measured (--no-serving-overhead)"
         else:
             try:
-                samples["serving"], serving_info = _serving_rows(a, cfg, facts)
+                samples["serving"], serving_info = _serving_rows(a, serving_cfg, facts)
                 serving_note = ""
             except Exception as e:  # noqa: BLE001 - recorded in the file and printed, not hidden
                 serving_info["error"] = f"{type(e).__name__}: {e}"

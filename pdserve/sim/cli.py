@@ -83,6 +83,33 @@ def serving_overhead_ms(a: argparse.Namespace, profile: CostProfile) -> float:
     return profile.serving_overhead_ms if a.serving_overhead else 0.0
 
 
+def serving_path_async(profile: CostProfile) -> bool | None:
+    """Whether the profile's serving path was measured on a server that schedules
+    asynchronously: its serving_setup's async_scheduling, else the flag in its server command
+    (files made before the field); None where the file does not say."""
+    setup = profile.extra.get("serving_setup")
+    if not isinstance(setup, dict):
+        return None
+    if isinstance(setup.get("async_scheduling"), bool):
+        return setup["async_scheduling"]
+    cmd = setup.get("command") if isinstance(setup.get("command"), list) else ()
+    if "--no-async-scheduling" in cmd:
+        return False
+    return True if "--async-scheduling" in cmd else None
+
+
+def serving_path_note(a: argparse.Namespace, profile: CostProfile, overhead: float) -> str | None:
+    """A line for stderr when the overhead was measured on a server that schedules otherwise
+    than this run: its lone request paid another path than the one it is added to."""
+    measured = serving_path_async(profile)
+    if not overhead or measured is None or measured == bool(a.async_scheduling):
+        return None
+    mode = {True: "asynchronous", False: "synchronous"}
+    return (f"note: the profile's serving overhead ({overhead:.3f} ms) was measured on a "
+            f"{mode[measured]} server and this run schedules {mode[bool(a.async_scheduling)]}ly; "
+            f"`pdserve profile --serving-args` measures it on the deployment's own flags")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve simulate",
@@ -285,6 +312,9 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
               f"{a.burstiness:g}", flush=True)
     print(f"serving overhead {overhead:.3f} ms per request before the router"
           + ("" if a.serving_overhead else " (--no-serving-overhead)"), flush=True)
+    note = serving_path_note(a, profile, overhead)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     runs, walls = [], []
     for rate in a.request_rate:
         sim = Simulator(dep, profiles, config, blocks, max_len, _policy(a, dep, profile)[1],
@@ -312,7 +342,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         "deployment": dep.label, "routing_policy": policy_name,
         "profile": {"model": profile.model, "hardware": profile.hardware_label,
                     "file": a.profile, "step_time": a.step_time,
-                    "serving_overhead_ms": overhead},
+                    "serving_overhead_ms": overhead,
+                    "serving_path_async": serving_path_async(profile)},
         "async_scheduling": a.async_scheduling,
         "dataset_name": a.dataset_name, "percentiles": percentiles, "runs": runs}
     if len(runs) == 1:
