@@ -48,7 +48,7 @@ for stage in "$@"; do
            done;;
     kv-tier) # issue 21: host tier block moves vs a pinned copy of the same bytes (target >= 80%),
            # then the host tier's GPU tests (stream discipline)
-           python3 -m pdserve bench kv-tier ${KV_TIER_ARGS:-} --output "$OUT/kv-tier-h200.json" 2>&1 | tee "$OUT/kv-tier.log" | tail -24
+           python3 -m pdserve bench kv-tier ${KV_TIER_ARGS:---patterns runs scattered runs:16} --output "$OUT/kv-tier-h200.json" 2>&1 | tee "$OUT/kv-tier.log" | tail -24
            python3 -m pytest -q -m gpu tests/test_kv_host_tier.py --timeout 300 -p no:cacheprovider 2>&1 | tail -8;;
     preempt) # issue 21: swap vs recompute preemption on an oversubscribed pool (demand 3x the pool),
            # 64 prompts of 2,048-4,096 tokens, 256 out; outputs against an unpressured engine's

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache_manager import KVMoves
-from pdserve.worker.kv_host_tier import KVHostTier, host_runs
+from pdserve.engine.block_pool import host_runs
+from pdserve.worker.kv_host_tier import KVHostTier
 
 SHAPE = dict(layers=3, block_size=4, heads=2, head_dim=5)
 

@@ -102,6 +102,15 @@ def test_a_step_of_moves_only_takes_no_time_but_the_next_forward_waits():
     assert run(r, clock, prefill()) == pytest.approx([(4.0 + PREFILL_100) / 1e3], abs=1e-12)
 
 
+def test_runs_of_consecutive_host_ids_are_counted_per_step_and_direction():
+    """Out: host ids 5, 3, 4, 9 -> runs 3-5 and 9 (2); back: 7, 8 -> one run, 20 -> another (2);
+    the next step's 6 is consecutive with nothing of its own step (1): 5 runs, 8 blocks."""
+    r, clock = runner(0.0)
+    out_back = KVMoves([(0, 5), (1, 3), (2, 4), (3, 9)], [(7, 10), (8, 11), (20, 12)])
+    run(r, clock, prefill(out_back), decode(100, KVMoves([(4, 6)], [])))
+    assert (r.blocks_copied, r.copy_runs) == (8, 5)
+
+
 def test_rate_zero_is_free_and_a_bad_rate_is_an_error():
     r, clock = runner(0.0)
     assert r.copy_ms(prefill(moves(100, 100))) == 0.0

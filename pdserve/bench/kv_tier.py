@@ -8,6 +8,10 @@ device) and each host-id pattern, one step's KVMoves are applied and waited for,
 
     runs       host ids 0 .. n-1 (one run: one DMA per staging chunk)
     scattered  host ids 0, 2, 4, ... (no two consecutive: one DMA per block)
+    runs:K     runs of K consecutive host ids, one id left out between them (one DMA per K
+               blocks): what a workload's steps look like, e.g. runs:16 (in `pdserve simulate`'s
+               multi-turn run of the H200 shape, a step's host ids came in runs of 18-28 blocks
+               on average)
 
 Device block ids are a random sample of the pool either way (the gather/scatter on the device
 does not care). The pinned baseline copies a contiguous device tensor of n blocks' bytes to (and
@@ -45,14 +49,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per block (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
                    help="KV dtype (default %(default)s)")
-    p.add_argument("--patterns", nargs="+", default=["runs", "scattered"],
-                   choices=["runs", "scattered"], help="host-id patterns (default %(default)s)")
+    p.add_argument("--patterns", nargs="+", default=["runs", "scattered"], type=_pattern,
+                   help="host-id patterns: runs, scattered, runs:K (default %(default)s)")
     p.add_argument("--reps", type=int, default=5,
                    help="timed repetitions per point, after one warm-up (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="device ids' seed (default %(default)s)")
     p.add_argument("--output", default="bench/results/kv-tier.json",
                    help="the JSON result file (default %(default)s)")
     return p
+
+
+def _pattern(s: str) -> str:
+    if s in ("runs", "scattered"):
+        return s
+    k = s[len("runs:"):] if s.startswith("runs:") else ""
+    if not (k.isdigit() and int(k) >= 1):
+        raise argparse.ArgumentTypeError(f"a pattern is runs, scattered or runs:K (K >= 1), "
+                                         f"got {s!r}")
+    return f"runs:{int(k)}"
+
+
+def host_ids(pattern: str, n: int) -> list[int]:
+    """The n host ids of a pattern (module docstring), ascending; all below 2 * n."""
+    if pattern == "runs":
+        return list(range(n))
+    if pattern == "scattered":
+        return list(range(0, 2 * n, 2))
+    k = int(_pattern(pattern)[len("runs:"):])
+    return [i + i // k for i in range(n)]
 
 
 def _sync(device: torch.device) -> None:
@@ -84,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = (args.layers, 2, most + 1, args.block_size, args.kv_heads, args.head_dim)
     kv = torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
     t0 = time.perf_counter()
-    tier = KVHostTier(kv, 2 * most, measure=False)        # (scattered: every other host id)
+    tier = KVHostTier(kv, 2 * most, measure=False)        # (host_ids: all below 2 * n)
     alloc_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     probe = tier._measure()
@@ -102,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "to_device": _timed(lambda: flat.copy_(pinned, non_blocking=cuda), device,
                                     args.reps)}
         for pattern in args.patterns:
-            host = list(range(n)) if pattern == "runs" else list(range(0, 2 * n, 2))
+            host = host_ids(pattern, n)
             rng.shuffle(host)
             moves = {"to_host": KVMoves(list(zip(dev, host)), []),
                      "to_device": KVMoves([], list(zip(host, dev)))}

@@ -29,6 +29,21 @@ class KVMoves(NamedTuple):
     to_device: list[tuple[int, int]]   # (host block, device block): copy host -> device
 
 
+def host_runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first index, first host id, length) of each run of consecutive host ids in host_ids: a
+    copy of one run is one DMA (the host tier's copy engine, worker/kv_host_tier.py)."""
+    runs = []
+    i = 0
+    n = len(host_ids)
+    while i < n:
+        j = i + 1
+        while j < n and host_ids[j] == host_ids[j - 1] + 1:
+            j += 1
+        runs.append((i, host_ids[i], j - i))
+        i = j
+    return runs
+
+
 class NoFreeBlocksError(RuntimeError):
     pass
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 
+from ..engine.block_pool import host_runs
 from ..engine.executor import SampledToken
 from ..engine.scheduler import SchedulerOutput
 from ..protocol import KVLoadDone
@@ -91,6 +92,7 @@ class CostModelRunner:
         self.copy_s = 0.0
         self.copy_wait_s = 0.0
         self.blocks_copied = 0
+        self.copy_runs = 0         # of them, runs of consecutive host ids (a step, a direction)
         self.last_moves = 0        # blocks the last step moved (a step of moves only progressed)
         # per sequence: when each of its tokens was sampled (the end of its step), in order
         self.token_times: dict[str, list[float]] = {}
@@ -143,6 +145,9 @@ class CostModelRunner:
             m = sched.kv_moves
             self.last_moves = len(m.to_host) + len(m.to_device)
             self.blocks_copied += self.last_moves
+            # (the copy engine's DMAs, before its staging chunks cut the longest runs)
+            self.copy_runs += (len(host_runs(sorted(h for _, h in m.to_host)))
+                               + len(host_runs(sorted(h for h, _ in m.to_device))))
             cs = self.copy_ms(sched) / 1e3
             if cs > 0:
                 self.copies_end = start + cs

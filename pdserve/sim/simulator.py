@@ -506,6 +506,7 @@ class Simulator:
                       "blocks_loaded_back": kv.blocks_loaded_back,
                       "blocks_swapped_out": kv.blocks_swapped_out,
                       "blocks_copied": w.runner.blocks_copied,
+                      "host_copy_runs": w.runner.copy_runs,
                       "host_copy_s": w.runner.copy_s,
                       "host_copy_wait_s": w.runner.copy_wait_s}
         return {"simulated_s": self.now, "events": self.num_events, "wall_s": wall_s,

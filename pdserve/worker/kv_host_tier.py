@@ -34,26 +34,13 @@ import time
 import torch
 
 from ..devices import on_device
+from ..engine.block_pool import host_runs
 
 # Device staging for one chunk of moves (gathered blocks on their way to or from the host).
 STAGING_BYTES = 64 << 20
 # The start-up bandwidth probe: this many bytes (at most the host pool) copied each way, REPS times.
 _PROBE_BYTES = 64 << 20
 _PROBE_REPS = 3
-
-
-def host_runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(first index, first host id, length) of each run of consecutive host ids in host_ids."""
-    runs = []
-    i = 0
-    n = len(host_ids)
-    while i < n:
-        j = i + 1
-        while j < n and host_ids[j] == host_ids[j - 1] + 1:
-            j += 1
-        runs.append((i, host_ids[i], j - i))
-        i = j
-    return runs
 
 
 class KVHostTier:
