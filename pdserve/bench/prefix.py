@@ -12,7 +12,12 @@ same model, config and prompts; random token ids, so a dummy model measures spee
    conversations' turn t run as one batch, `--turn-output` tokens each. Throughput (output
    tok/s over the whole run) and the mean per-turn batch time.
 3. zero reuse: `--random-prompts` random prompts of 100–`--random-max-len` tokens, `--random-output` tokens
-   each: throughput, cache on vs off (what the cache costs when nothing matches).
+   each: throughput, cache on vs off (what the cache costs when nothing matches). A 2% effect is
+   smaller than what the order of engines in one process does (the first engine of a process ran
+   ~8% slower on the H200, in either order), so this case runs on engines of its own, after the
+   other cases: one untimed engine first, then `--zero-reuse-rounds` rounds of one engine per
+   side, in the order on, off, off, on, ... (each side first as often as second); the loss is
+   1 - mean(on) / mean(off) over the rounds.
 
 Offline (LLM.generate), not through the server: case 2's serving form (TTFT per turn, arrival
 process, cached tokens as the server reports them) is `pdserve bench serve --dataset-name
@@ -103,26 +108,64 @@ def case_zero_reuse(llm, args, vocab: int, device) -> dict[str, Any]:
             "cached_tokens": sum(o.num_cached_tokens for o in outs)}
 
 
+def _on_engine(args, cache: bool, device, fn):
+    """fn(llm, vocab) on a fresh engine, released after."""
+    llm = _llm(args, cache)
+    try:
+        return fn(llm, llm.llm_engine.model_config.vocab_size)
+    finally:
+        release_llm(llm)
+        del llm          # (the engine's KV pool and weights go with the last reference)
+        free_device_memory(device)
+
+
+def zero_reuse_order(rounds: int) -> list[bool]:
+    """The cache setting of each engine of the zero-reuse rounds: on, off, off, on, on, off, ..."""
+    return [(r % 2 == 0) == (i == 0) for r in range(rounds) for i in range(2)]
+
+
+def run_zero_reuse(args, device) -> dict[str, Any]:
+    """The zero-reuse case on engines of its own (module docstring, case 3)."""
+    warmup = _on_engine(args, True, device,
+                        lambda llm, vocab: case_zero_reuse(llm, args, vocab, device))
+    per: dict[str, list] = {"on": [], "off": []}
+    for cache in zero_reuse_order(args.zero_reuse_rounds):
+        r = _on_engine(args, cache, device,
+                       lambda llm, vocab: case_zero_reuse(llm, args, vocab, device))
+        per["on" if cache else "off"].append(r)
+        print(f"[bench prefix] zero reuse, cache {'on' if cache else 'off'}: "
+              f"{r['output_tok_per_s']:.1f} tok/s", flush=True)
+    out = {}
+    for side, rs in per.items():
+        tps = [r["output_tok_per_s"] for r in rs]
+        out[side] = {"output_tok_per_s": statistics.mean(tps), "rounds_tok_per_s": tps,
+                     "elapsed_s": sum(r["elapsed_s"] for r in rs),
+                     "cached_tokens": sum(r["cached_tokens"] for r in rs)}
+    out["warmup_engine_tok_per_s"] = warmup["output_tok_per_s"]
+    return out
+
+
 def run(args) -> dict[str, Any]:
     device = torch.device(args.device)
     results: dict[str, dict] = {}
     for cache in (True, False) if args.order == "on-first" else (False, True):
         side = "on" if cache else "off"
-        llm = _llm(args, cache)
-        vocab = llm.llm_engine.model_config.vocab_size
-        r = {}
-        if "system" in args.cases:
-            r["system"] = case_system(llm, args, vocab, device, cache)
-        if "multi-turn" in args.cases:
-            llm.reset_prefix_cache()
-            r["multi_turn"] = case_multi_turn(llm, args, vocab, device)
-        if "zero-reuse" in args.cases:
-            r["zero_reuse"] = case_zero_reuse(llm, args, vocab, device)
-        results[side] = r
-        print(f"[bench prefix] cache {side}: {r}", flush=True)
-        release_llm(llm)
-        del llm          # (the engine's KV pool and weights go with the last reference)
-        free_device_memory(device)
+
+        def cases(llm, vocab, cache=cache):
+            r = {}
+            if "system" in args.cases:
+                r["system"] = case_system(llm, args, vocab, device, cache)
+            if "multi-turn" in args.cases:
+                llm.reset_prefix_cache()
+                r["multi_turn"] = case_multi_turn(llm, args, vocab, device)
+            return r
+        results[side] = (_on_engine(args, cache, device, cases)
+                         if {"system", "multi-turn"} & set(args.cases) else {})
+        print(f"[bench prefix] cache {side}: {results[side]}", flush=True)
+    if "zero-reuse" in args.cases:
+        z = run_zero_reuse(args, device)
+        results["on"]["zero_reuse"], results["off"]["zero_reuse"] = z["on"], z["off"]
+        results["zero_reuse_warmup_engine_tok_per_s"] = z["warmup_engine_tok_per_s"]
     on, off = results["on"], results["off"]
     summary = {}
     if "system" in on:
@@ -157,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-prompts", type=int, default=256)
     p.add_argument("--random-output", type=int, default=128)
     p.add_argument("--random-max-len", type=int, default=1000)
+    p.add_argument("--zero-reuse-rounds", type=int, default=2,
+                   help="rounds of one engine per side for case 3, after an untimed engine "
+                        "(default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     return p
@@ -166,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     for name in ("system_len", "questions", "conversations", "turns", "turn_output",
-                 "random_prompts", "random_output", "random_max_len"):
+                 "random_prompts", "random_output", "random_max_len", "zero_reuse_rounds"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
