@@ -120,6 +120,34 @@ def test_a_start_that_fails_part_way_leaves_no_rank(monkeypatch, tmp_path):
     assert_processes_gone(started)
 
 
+def test_an_abandoned_start_ends_at_once_and_leaves_no_rank(monkeypatch, tmp_path):
+    """(The local launcher.) A router shut down while a worker starts: abandon() calls the
+    start off while it waits for the worker's Ready, and returns once the start has ended
+    (StartCancelled) and its rank is stopped, not whenever the worker would have come up."""
+    from pdserve.routing.workers import Starting, WorkerSpec
+    from pdserve.worker import launch
+    started = []
+
+    class Recorded(launch.LocalRank):
+        def __init__(self, path, rank):
+            super().__init__(path, rank)
+            started.append(self.pid)
+
+    monkeypatch.setattr(launch, "LocalRank", Recorded)
+    cfg = EngineConfig(_folder(tmp_path, LLAMA_8Q_2KV), **DUMMY)
+    st = Starting(WorkerSpec("w", "collocated", cfg), "w", 600)
+    deadline = time.monotonic() + 60
+    while not started:                  # its rank runs (it takes seconds to get Ready)
+        assert time.monotonic() < deadline and not st.done.is_set(), st.error
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    st.abandon()
+    assert st.done.is_set() and st.client is None       # (it used to return at once)
+    assert type(st.error).__name__ == "StartCancelled", st.error
+    assert time.monotonic() - t0 < 5
+    assert_processes_gone(started)
+
+
 def test_without_ray_the_backend_is_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_launch, "ray", None)
     with pytest.raises(ValueError, match="needs Ray"):
@@ -236,6 +264,29 @@ def test_a_placement_the_cluster_cannot_give_is_a_clear_error(cluster, model, mo
     # while it waited, it said so (Ray keeps an impossible placement pending, silently)
     assert re.search(r"waiting \d+ s so far for Ray to place 4 rank\(s\)", capfd.readouterr().err)
     _wait_free(2)                       # the placement group was given back
+
+
+def test_a_start_abandoned_while_ray_cannot_place_it_gives_the_placement_back(cluster, model):
+    """A worker restarting when the router shuts down, waiting for a placement Ray cannot
+    make: abandon() ends the wait and the placement group is removed before it returns (it
+    used to stay pending for the rest of the start-up timeout)."""
+    from ray.util import placement_group_table
+
+    from pdserve.routing.workers import Starting, WorkerSpec
+    path, *_ = model
+    cfg = EngineConfig(path, tensor_parallel_size=4, distributed_executor_backend="ray",
+                       ray_placement_strategy="STRICT_SPREAD", **DUMMY)
+    st = Starting(WorkerSpec("w", "collocated", cfg), "w", 600)
+    deadline = time.monotonic() + 30
+    while not any(g["state"] == "PENDING" for g in placement_group_table().values()):
+        assert time.monotonic() < deadline and not st.done.is_set(), st.error
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    st.abandon()
+    _wait_free(2, timeout_s=1)          # the group is removed (it was left pending)
+    assert time.monotonic() - t0 < 5
+    assert st.done.is_set() and st.client is None
+    assert type(st.error).__name__ == "StartCancelled", st.error
 
 
 def test_a_rank_whose_actor_dies_takes_its_worker_down(cluster, model):

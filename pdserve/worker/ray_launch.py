@@ -27,11 +27,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 
 from ..config import EngineConfig
-from .launch import RankHandle, RankLauncher, RankSite, free_port, rank_command
+from .launch import (RankHandle, RankLauncher, RankSite, StartCancelled, free_port,
+                     rank_command)
 
 try:
     import ray
@@ -40,7 +42,7 @@ try:
 except ImportError:  # the backend is refused by name until ray is installed
     ray = None
 
-_WATCH_S = 0.25   # how long a watcher waits on Ray at a time (a stop waits at most this long)
+_WATCH_S = 0.25   # how long a wait on Ray lasts at a time (a stop or a cancel waits this long)
 _START_S = 60.0   # how long an actor may take to start its rank's process
 _PLACE_NOTICE_S = 30.0  # how often a placement that waits says so
 
@@ -71,6 +73,20 @@ def connect() -> None:
         # Registered after ray.init's own exit hook, so it runs first: watcher threads must not
         # be inside a Ray call while Ray's core worker is torn down (it crashes the process).
         _AT_EXIT.append(atexit.register(_stop_watchers))
+
+
+def _wait(refs: list, timeout_s: float, cancel: threading.Event | None) -> bool:
+    """Waits for every ref in refs: True once they are all ready, False after timeout_s;
+    StartCancelled once `cancel` is set (looked at every _WATCH_S)."""
+    deadline = time.monotonic() + timeout_s
+    while not (cancel is not None and cancel.is_set()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if len(ray.wait(refs, num_returns=len(refs), timeout=min(_WATCH_S, left))[0]) == \
+                len(refs):
+            return True
+    raise StartCancelled("the worker's start was called off")
 
 
 def _stop_watchers() -> None:
@@ -147,14 +163,19 @@ class RayRank(RankHandle):
     """A rank run by a _RankActor. The sentinel is a pipe that a watcher thread closes the
     write end of once run() has returned or failed (the actor died, its node was lost)."""
 
-    def __init__(self, actor, rank: int, config: bytes, env: dict[str, str]):
+    def __init__(self, actor, rank: int, config: bytes, env: dict[str, str],
+                 cancel: threading.Event | None = None):
         self.actor, self.rank = actor, rank
         self._done = threading.Event()
         self._stop = threading.Event()
         self._code: int | None = None
         self.error: str | None = None
         ref = actor.run.remote(config, rank, env)
-        self.pid = ray.get(actor.rank_pid.remote(_START_S), timeout=2 * _START_S)
+        pid = actor.rank_pid.remote(_START_S)
+        if not _wait([pid], 2 * _START_S, cancel):
+            raise RuntimeError(f"the actor of rank {rank} did not start it within "
+                               f"{2 * _START_S:g} s")
+        self.pid = ray.get(pid)
         self.sentinel, self._w = os.pipe()
         self._thread = threading.Thread(target=self._watch, args=(ref,), daemon=True,
                                         name=f"pdserve-ray-rank-{rank}")
@@ -255,7 +276,7 @@ class RayLauncher(RankLauncher):
         ready, waited = self.pg.ready(), 0.0
         while True:   # (Ray keeps a placement it cannot make pending: say so while waiting)
             step = min(_PLACE_NOTICE_S, self.place_timeout_s - waited)
-            if ray.wait([ready], timeout=step)[0]:
+            if _wait([ready], step, self.cancel):   # (called off: close() removes the group)
                 break
             waited += step
             if waited >= self.place_timeout_s:
@@ -271,12 +292,11 @@ class RayLauncher(RankLauncher):
             max_restarts=0, name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=r)).remote() for r in range(tp)]
-        try:
-            found = ray.get([a.site.remote() for a in self.actors], timeout=_START_S)
-        except ray.exceptions.GetTimeoutError:
+        found = [a.site.remote() for a in self.actors]
+        if not _wait(found, _START_S, self.cancel):
             raise RuntimeError(f"the actors Ray placed for {what} did not start within "
-                               f"{_START_S:g} s") from None
-        self.sites = rank_sites(found, self.config.is_cuda)
+                               f"{_START_S:g} s")
+        self.sites = rank_sites(ray.get(found), self.config.is_cuda)
         return self.sites
 
     def client_address(self) -> str:
@@ -293,7 +313,7 @@ class RayLauncher(RankLauncher):
         ranks: list[RankHandle] = []
         try:
             for r, (a, s) in enumerate(zip(self.actors, self.sites)):
-                ranks.append(RayRank(a, r, config, dict(s.env)))
+                ranks.append(RayRank(a, r, config, dict(s.env), self.cancel))
         except BaseException:   # (the client holds none of them yet: stop the ones started)
             for h in ranks:
                 h.kill()
