@@ -5,7 +5,8 @@ node A and node B with one CPU each, so that Ray must put one rank or one worker
 TP=2 across the nodes and 1P1D with one worker per node both match the single-process engine's
 greedy output; a one-host KV connector across nodes is refused by name; a lost node's worker is
 a dead worker (its requests follow the router's fault rules) and comes back on a node Ray can
-place it on; a rank whose actor dies takes the worker down with it, and no process is left.
+place it on; a rank whose actor dies takes the worker down with it, and no process is left (nor,
+once another actor is placed on its node, its directory).
 The pure parts (rank sites, liveness across hosts, the plan, flags) are tested without Ray.
 """
 import os
@@ -148,6 +149,24 @@ def test_an_abandoned_start_ends_at_once_and_leaves_no_rank(monkeypatch, tmp_pat
     assert_processes_gone(started)
 
 
+def test_a_ranks_directory_is_kept_while_its_actor_or_rank_lives_then_swept(tmp_path,
+                                                                            monkeypatch):
+    """(What a Ray rank's actor does with its directory, without Ray.) The actor holds the
+    directory's lock and its rank inherits it: a sweep keeps the directory while either lives,
+    and removes it once both are gone, however they ended."""
+    import subprocess
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path, held = ray_launch.rank_dir()
+    rank = subprocess.Popen(["sleep", "60"], pass_fds=(held,))
+    assert ray_launch.sweep_rank_dirs() == []
+    os.close(held)                      # the actor is gone, its rank not yet
+    assert ray_launch.sweep_rank_dirs() == [] and os.path.isdir(path)
+    rank.kill()
+    rank.wait()
+    assert ray_launch.sweep_rank_dirs() == [path] and not os.path.exists(path)
+
+
 def test_without_ray_the_backend_is_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_launch, "ray", None)
     with pytest.raises(ValueError, match="needs Ray"):
@@ -197,6 +216,13 @@ def _wait_free(cpus: float, timeout_s: float = 20) -> None:
                                      for g in placement_group_table().values()):
         assert time.monotonic() < deadline, (ray.available_resources(), placement_group_table())
         time.sleep(0.1)
+
+
+def _rank_dirs() -> set[str]:
+    """The Ray ranks' directories on this host (every node of the test cluster runs here)."""
+    import glob
+    import tempfile
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), ray_launch._RANK_DIR_PREFIX + "*")))
 
 
 def _greedy(llm) -> list[list[int]]:
@@ -296,10 +322,13 @@ def test_a_rank_whose_actor_dies_takes_its_worker_down(cluster, model):
     from pdserve.protocol import AddRequest
     from pdserve.worker.client import EngineClient, EngineDeadError
     path, *_ = model
+    before = _rank_dirs()
     client = EngineClient(EngineConfig(path, tensor_parallel_size=2, **DUMMY,
                                        distributed_executor_backend="ray",
-                                       ray_placement_strategy="SPREAD"))
+                                       ray_placement_strategy="STRICT_SPREAD"))
     pids = client.pids
+    dirs = _rank_dirs() - before
+    assert len(dirs) == 2
     client.add_requests([AddRequest("r", {"prompt_token_ids": [5, 6, 7]},
                                     SamplingParams(max_tokens=10_000, ignore_eos=True))])
     ray.kill(client._procs[1].actor)
@@ -308,6 +337,15 @@ def test_a_rank_whose_actor_dies_takes_its_worker_down(cluster, model):
             client.step(timeout_s=5)
     assert_processes_gone(pids)
     client.shutdown()
+    _wait_free(2)
+    # rank 1's directory is left (Ray SIGKILLed its actor and the rank: nobody was left to
+    # remove it); the next actor placed on its node removes it
+    assert len(dirs & _rank_dirs()) == 1
+    launcher = ray_launch.RayLauncher(EngineConfig(path, distributed_executor_backend="ray",
+                                                   ray_placement_strategy="STRICT_SPREAD"))
+    launcher.place(2, "next")
+    launcher.close()
+    assert not dirs & _rank_dirs()
     _wait_free(2)
 
 

@@ -8,7 +8,10 @@
               run() returns its exit status
 
 Ray owns placement and lifetime: it ends the actors when the client's process (their owner) ends,
-and a rank watches its parent, the actor, so it goes too. A rank the client can no longer reach
+and a rank watches its parent, the actor, so it goes too. A rank's files (its config, KV pool
+files) are in a directory of its own on its node (rank_dir()): its actor removes it when the rank
+ends; an actor killed with its rank (ray.kill, the client's end, a crash: Ray SIGKILLs both) leaves
+it, and the next actor placed on that node removes it (sweep_rank_dirs()). A rank the client can no longer reach
 (its actor died, its node was lost) counts as exited: a thread per rank waits on run()'s result
 and makes the rank's sentinel readable, which the client treats like any rank's exit (the worker
 is dead; a router restarts it wherever Ray can place it then).
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import fcntl
+import glob
 import os
 import pickle
 import shutil
@@ -89,6 +94,46 @@ def _wait(refs: list, timeout_s: float, cancel: threading.Event | None) -> bool:
     raise StartCancelled("the worker's start was called off")
 
 
+_RANK_DIR_PREFIX = "pdserve-ray-rankdir-"
+
+
+def rank_dir() -> tuple[str, int]:
+    """A new directory for one rank's files (in the temporary directory) and a descriptor that
+    holds an exclusive flock on it: the actor holds it and the rank inherits it, so the lock
+    is free once both are gone, however they ended (the kernel drops a dead process's locks)."""
+    while True:
+        path = tempfile.mkdtemp(prefix=_RANK_DIR_PREFIX)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)   # (waits only while a sweep that came first runs)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return path, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)                     # swept before it was locked: take another
+
+
+def sweep_rank_dirs() -> list[str]:
+    """Removes the rank directories here whose lock nobody holds (their actor and rank are
+    gone without removing them); returns them."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), _RANK_DIR_PREFIX + "*")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid == os.getuid():
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(path, ignore_errors=True)   # (under the lock: see rank_dir)
+                removed.append(path)
+        except OSError:
+            pass                         # held: its actor or rank lives
+        finally:
+            os.close(fd)
+    return removed
+
+
 def _stop_watchers() -> None:
     for r in list(_WATCHERS):
         r.stop_watching()
@@ -108,6 +153,7 @@ class _RankActor:
     child process. Threaded (max_concurrency), so terminate() reaches it while run() waits."""
 
     def __init__(self):
+        sweep_rank_dirs()                  # what killed ranks left on this node
         self.popen: subprocess.Popen | None = None
         self.stopped = False
         self.started = threading.Event()   # run() has started the rank (or given up)
@@ -126,8 +172,9 @@ class _RankActor:
         return free_port(ray.util.get_node_ip_address())
 
     def run(self, config: bytes, rank: int, env: dict[str, str]) -> int:
-        # the rank's parent (what it watches) is this actor; its files stay on this node
-        workdir = tempfile.mkdtemp(prefix="pdserve-ray-rank-")
+        # the rank's parent (what it watches) is this actor; its files stay on this node, in a
+        # directory that this actor and the rank hold locked while either lives
+        workdir, held = rank_dir()
         try:
             wc = dataclasses.replace(pickle.loads(config), client_pid=os.getpid(),
                                      workdir=workdir)
@@ -138,12 +185,13 @@ class _RankActor:
             with self.lock:
                 if self.stopped:
                     return -15
-                self.popen = subprocess.Popen(argv, env={**base, **env})
+                self.popen = subprocess.Popen(argv, env={**base, **env}, pass_fds=(held,))
             self.started.set()
             return self.popen.wait()
         finally:
             self.started.set()
             shutil.rmtree(workdir, ignore_errors=True)
+            os.close(held)
 
     def terminate(self) -> None:
         with self.lock:
