@@ -13,6 +13,7 @@ import os
 import re
 import time
 
+import msgspec
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -165,6 +166,56 @@ def test_a_ranks_directory_is_kept_while_its_actor_or_rank_lives_then_swept(tmp_
     rank.kill()
     rank.wait()
     assert ray_launch.sweep_rank_dirs() == [path] and not os.path.exists(path)
+
+
+def test_a_tcp_channel_admits_only_the_ranks_of_its_own_start(monkeypatch, tmp_path):
+    """(The local launcher on tcp, as under Ray.) A rank of an earlier start, such as a stale
+    rank 0 on a partitioned node, may dial the ports a new client took. A peer without this
+    start's key, unkeyed or keyed for another start, fails the handshake: it gets no request
+    (a PUSH deals its messages out among every peer it has) and what it sends never arrives,
+    while the worker (TP=2: its steps channel is tcp too) serves as usual."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from pdserve.protocol import AddRequest
+    from pdserve.worker import launch
+    from pdserve.worker import messages as m
+    from pdserve.worker.client import EngineClient
+    monkeypatch.setattr(launch.ProcessLauncher, "endpoint",
+                        lambda self, address, name: "tcp://127.0.0.1:*")
+    client = EngineClient(EngineConfig(_folder(tmp_path, LLAMA_8Q_2KV), tensor_parallel_size=2,
+                                       **DUMMY))
+    ctx = zmq.Context()
+    try:
+        stale, monitors = [], []
+        for keyed in (False, True):     # a stale rank 0's two sockets
+            for kind, sock in ((zmq.PULL, client._requests), (zmq.PUSH, client._outputs)):
+                s = ctx.socket(kind)
+                if keyed:
+                    public, secret = zmq.curve_keypair()
+                    s.curve_serverkey, s.curve_publickey, s.curve_secretkey = \
+                        public, public, secret
+                monitors.append(s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+                s.connect(sock.getsockopt(zmq.LAST_ENDPOINT))
+                stale.append(s)
+        deadline = time.monotonic() + 1.0
+        for mon in monitors:            # (the real rank's handshake takes milliseconds)
+            assert not mon.poll(max(0, int((deadline - time.monotonic()) * 1000))), \
+                recv_monitor_message(mon)
+        for s in stale[1::2]:           # a forged failure: it would end the worker
+            s.send(msgspec.msgpack.encode(m.Failed("RuntimeError", "stale")), zmq.NOBLOCK)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        ids = [f"r{i}" for i in range(4)]
+        assert client.add_requests([AddRequest(i, {"prompt_token_ids": [5, 6, 7]}, params)
+                                    for i in ids]) == [None] * 4
+        done = set()
+        while client.has_unfinished_requests():
+            done |= {o.request_id for o in client.step(timeout_s=30) if o.finished}
+        assert done == set(ids)
+        assert not any(s.poll(0) for s in stale[0::2])
+    finally:
+        ctx.destroy(linger=0)
+        client.shutdown()
 
 
 def test_without_ray_the_backend_is_refused_by_name(monkeypatch, tmp_path):

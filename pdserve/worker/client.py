@@ -30,7 +30,7 @@ from ..outputs import RequestOutput
 from . import messages as m
 from .launch import RankHandle, RankLauncher, StartCancelled, make_launcher
 from .output_delta import DeltaDecoder
-from .worker import WorkerAddresses, WorkerConfig
+from .worker import WorkerAddresses, WorkerConfig, channel
 
 
 STEP_RECORDS_KEPT = 1024
@@ -94,6 +94,8 @@ class EngineClient:
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
         self._ctx = zmq.Context()
+        # this start's key: its tcp channels admit only its own ranks (worker.channel)
+        self._key = zmq.curve_keypair() if zmq.has("curve") else None
         self._procs: list[RankHandle] = []
         self._finalizer = weakref.finalize(self, _cleanup, self._ctx, self._procs, self._tmp,
                                            launcher)
@@ -107,7 +109,7 @@ class EngineClient:
                 self._outputs.getsockopt(zmq.LAST_ENDPOINT).decode(),
                 tuple(launcher.endpoint(s.address, f"steps-{r}")
                       for r, s in enumerate(sites) if r > 0),
-                launcher.rendezvous())
+                launcher.rendezvous(), self._key)
             devices = tuple(s.device for s in sites)
             ranks_config = config
             if config.is_cuda and len({s.node for s in sites}) > 1:
@@ -323,9 +325,7 @@ class EngineClient:
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.bind(endpoint)
-        return sock
+        return channel(self._ctx, kind, endpoint, self._key, bind=True)
 
     def _send(self, msg) -> None:
         """Sends msg (a message, or one already encoded) to rank 0. A PUSH socket with no
