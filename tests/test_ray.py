@@ -5,13 +5,15 @@ node A and node B with one CPU each, so that Ray must put one rank or one worker
 TP=2 across the nodes and 1P1D with one worker per node both match the single-process engine's
 greedy output; a one-host KV connector across nodes is refused by name; a lost node's worker is
 a dead worker (its requests follow the router's fault rules) and comes back on a node Ray can
-place it on; a rank whose actor dies takes the worker down with it, and no process is left.
+place it on; a rank whose actor dies takes the worker down with it, and no process is left (nor,
+once another actor is placed on its node, its directory).
 The pure parts (rank sites, liveness across hosts, the plan, flags) are tested without Ray.
 """
 import os
 import re
 import time
 
+import msgspec
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -120,6 +122,102 @@ def test_a_start_that_fails_part_way_leaves_no_rank(monkeypatch, tmp_path):
     assert_processes_gone(started)
 
 
+def test_an_abandoned_start_ends_at_once_and_leaves_no_rank(monkeypatch, tmp_path):
+    """(The local launcher.) A router shut down while a worker starts: abandon() calls the
+    start off while it waits for the worker's Ready, and returns once the start has ended
+    (StartCancelled) and its rank is stopped, not whenever the worker would have come up."""
+    from pdserve.routing.workers import Starting, WorkerSpec
+    from pdserve.worker import launch
+    started = []
+
+    class Recorded(launch.LocalRank):
+        def __init__(self, path, rank):
+            super().__init__(path, rank)
+            started.append(self.pid)
+
+    monkeypatch.setattr(launch, "LocalRank", Recorded)
+    cfg = EngineConfig(_folder(tmp_path, LLAMA_8Q_2KV), **DUMMY)
+    st = Starting(WorkerSpec("w", "collocated", cfg), "w", 600)
+    deadline = time.monotonic() + 60
+    while not started:                  # its rank runs (it takes seconds to get Ready)
+        assert time.monotonic() < deadline and not st.done.is_set(), st.error
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    st.abandon()
+    assert st.done.is_set() and st.client is None       # (it used to return at once)
+    assert type(st.error).__name__ == "StartCancelled", st.error
+    assert time.monotonic() - t0 < 5
+    assert_processes_gone(started)
+
+
+def test_a_ranks_directory_is_kept_while_its_actor_or_rank_lives_then_swept(tmp_path,
+                                                                            monkeypatch):
+    """(What a Ray rank's actor does with its directory, without Ray.) The actor holds the
+    directory's lock and its rank inherits it: a sweep keeps the directory while either lives,
+    and removes it once both are gone, however they ended."""
+    import subprocess
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path, held = ray_launch.rank_dir()
+    rank = subprocess.Popen(["sleep", "60"], pass_fds=(held,))
+    assert ray_launch.sweep_rank_dirs() == []
+    os.close(held)                      # the actor is gone, its rank not yet
+    assert ray_launch.sweep_rank_dirs() == [] and os.path.isdir(path)
+    rank.kill()
+    rank.wait()
+    assert ray_launch.sweep_rank_dirs() == [path] and not os.path.exists(path)
+
+
+def test_a_tcp_channel_admits_only_the_ranks_of_its_own_start(monkeypatch, tmp_path):
+    """(The local launcher on tcp, as under Ray.) A rank of an earlier start, such as a stale
+    rank 0 on a partitioned node, may dial the ports a new client took. A peer without this
+    start's key, unkeyed or keyed for another start, fails the handshake: it gets no request
+    (a PUSH deals its messages out among every peer it has) and what it sends never arrives,
+    while the worker (TP=2: its steps channel is tcp too) serves as usual."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from pdserve.protocol import AddRequest
+    from pdserve.worker import launch
+    from pdserve.worker import messages as m
+    from pdserve.worker.client import EngineClient
+    monkeypatch.setattr(launch.ProcessLauncher, "endpoint",
+                        lambda self, address, name: "tcp://127.0.0.1:*")
+    client = EngineClient(EngineConfig(_folder(tmp_path, LLAMA_8Q_2KV), tensor_parallel_size=2,
+                                       **DUMMY))
+    ctx = zmq.Context()
+    try:
+        stale, monitors = [], []
+        for keyed in (False, True):     # a stale rank 0's two sockets
+            for kind, sock in ((zmq.PULL, client._requests), (zmq.PUSH, client._outputs)):
+                s = ctx.socket(kind)
+                if keyed:
+                    public, secret = zmq.curve_keypair()
+                    s.curve_serverkey, s.curve_publickey, s.curve_secretkey = \
+                        public, public, secret
+                monitors.append(s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+                s.connect(sock.getsockopt(zmq.LAST_ENDPOINT))
+                stale.append(s)
+        deadline = time.monotonic() + 1.0
+        for mon in monitors:            # (the real rank's handshake takes milliseconds)
+            assert not mon.poll(max(0, int((deadline - time.monotonic()) * 1000))), \
+                recv_monitor_message(mon)
+        for s in stale[1::2]:           # a forged failure: it would end the worker
+            s.send(msgspec.msgpack.encode(m.Failed("RuntimeError", "stale")), zmq.NOBLOCK)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        ids = [f"r{i}" for i in range(4)]
+        assert client.add_requests([AddRequest(i, {"prompt_token_ids": [5, 6, 7]}, params)
+                                    for i in ids]) == [None] * 4
+        done = set()
+        while client.has_unfinished_requests():
+            done |= {o.request_id for o in client.step(timeout_s=30) if o.finished}
+        assert done == set(ids)
+        assert not any(s.poll(0) for s in stale[0::2])
+    finally:
+        ctx.destroy(linger=0)
+        client.shutdown()
+
+
 def test_without_ray_the_backend_is_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_launch, "ray", None)
     with pytest.raises(ValueError, match="needs Ray"):
@@ -169,6 +267,13 @@ def _wait_free(cpus: float, timeout_s: float = 20) -> None:
                                      for g in placement_group_table().values()):
         assert time.monotonic() < deadline, (ray.available_resources(), placement_group_table())
         time.sleep(0.1)
+
+
+def _rank_dirs() -> set[str]:
+    """The Ray ranks' directories on this host (every node of the test cluster runs here)."""
+    import glob
+    import tempfile
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), ray_launch._RANK_DIR_PREFIX + "*")))
 
 
 def _greedy(llm) -> list[list[int]]:
@@ -238,6 +343,29 @@ def test_a_placement_the_cluster_cannot_give_is_a_clear_error(cluster, model, mo
     _wait_free(2)                       # the placement group was given back
 
 
+def test_a_start_abandoned_while_ray_cannot_place_it_gives_the_placement_back(cluster, model):
+    """A worker restarting when the router shuts down, waiting for a placement Ray cannot
+    make: abandon() ends the wait and the placement group is removed before it returns (it
+    used to stay pending for the rest of the start-up timeout)."""
+    from ray.util import placement_group_table
+
+    from pdserve.routing.workers import Starting, WorkerSpec
+    path, *_ = model
+    cfg = EngineConfig(path, tensor_parallel_size=4, distributed_executor_backend="ray",
+                       ray_placement_strategy="STRICT_SPREAD", **DUMMY)
+    st = Starting(WorkerSpec("w", "collocated", cfg), "w", 600)
+    deadline = time.monotonic() + 30
+    while not any(g["state"] == "PENDING" for g in placement_group_table().values()):
+        assert time.monotonic() < deadline and not st.done.is_set(), st.error
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    st.abandon()
+    _wait_free(2, timeout_s=1)          # the group is removed (it was left pending)
+    assert time.monotonic() - t0 < 5
+    assert st.done.is_set() and st.client is None
+    assert type(st.error).__name__ == "StartCancelled", st.error
+
+
 def test_a_rank_whose_actor_dies_takes_its_worker_down(cluster, model):
     """A rank's actor killed: its rank ends with it (Ray ends an actor's children; the rank
     also watches its parent), and the client fails the worker naming the rank and what Ray
@@ -245,10 +373,13 @@ def test_a_rank_whose_actor_dies_takes_its_worker_down(cluster, model):
     from pdserve.protocol import AddRequest
     from pdserve.worker.client import EngineClient, EngineDeadError
     path, *_ = model
+    before = _rank_dirs()
     client = EngineClient(EngineConfig(path, tensor_parallel_size=2, **DUMMY,
                                        distributed_executor_backend="ray",
-                                       ray_placement_strategy="SPREAD"))
+                                       ray_placement_strategy="STRICT_SPREAD"))
     pids = client.pids
+    dirs = _rank_dirs() - before
+    assert len(dirs) == 2
     client.add_requests([AddRequest("r", {"prompt_token_ids": [5, 6, 7]},
                                     SamplingParams(max_tokens=10_000, ignore_eos=True))])
     ray.kill(client._procs[1].actor)
@@ -257,6 +388,15 @@ def test_a_rank_whose_actor_dies_takes_its_worker_down(cluster, model):
             client.step(timeout_s=5)
     assert_processes_gone(pids)
     client.shutdown()
+    _wait_free(2)
+    # rank 1's directory is left (Ray SIGKILLed its actor and the rank: nobody was left to
+    # remove it); the next actor placed on its node removes it
+    assert len(dirs & _rank_dirs()) == 1
+    launcher = ray_launch.RayLauncher(EngineConfig(path, distributed_executor_backend="ray",
+                                                   ray_placement_strategy="STRICT_SPREAD"))
+    launcher.place(2, "next")
+    launcher.close()
+    assert not dirs & _rank_dirs()
     _wait_free(2)
 
 

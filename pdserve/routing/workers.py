@@ -113,36 +113,43 @@ class WorkerHealth:
 
 
 class Starting:
-    """A worker starting in a daemon thread, so that the router keeps serving meanwhile. The
-    thread is never joined (a start outliving the deployment is shut down when it completes;
-    the worker's processes also exit once this process is gone)."""
+    """A worker starting in a daemon thread, so that the router keeps serving meanwhile.
+    abandon() calls the start off: the thread's EngineClient stops waiting (for a placement,
+    for Ready) within a fraction of a second, stops the ranks it started and gives back what
+    it placed; a start that completes anyway is shut down."""
 
     def __init__(self, spec: WorkerSpec, name: str, timeout_s: float):
         self.client: EngineClient | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._lock = threading.Lock()
-        self._abandoned = False
+        self._cancel = threading.Event()
         threading.Thread(target=self._run, args=(spec, name, timeout_s), daemon=True,
                          name=f"pdserve-start-{name}").start()
 
     def _run(self, spec: WorkerSpec, name: str, timeout_s: float) -> None:
         try:
-            client = EngineClient(spec.config, timeout_s, name, spec.cpu_threads)
+            client = EngineClient(spec.config, timeout_s, name, spec.cpu_threads,
+                                  cancel=self._cancel)
         except BaseException as e:  # noqa: BLE001 - the router reads it as a failed attempt
             self.error = e
         else:
             with self._lock:
-                abandoned, self.client = self._abandoned, client
+                abandoned, self.client = self._cancel.is_set(), client
             if abandoned:
                 client.shutdown(5.0)
         self.done.set()
 
-    def abandon(self) -> None:
+    def abandon(self, wait_s: float = 10.0) -> None:
+        """Calls the start off and waits up to wait_s for its thread to have cleaned up (a
+        start still in a step that does not look at the cancel, such as loading a tokenizer,
+        cleans up once that step is over)."""
         with self._lock:
-            self._abandoned, client, self.client = True, self.client, None
+            self._cancel.set()
+            client, self.client = self.client, None
         if client is not None:
             client.shutdown(5.0)
+        self.done.wait(wait_s)
 
 
 class Worker:

@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections import deque
@@ -27,12 +28,13 @@ from ..loader.model_loader import engine_tokenizer, resolve_source
 from ..models.config import ModelConfig
 from ..outputs import RequestOutput
 from . import messages as m
-from .launch import RankHandle, RankLauncher, make_launcher
+from .launch import RankHandle, RankLauncher, StartCancelled, make_launcher
 from .output_delta import DeltaDecoder
-from .worker import WorkerAddresses, WorkerConfig
+from .worker import WorkerAddresses, WorkerConfig, channel
 
 
 STEP_RECORDS_KEPT = 1024
+_CANCEL_POLL_S = 0.1   # a start waiting for Ready looks at its `cancel` this often
 
 
 class EngineDeadError(RuntimeError):
@@ -65,9 +67,13 @@ def _cleanup(ctx: zmq.Context, procs: list[RankHandle], tmpdir: str,
 
 class EngineClient:
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0,
-                 name: str = "worker", cpu_threads: int | None = None):
+                 name: str = "worker", cpu_threads: int | None = None,
+                 cancel: threading.Event | None = None):
         """cpu_threads: on CPU, torch threads per rank (None: the worker's default); a router
-        running several workers on one host gives each its share of the cores."""
+        running several workers on one host gives each its share of the cores. cancel: set
+        by another thread to call the start off: this constructor then raises StartCancelled
+        within a fraction of a second of its next wait (for placement, for Ready), having
+        stopped what it started and given back what it placed."""
         source = resolve_source(config.model)
         tp = config.tensor_parallel_size
         ModelConfig.from_hf(source.hf_config).check_tensor_parallel(tp)
@@ -80,12 +86,16 @@ class EngineClient:
         self.config = config
         self.tokenizer = engine_tokenizer(config, source)
         self._tmp = tempfile.mkdtemp(prefix="pdserve-worker-")
+        self._cancel = cancel
         try:
-            launcher = make_launcher(config, self._tmp, cpu_threads, startup_timeout_s)
+            launcher = make_launcher(config, self._tmp, cpu_threads, startup_timeout_s,
+                                     cancel)
         except BaseException:
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
         self._ctx = zmq.Context()
+        # this start's key: its tcp channels admit only its own ranks (worker.channel)
+        self._key = zmq.curve_keypair() if zmq.has("curve") else None
         self._procs: list[RankHandle] = []
         self._finalizer = weakref.finalize(self, _cleanup, self._ctx, self._procs, self._tmp,
                                            launcher)
@@ -99,7 +109,7 @@ class EngineClient:
                 self._outputs.getsockopt(zmq.LAST_ENDPOINT).decode(),
                 tuple(launcher.endpoint(s.address, f"steps-{r}")
                       for r, s in enumerate(sites) if r > 0),
-                launcher.rendezvous())
+                launcher.rendezvous(), self._key)
             devices = tuple(s.device for s in sites)
             ranks_config = config
             if config.is_cuda and len({s.node for s in sites}) > 1:
@@ -108,6 +118,7 @@ class EngineClient:
             wc = WorkerConfig(ranks_config, addrs, os.getpid(), self._tmp, name,
                               cpu_threads=launcher.cpu_threads,
                               rank_devices=devices if all(devices) else ())
+            launcher.check_cancel()
             self._procs.extend(launcher.start(pickle.dumps(wc)))
         except BaseException:
             self._finalizer()
@@ -314,9 +325,7 @@ class EngineClient:
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.bind(endpoint)
-        return sock
+        return channel(self._ctx, kind, endpoint, self._key, bind=True)
 
     def _send(self, msg) -> None:
         """Sends msg (a message, or one already encoded) to rank 0. A PUSH socket with no
@@ -352,10 +361,13 @@ class EngineClient:
             while True:
                 # Wake at least once a second to look at the ranks ourselves: a rank's exit must
                 # end the wait even if its sentinel is never reported.
-                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                cap = _CANCEL_POLL_S if starting and self._cancel is not None else 1.0
+                left = cap if deadline is None else min(cap, deadline - time.monotonic())
                 events = dict(self._poller.poll(max(0, int(left * 1000))))
                 if events or any(not p.is_alive() for p in self._procs):
                     break
+                if starting and self._cancel is not None and self._cancel.is_set():
+                    raise StartCancelled("the worker's start was called off")
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
         finally:

@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,13 +77,26 @@ class RankHandle(abc.ABC):
         """Frees what watching it took (the sentinel); the process is ended by then."""
 
 
+class StartCancelled(RuntimeError):
+    """A worker's start was called off from another thread (its `cancel` event was set)."""
+
+
 class RankLauncher(abc.ABC):
     """Starts one worker's ranks. place() once, then start() once; close() when the worker is
     gone (after its handles are joined). Errors: ValueError for a configuration the launcher
-    cannot satisfy (it names why), RuntimeError for a place or start that failed."""
+    cannot satisfy (it names why), RuntimeError for a place or start that failed,
+    StartCancelled for one called off: a place() or start() that waits (Ray: for room, for its
+    actors) looks at `cancel` at least every quarter second; close() gives back what it took."""
 
     #: CPU: torch threads of each rank (None: the rank's default, see worker_main)
     cpu_threads: int | None = None
+    #: set by another thread to call the start off (make_launcher passes the client's)
+    cancel: threading.Event | None = None
+
+    def check_cancel(self) -> None:
+        """Raises StartCancelled once `cancel` is set."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise StartCancelled("the worker's start was called off")
 
     @abc.abstractmethod
     def place(self, tp: int, name: str) -> list[RankSite]:
@@ -210,10 +224,14 @@ class ProcessLauncher(RankLauncher):
 
 
 def make_launcher(config: "EngineConfig", workdir: str, cpu_threads: int | None,
-                  place_timeout_s: float) -> RankLauncher:
+                  place_timeout_s: float, cancel: threading.Event) -> RankLauncher:
     """The launcher of config's executor backend ("mp" or "ray"); workdir: the client's own
-    directory; cpu_threads: torch threads of each CPU rank (what Ray reserves for it)."""
+    directory; cpu_threads: torch threads of each CPU rank (what Ray reserves for it); cancel:
+    set by another thread to call the start off."""
     if config.executor_backend == "ray":
         from .ray_launch import RayLauncher
-        return RayLauncher(config, cpu_threads, place_timeout_s)
-    return ProcessLauncher(workdir, cpu_threads)
+        launcher: RankLauncher = RayLauncher(config, cpu_threads, place_timeout_s)
+    else:
+        launcher = ProcessLauncher(workdir, cpu_threads)
+    launcher.cancel = cancel
+    return launcher

@@ -8,7 +8,10 @@
               run() returns its exit status
 
 Ray owns placement and lifetime: it ends the actors when the client's process (their owner) ends,
-and a rank watches its parent, the actor, so it goes too. A rank the client can no longer reach
+and a rank watches its parent, the actor, so it goes too. A rank's files (its config, KV pool
+files) are in a directory of its own on its node (rank_dir()): its actor removes it when the rank
+ends; an actor killed with its rank (ray.kill, the client's end, a crash: Ray SIGKILLs both) leaves
+it, and the next actor placed on that node removes it (sweep_rank_dirs()). A rank the client can no longer reach
 (its actor died, its node was lost) counts as exited: a thread per rank waits on run()'s result
 and makes the rank's sentinel readable, which the client treats like any rank's exit (the worker
 is dead; a router restarts it wherever Ray can place it then).
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import fcntl
+import glob
 import os
 import pickle
 import shutil
@@ -27,11 +32,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 
 from ..config import EngineConfig
-from .launch import RankHandle, RankLauncher, RankSite, free_port, rank_command
+from .launch import (RankHandle, RankLauncher, RankSite, StartCancelled, free_port,
+                     rank_command)
 
 try:
     import ray
@@ -40,7 +47,7 @@ try:
 except ImportError:  # the backend is refused by name until ray is installed
     ray = None
 
-_WATCH_S = 0.25   # how long a watcher waits on Ray at a time (a stop waits at most this long)
+_WATCH_S = 0.25   # how long a wait on Ray lasts at a time (a stop or a cancel waits this long)
 _START_S = 60.0   # how long an actor may take to start its rank's process
 _PLACE_NOTICE_S = 30.0  # how often a placement that waits says so
 
@@ -73,6 +80,60 @@ def connect() -> None:
         _AT_EXIT.append(atexit.register(_stop_watchers))
 
 
+def _wait(refs: list, timeout_s: float, cancel: threading.Event | None) -> bool:
+    """Waits for every ref in refs: True once they are all ready, False after timeout_s;
+    StartCancelled once `cancel` is set (looked at every _WATCH_S)."""
+    deadline = time.monotonic() + timeout_s
+    while not (cancel is not None and cancel.is_set()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if len(ray.wait(refs, num_returns=len(refs), timeout=min(_WATCH_S, left))[0]) == \
+                len(refs):
+            return True
+    raise StartCancelled("the worker's start was called off")
+
+
+_RANK_DIR_PREFIX = "pdserve-ray-rankdir-"
+
+
+def rank_dir() -> tuple[str, int]:
+    """A new directory for one rank's files (in the temporary directory) and a descriptor that
+    holds an exclusive flock on it: the actor holds it and the rank inherits it, so the lock
+    is free once both are gone, however they ended (the kernel drops a dead process's locks)."""
+    while True:
+        path = tempfile.mkdtemp(prefix=_RANK_DIR_PREFIX)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)   # (waits only while a sweep that came first runs)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return path, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)                     # swept before it was locked: take another
+
+
+def sweep_rank_dirs() -> list[str]:
+    """Removes the rank directories here whose lock nobody holds (their actor and rank are
+    gone without removing them); returns them."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), _RANK_DIR_PREFIX + "*")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid == os.getuid():
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(path, ignore_errors=True)   # (under the lock: see rank_dir)
+                removed.append(path)
+        except OSError:
+            pass                         # held: its actor or rank lives
+        finally:
+            os.close(fd)
+    return removed
+
+
 def _stop_watchers() -> None:
     for r in list(_WATCHERS):
         r.stop_watching()
@@ -92,6 +153,7 @@ class _RankActor:
     child process. Threaded (max_concurrency), so terminate() reaches it while run() waits."""
 
     def __init__(self):
+        sweep_rank_dirs()                  # what killed ranks left on this node
         self.popen: subprocess.Popen | None = None
         self.stopped = False
         self.started = threading.Event()   # run() has started the rank (or given up)
@@ -110,8 +172,9 @@ class _RankActor:
         return free_port(ray.util.get_node_ip_address())
 
     def run(self, config: bytes, rank: int, env: dict[str, str]) -> int:
-        # the rank's parent (what it watches) is this actor; its files stay on this node
-        workdir = tempfile.mkdtemp(prefix="pdserve-ray-rank-")
+        # the rank's parent (what it watches) is this actor; its files stay on this node, in a
+        # directory that this actor and the rank hold locked while either lives
+        workdir, held = rank_dir()
         try:
             wc = dataclasses.replace(pickle.loads(config), client_pid=os.getpid(),
                                      workdir=workdir)
@@ -122,12 +185,13 @@ class _RankActor:
             with self.lock:
                 if self.stopped:
                     return -15
-                self.popen = subprocess.Popen(argv, env={**base, **env})
+                self.popen = subprocess.Popen(argv, env={**base, **env}, pass_fds=(held,))
             self.started.set()
             return self.popen.wait()
         finally:
             self.started.set()
             shutil.rmtree(workdir, ignore_errors=True)
+            os.close(held)
 
     def terminate(self) -> None:
         with self.lock:
@@ -147,14 +211,19 @@ class RayRank(RankHandle):
     """A rank run by a _RankActor. The sentinel is a pipe that a watcher thread closes the
     write end of once run() has returned or failed (the actor died, its node was lost)."""
 
-    def __init__(self, actor, rank: int, config: bytes, env: dict[str, str]):
+    def __init__(self, actor, rank: int, config: bytes, env: dict[str, str],
+                 cancel: threading.Event | None = None):
         self.actor, self.rank = actor, rank
         self._done = threading.Event()
         self._stop = threading.Event()
         self._code: int | None = None
         self.error: str | None = None
         ref = actor.run.remote(config, rank, env)
-        self.pid = ray.get(actor.rank_pid.remote(_START_S), timeout=2 * _START_S)
+        pid = actor.rank_pid.remote(_START_S)
+        if not _wait([pid], 2 * _START_S, cancel):
+            raise RuntimeError(f"the actor of rank {rank} did not start it within "
+                               f"{2 * _START_S:g} s")
+        self.pid = ray.get(pid)
         self.sentinel, self._w = os.pipe()
         self._thread = threading.Thread(target=self._watch, args=(ref,), daemon=True,
                                         name=f"pdserve-ray-rank-{rank}")
@@ -255,7 +324,7 @@ class RayLauncher(RankLauncher):
         ready, waited = self.pg.ready(), 0.0
         while True:   # (Ray keeps a placement it cannot make pending: say so while waiting)
             step = min(_PLACE_NOTICE_S, self.place_timeout_s - waited)
-            if ray.wait([ready], timeout=step)[0]:
+            if _wait([ready], step, self.cancel):   # (called off: close() removes the group)
                 break
             waited += step
             if waited >= self.place_timeout_s:
@@ -271,12 +340,11 @@ class RayLauncher(RankLauncher):
             max_restarts=0, name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=r)).remote() for r in range(tp)]
-        try:
-            found = ray.get([a.site.remote() for a in self.actors], timeout=_START_S)
-        except ray.exceptions.GetTimeoutError:
+        found = [a.site.remote() for a in self.actors]
+        if not _wait(found, _START_S, self.cancel):
             raise RuntimeError(f"the actors Ray placed for {what} did not start within "
-                               f"{_START_S:g} s") from None
-        self.sites = rank_sites(found, self.config.is_cuda)
+                               f"{_START_S:g} s")
+        self.sites = rank_sites(ray.get(found), self.config.is_cuda)
         return self.sites
 
     def client_address(self) -> str:
@@ -293,7 +361,7 @@ class RayLauncher(RankLauncher):
         ranks: list[RankHandle] = []
         try:
             for r, (a, s) in enumerate(zip(self.actors, self.sites)):
-                ranks.append(RayRank(a, r, config, dict(s.env)))
+                ranks.append(RayRank(a, r, config, dict(s.env), self.cancel))
         except BaseException:   # (the client holds none of them yet: stop the ones started)
             for h in ranks:
                 h.kill()

@@ -31,7 +31,7 @@ import select
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import msgspec
@@ -198,6 +198,32 @@ class WorkerAddresses:
     # then) and tells rank 0 the endpoint it got through the TP group's first gather
     steps: tuple[str, ...]
     dist_init_method: str       # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
+    # this start's CURVE keypair (public, secret), made by its client: a tcp channel admits
+    # only peers that hold it (channel())
+    key: tuple[bytes, bytes] | None = field(default=None, repr=False)
+
+
+def channel(ctx: zmq.Context, kind: int, endpoint: str, key: tuple[bytes, bytes] | None,
+            bind: bool) -> zmq.Socket:
+    """A socket of one worker's channels, bound to `endpoint` or connected to it. On tcp, given
+    the start's key (WorkerAddresses.key), it speaks CURVE, the bound side as the server: a
+    peer without this start's key (a rank of an earlier start, such as a stale rank 0 on a
+    partitioned node dialling a port that a new client took) fails the handshake and is
+    dropped before any message, so it never gets a request (a PUSH deals its messages out among
+    every peer it has) and nothing it sends arrives. An ipc endpoint is a file in the client's
+    own directory, which no other start reaches: left as it is."""
+    sock = ctx.socket(kind)
+    if key is not None and endpoint.startswith("tcp://"):
+        sock.curve_publickey, sock.curve_secretkey = key
+        if bind:
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = key[0]
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
 
 
 @dataclass(frozen=True)
@@ -250,15 +276,14 @@ def worker_main(wc: WorkerConfig, rank: int) -> None:
     out = None
     try:
         if rank == 0:
-            sock = ctx.socket(zmq.PUSH)
+            sock = channel(ctx, zmq.PUSH, wc.addresses.outputs, wc.addresses.key, bind=False)
             sock.setsockopt(zmq.LINGER, 5000)
-            sock.connect(wc.addresses.outputs)
             out = _Outbox(sock, f"the client (pid {wc.client_pid})",
                           lambda: _client_alive(wc.client_pid), wc.client_timeout_s, ClientGone)
         steps = None
         if rank > 0:  # bound before the gather, which tells rank 0 where
-            steps = ctx.socket(zmq.PULL)
-            steps.bind(wc.addresses.steps[rank - 1])
+            steps = channel(ctx, zmq.PULL, wc.addresses.steps[rank - 1], wc.addresses.key,
+                            bind=True)
         init_tp_group(rank, tp, wc.addresses.dist_init_method, device,
                       one_shot=not cfg.disable_custom_all_reduce)
         # rank 0 connects to the others and watches them
@@ -318,12 +343,11 @@ class _Driver:
         self.m = m
         self.wc = wc
         self.out = out
-        self.requests = ctx.socket(zmq.PULL)
-        self.requests.connect(wc.addresses.requests)
+        self.requests = channel(ctx, zmq.PULL, wc.addresses.requests, wc.addresses.key,
+                                bind=False)
         self.followers: list[_Outbox] = []
         for rank, f in enumerate(followers, start=1):
-            s = ctx.socket(zmq.PUSH)
-            s.connect(f.steps)
+            s = channel(ctx, zmq.PUSH, f.steps, wc.addresses.key, bind=False)
             self.followers.append(_Outbox(s, f"worker rank {rank} (pid {f.pid})",
                                           f.alive_check(), wc.send_timeout_s, RankGone))
         self.step_encoder = StepEncoder()
