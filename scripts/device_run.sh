@@ -132,9 +132,13 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            done;;
     latency-peer) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 --steps 30 \
            --generate-tokens 256 --peer hf-static --output "$OUT/latency-peer.json" 2>&1 | grep -v Warn | tail -8;;
-    prefix) for order in ${PREFIX_ORDERS:-on-first off-first}; do
+    prefix) # issue 16's three cases; case 3 (zero reuse) alternates its own engines whatever the
+            # order, so it runs with the first order only
+            cases="system multi-turn zero-reuse"
+            for order in ${PREFIX_ORDERS:-on-first off-first}; do
               python3 -m pdserve bench prefix --model qwen2.5-1.5b --load-format dummy --order $order \
-                --output "$OUT/prefix-h200-$order.json" 2>&1 | grep -v Warn | tail -8
+                --cases $cases --output "$OUT/prefix-h200-$order.json" 2>&1 | grep -v Warn | tail -8
+              cases="system multi-turn"
             done;;
     serve-prefix) # issue 16 case 2 served: multi-turn chats through pdserve serve, prefix cache on vs
            # off, the same conversations at each rate (the cache is reset before each rate). A dummy
