@@ -561,3 +561,40 @@ def test_router_and_engine_client_satisfy_the_protocol():
         assert missing == [], (cls.__name__, missing)
     assert not hasattr(Router, "get_num_unfinished_requests")
     assert not hasattr(EngineClient, "get_num_unfinished_requests")
+
+
+def test_starts_called_off_together_are_waited_for_together(monkeypatch):
+    """Starts stuck in a step that does not look at the cancel (1 s, say a tokenizer loading):
+    abandon_all calls them all off, then waits for them together, up to its wait in all (not
+    per start), and a start that completes after it was called off keeps no client."""
+    import time
+
+    from pdserve.routing import workers
+
+    class Stuck:
+        made = []
+
+        def __init__(self, config, timeout_s, name, cpu_threads, cancel):
+            time.sleep(1.0)
+            assert cancel.is_set()
+            Stuck.made.append(self)
+            self.stopped = False
+
+        def shutdown(self, timeout_s):
+            self.stopped = True
+
+    monkeypatch.setattr(workers, "EngineClient", Stuck)
+    spec = workers.WorkerSpec("w", "collocated", None)
+    starts = [workers.Starting(spec, f"w{i}", 60) for i in range(2)]
+    t0 = time.monotonic()
+    workers.abandon_all(starts, wait_s=10)
+    took = time.monotonic() - t0
+    assert all(st.done.is_set() for st in starts) and 0.8 < took < 1.6, took
+    assert len(Stuck.made) == 2 and all(c.stopped for c in Stuck.made)   # (shut down at once)
+    assert all(st.client is None for st in starts)
+    late = [workers.Starting(spec, f"late{i}", 60) for i in range(3)]
+    t0 = time.monotonic()
+    workers.abandon_all(late, wait_s=0.3)      # (one wait each would take 0.9 s)
+    assert time.monotonic() - t0 < 0.6 and not any(st.done.is_set() for st in late)
+    for st in late:
+        assert st.done.wait(5) and st.client is None

@@ -39,7 +39,7 @@ from . import actions as act
 from .router_core import RouterCore, RouterStats
 from .policies import ROLES, RoutingPolicy, make_policy
 from .prefix_index import PREFIX_INDEX_TOKENS
-from .workers import RestartPolicy, Starting, Worker, WorkerHealth, WorkerSpec
+from .workers import RestartPolicy, Starting, Worker, WorkerHealth, WorkerSpec, abandon_all
 
 
 def _nodes(w: Worker) -> str:
@@ -497,11 +497,9 @@ class Router:
         if self.core.closed:
             return
         self.core.close()
+        abandon_all([w.starting for w in self.workers.values() if w.starting is not None])
         for w in self.workers.values():
-            if w.starting is not None:
-                w.starting.abandon()
-                w.starting = None
-            w.restart_at = None
+            w.starting, w.restart_at = None, None
         # decode workers first: they may still be reading the prefill workers' pools
         order = sorted(self.workers.values(), key=lambda w: w.spec.role != "decode")
         for w in order:

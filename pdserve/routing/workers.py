@@ -135,8 +135,10 @@ class Starting:
             self.error = e
         else:
             with self._lock:
-                abandoned, self.client = self._cancel.is_set(), client
-            if abandoned:
+                abandoned = self._cancel.is_set()
+                if not abandoned:
+                    self.client = client
+            if abandoned:              # (completed after it was called off: not kept)
                 client.shutdown(5.0)
         self.done.set()
 
@@ -144,12 +146,24 @@ class Starting:
         """Calls the start off and waits up to wait_s for its thread to have cleaned up (a
         start still in a step that does not look at the cancel, such as loading a tokenizer,
         cleans up once that step is over)."""
+        abandon_all([self], wait_s)
+
+    def _call_off(self) -> None:
         with self._lock:
             self._cancel.set()
             client, self.client = self.client, None
         if client is not None:
             client.shutdown(5.0)
-        self.done.wait(wait_s)
+
+
+def abandon_all(starts: list[Starting], wait_s: float = 10.0) -> None:
+    """Calls every start off, then waits for them all together, up to wait_s in all (not
+    wait_s each: a shutdown with several workers restarting waits for the slowest)."""
+    for st in starts:
+        st._call_off()
+    deadline = time.monotonic() + wait_s
+    for st in starts:
+        st.done.wait(max(0.0, deadline - time.monotonic()))
 
 
 class Worker:
