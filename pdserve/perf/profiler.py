@@ -319,8 +319,8 @@ def _transfer_rows(a, cfg, kvb: int) -> tuple[list[dict], dict[str, Any]]:
 def serving_config(cfg, serving_args: str):
     """The measured server's engine config: cfg's flags, then serving_args' (a shell-quoted
     string of engine flags; later flags win). ValueError for a flag that is not an engine flag
-    or a bad value, and for a server whose token budget cannot take the longest serving prompt
-    in one step."""
+    or a bad value (run() then checks that its token budget takes each serving prompt in one
+    step)."""
     import shlex
 
     from ..args import engine_argv
