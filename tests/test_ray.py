@@ -424,6 +424,10 @@ def test_serve_with_prefill_and_decode_on_two_nodes(cluster, monkeypatch):
         for worker in ("prefill-0", "decode-0"):
             assert metric_value(metrics, f'pdserve:worker_up{{worker="{worker}"}}') == 1
         assert _free_cpus() == 0                       # a worker on each node
+        ranks = httpx.get(base + "/admin/check").json()["worker_ranks"]
+        nodes = {w: {r["node"] for r in rs} for w, rs in ranks.items()}
+        assert set(nodes) == {"prefill-0", "decode-0"} and all(len(n) == 1 for n in nodes.values())
+        assert nodes["prefill-0"] != nodes["decode-0"]  # (the two Ray nodes, by their ids)
     finally:
         assert _stopped_cleanly(_stop(proc))
     proc.log.seek(0)

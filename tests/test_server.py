@@ -194,6 +194,19 @@ def test_metrics_move(server, client):
 
 
 
+def test_admin_check_says_where_each_rank_runs(server):
+    """Each worker's ranks with their pids (the same as worker_pids), node and address: this
+    host (the local launcher) for every one."""
+    from pdserve.worker.launch import host_id
+    check = httpx.get(server + "/admin/check").json()
+    ranks = check["worker_ranks"]
+    assert len(ranks) == len(check["workers"]) and set(ranks) == {w["name"] for w in check["workers"]}
+    flat = [r for rs in ranks.values() for r in rs]
+    assert [r["pid"] for r in flat] == check["worker_pids"]
+    assert all(rs and [r["rank"] for r in rs] == list(range(len(rs))) for rs in ranks.values())
+    assert {(r["node"], r["address"]) for r in flat} == {(host_id(), "127.0.0.1")}
+
+
 _PHASES = ("queue", "prefill", "decode", "inference")
 
 

@@ -477,6 +477,11 @@ class Router:
     def pids(self) -> list[int]:
         return [pid for w in self.workers.values() for pid in w.client.pids]
 
+    def worker_ranks(self) -> dict[str, list[dict]]:
+        """Each worker's ranks (EngineClient.ranks): a pid means a process on that rank's node,
+        which under Ray may be another machine."""
+        return {name: w.client.ranks for name, w in self.workers.items()}
+
     def _check_open(self) -> None:
         if self.core.closed:
             raise EngineDeadError("the router was shut down")

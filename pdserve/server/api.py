@@ -160,7 +160,7 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServeOptions | None
         return {"ok": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "num_kv_blocks_used": stats.num_kv_blocks_used,
                 "num_kv_blocks": stats.num_kv_blocks, "worker_pids": engine.client.pids,
-                "workers": workers()}
+                "worker_ranks": engine.client.worker_ranks(), "workers": workers()}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():

@@ -125,6 +125,7 @@ class EngineClient:
             raise
         #: the node each rank runs on (RankSite.node): KV transports that need one host check it
         self.nodes = tuple(s.node for s in sites)
+        self._addresses = tuple(s.address for s in sites)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(m.FromWorker)
         self._poller = zmq.Poller()
@@ -157,6 +158,13 @@ class EngineClient:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def ranks(self) -> list[dict]:
+        """Where each rank runs: {"rank", "pid" (a pid on its own node; None if it never
+        started), "node", "address"}."""
+        return [{"rank": r, "pid": p.pid, "node": n, "address": a}
+                for r, (p, n, a) in enumerate(zip(self._procs, self.nodes, self._addresses))]
 
     @property
     def is_dead(self) -> bool:
