@@ -155,15 +155,17 @@ def test_workers_exit_when_their_client_is_killed(tmp_path):
         "from pdserve.worker.client import EngineClient\n"
         f"c = EngineClient(EngineConfig(model={path!r}, load_format='dummy', "
         "tensor_parallel_size=2, skip_tokenizer_init=True, num_kv_blocks=16))\n"
-        "print(*c.pids, flush=True)\n"
+        "print(c._tmp, *c.pids, flush=True)\n"
         "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 2
+        workdir, *pids = proc.stdout.readline().split()
+        pids = [int(p) for p in pids]
+        assert len(pids) == 2 and os.path.isdir(workdir)
         proc.kill()  # no chance to clean up: the workers must notice by themselves
         proc.wait()
         assert_processes_gone(pids, timeout_s=10.0)
+        assert not os.path.exists(workdir)      # (the client's directory: the ranks removed it)
     finally:
         proc.kill()
 
