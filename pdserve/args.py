@@ -75,11 +75,10 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--cuda-graph-max-tokens", type=int, default=None,
                    help="largest step with prefill tokens replayed as a CUDA graph (default: "
                         f"the token budget, at most {_config.MAX_GRAPH_TOKENS}; 0: eager)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch the next step while the device runs this one (default: on with "
-                        "CUDA, off on CPU, where nothing runs beside the host and each token "
-                        "would come a step later; --no-async-scheduling: each step only after "
-                        "the previous one's tokens are read)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch the next step while the device runs this one (default on; "
+                        "--no-async-scheduling: schedule each step only after the previous "
+                        "one's tokens are read)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of cached prompt prefixes (token-granular radix tree; "
                         "default on)")

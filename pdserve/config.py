@@ -65,13 +65,9 @@ class EngineConfig:
     # tokens (they stay on the device and feed N+1's inputs), so the host's work (stops,
     # detokenization, the next schedule) overlaps the device's. The tokens reach the caller
     # exactly as without it; steps that need the host to know the tokens first run in order
-    # (penalties, min_tokens: engine/core.py). None (the default): on where a device runs
-    # beside the host (CUDA), off on CPU, where the next step's forward runs on the host before
-    # this step's tokens are read, so each token would reach the caller one step later (a
-    # first token two steps late: measured, twice the TTFT of the embedded model); True forces
-    # it there too (the same code runs). False: every step waits for its tokens before the next
-    # is scheduled.
-    async_scheduling: bool | None = None
+    # (penalties, min_tokens: engine/core.py). On CPU too (nothing overlaps there, the same
+    # code runs). False: every step waits for its tokens before the next is scheduled.
+    async_scheduling: bool = True
     # Prefix caching (engine/prefix_cache.py): KV of finished and preempted sequences stays in a
     # token-granular radix tree over the block pool, evicted least recently used when the pool
     # is short; a new sequence starts from its longest cached prefix.
@@ -136,12 +132,9 @@ class EngineConfig:
         if not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for name in ("skip_tokenizer_init", "enforce_eager", "disable_custom_all_reduce",
-                     "enable_prefix_caching"):
+                     "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be a bool or None (on with CUDA only), got "
-                             f"{self.async_scheduling!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -210,11 +203,6 @@ class EngineConfig:
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
-
-    @property
-    def uses_async_scheduling(self) -> bool:
-        """async_scheduling, with None resolved: on with CUDA, off on CPU (see the field)."""
-        return self.is_cuda if self.async_scheduling is None else self.async_scheduling
 
     @property
     def torch_device(self) -> "torch.device":

@@ -84,9 +84,8 @@ for stage in "$@"; do
     profile-serve) # issue 18: the profile for simulating the serve stage's sweep (run it right before
            # `serve`, one commit): steps timed synchronously as always, and the serving path measured
            # on the server the sweep runs (the defaults: async scheduling, 2,048 tokens, 256 seqs)
-           # (a CPU dry run: PROFILE_SERVE_COMMON="--device cpu --quick")
-           python3 -m pdserve profile ${PROFILE_SERVE_COMMON:-"--model qwen2.5-1.5b --load-format dummy --device cuda --gpu-memory-utilization 0.8"} \
-             --serving-args "--async-scheduling --max-num-batched-tokens 2048 --max-num-seqs 256" \
+           python3 -m pdserve profile --model qwen2.5-1.5b --load-format dummy --device cuda \
+             --gpu-memory-utilization 0.8 --serving-args "--async-scheduling --max-num-batched-tokens 2048 --max-num-seqs 256" \
              --output "$OUT/profile-h200-serve.json" 2>&1 | grep -v Warn | tail -24;;
     serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
@@ -215,10 +214,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              rm -f $before
              kill -TERM $pid; wait $pid
            done
-           python3 scripts/tier_report.py report "$OUT" --output "$OUT/tier-report.json"
-           if ls "$OUT"/tier-mt-wt-*.json > /dev/null 2>&1; then   # (write-through against GPU-only)
-             python3 scripts/tier_report.py report "$OUT" --tier-side wt --output "$OUT/tier-report-wt.json"
-           fi;;
+           python3 scripts/tier_report.py report "$OUT" --output "$OUT/tier-report.json";;
     serve-adaptive) # issue 17: the mixed workload (short chat turns + long documents, Poisson)
            # through 1P1D on the one GPU, one sweep per policy; first the profile of this engine
            # config (the adaptive policy's cost model), with its held-out errors

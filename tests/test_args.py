@@ -53,18 +53,8 @@ def test_defaults_match_engine_config():
 
 
 def test_async_scheduling_flag():
-    auto = engine_config(_parser().parse_args([]))
-    assert auto.async_scheduling is None and auto.uses_async_scheduling is False   # (CPU)
-    from types import SimpleNamespace
-
-    from pdserve.config import EngineConfig
-    resolve = EngineConfig.uses_async_scheduling.fget       # (no CUDA here to make a config on)
-    assert [resolve(SimpleNamespace(is_cuda=c, async_scheduling=a))
-            for c in (True, False) for a in (None, True, False)] == [
-        True, True, False, False, True, False]
+    assert engine_config(_parser().parse_args([])).async_scheduling is True
     assert engine_config(_parser().parse_args(["--no-async-scheduling"])).async_scheduling is False
-    on = engine_config(_parser().parse_args(["--async-scheduling"]))
-    assert on.async_scheduling is True and on.uses_async_scheduling is True      # (forced on CPU)
 
 
 @pytest.mark.parametrize("kwargs, counts, policy", [

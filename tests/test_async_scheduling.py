@@ -172,22 +172,6 @@ def test_next_step_starts_before_the_last_is_read():
     assert sum(len(c) for c in dev.chunks) > len(starts)
 
 
-def test_on_cpu_by_default_a_token_comes_out_of_the_step_that_sampled_it():
-    """async_scheduling None (the default) on a CPU config: synchronous, so the prompt's step
-    returns its first token (nothing runs beside the host there: under async scheduling the
-    next step's forward would run before it is read, as forced here)."""
-    sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    firsts = {}
-    for a in (None, True):
-        core, dev = fake_core(async_scheduling=a)
-        assert core.config.uses_async_scheduling is (a is True)
-        core.add_request("r", [3, 9, 4], sp)
-        firsts[a] = [len(c.new_token_ids) for o in core.step() for c in o.outputs]
-        while core.has_unfinished_requests():
-            core.step()
-    assert firsts == {None: [1], True: []}
-
-
 def test_sync_mode_reads_each_step_before_the_next():
     core, dev = fake_core(async_scheduling=False)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -16,9 +16,8 @@ Each step with a forward leaves a StepRecord (take_step_records): its prefill/de
 queue, its wall time and, once the executor's measurement settles (never waited for), the
 forward's device time.
 
-Async scheduling (config.uses_async_scheduling: CUDA by default; an executor with
-execute_async): one step stays in flight between step() calls, so the host's work overlaps the
-device's:
+Async scheduling (config.async_scheduling, an executor with execute_async): one step stays in
+flight between step() calls, so the host's work overlaps the device's:
 
     step() k:   schedule N+1 ─ start N+1 ─ read N's tokens ─ update, stops, outputs of N ─ return
     device:     ...... N ...............─ N+1 (its pending inputs: N's tokens, on the device)
@@ -128,7 +127,7 @@ class EngineCore:
         self._early_times: dict[int, float | None] = {}   # device times of steps not applied yet
         self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_KEPT)
         self.last_step_ran = False   # the last step() ran a forward
-        self.async_scheduling = config.uses_async_scheduling and hasattr(executor, "execute_async")
+        self.async_scheduling = config.async_scheduling and hasattr(executor, "execute_async")
         self._in_flight: _Started | None = None
         self.num_sync_steps = 0      # async scheduling: steps that waited for the one in flight
 

@@ -353,7 +353,7 @@ def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], dict[str, Any]]:
     rows, info = measure(cfg, a.serving_tokens, a.serving_reps, a.serving_max_tokens,
                          facts["vocab_size"], a.seed, a.threads)
     info["serving_args"] = a.serving_args
-    info["async_scheduling"] = cfg.uses_async_scheduling
+    info["async_scheduling"] = bool(cfg.async_scheduling)
     for n in a.serving_tokens:
         ttft = [r["ttft_ms"] for r in rows if r["n"] == n]
         print(f"serving {n:>6} tokens: TTFT median {statistics.median(ttft):9.3f} ms over "

@@ -151,7 +151,7 @@ def build_model_runner(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
             kv_sync=config.kv_transfer_mode == "sync",
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, cuda_graph_max_tokens=config.graph_max_tokens,
-            share_sampled=config.uses_async_scheduling and get_tp_group().size > 1,
+            share_sampled=config.async_scheduling and get_tp_group().size > 1,
             num_host_blocks=num_host_blocks)
     return runner, num_blocks, max_model_len
 
