@@ -68,10 +68,12 @@ for stage in "$@"; do
     offline) python3 -m pdserve bench offline --device cuda --model qwen2.5-1.5b --load-format dummy --num-prompts 256 --min-input-len 100 --max-input-len 1024 --output-len 512 --peer hf-cb --gpu-memory-utilization 0.5 --output "$OUT/offline-throughput-h200.json";;
     wheels) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
             export PYTHONPATH="/tmp/site:$PYTHONPATH";;
-    ray-stash) # the carried part of .whl-ray (scripts/device_ray_wheel.sh) kept for a later call
+    ray-stash) # the carried .whl-ray (scripts/device_ray_wheel.sh), kept in /tmp (a part of it, for a
+           # later call, or the whole slim wheel)
            mkdir -p /tmp/pdserve-ray && cp .whl-ray/*/* /tmp/pdserve-ray/ && ls -la /tmp/pdserve-ray;;
-    ray-install) # both parts stashed: join the Ray wheel and install it beside the others
-           (cd /tmp/pdserve-ray && cat ray-*.part-* > "$(ls ray-*.part-aa | sed 's/.part-aa//')" \
+    ray-install) # both parts stashed (or one slim wheel, .whl-ray/slim: the wheel without its
+           # Java jar, in one call): join the Ray wheel and install it beside the others
+           (cd /tmp/pdserve-ray && { ! ls ray-*.part-aa > /dev/null 2>&1 || cat ray-*.part-* > "$(ls ray-*.part-aa | sed 's/.part-aa//')"; } \
              && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ./*.whl)
            export PYTHONPATH="/tmp/site:$PYTHONPATH"; python3 -c "import ray; print('ray', ray.__version__)";;
     ray-tests) python3 -m pytest -q -m gpu tests/test_gpu_ray.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-ray-tests.log" | tail -20;;
