@@ -75,7 +75,7 @@ def host_ids(pattern: str, n: int) -> list[int]:
         return list(range(n))
     if pattern == "scattered":
         return list(range(0, 2 * n, 2))
-    k = int(_pattern(pattern)[len("runs:"):])
+    k = int(pattern[len("runs:"):])          # (checked by the parser: _pattern)
     return [i + i // k for i in range(n)]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import shutil
 import sys
 import time
 import traceback
@@ -507,7 +508,6 @@ if __name__ == "__main__":
         _code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     if _wc.workdir and not _client_alive(_wc.client_pid):
         # its owner died without removing it (a SIGKILL): its KV pool files can be GiBs
-        import shutil
         shutil.rmtree(_wc.workdir, ignore_errors=True)
     # Everything worker_main opened is closed by now (TP group, zmq context, the runner): skip
     # the interpreter's teardown of torch's modules, about a second of CPU per process that a
