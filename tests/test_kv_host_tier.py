@@ -179,6 +179,9 @@ def test_cuda_save_sees_a_forward_queued_just_before():
     wrote, not the block's old KV (the copy stream waited for the compute stream)."""
     kv = _pool(64, "cuda", torch.float32, seed=9)
     tier = KVHostTier(kv, 8, measure=False)
+    # A first save allocates pinned memory for its ids (cudaHostAlloc waits for the device,
+    # which would hide a missing stream wait); the engine's steps reuse the cached block.
+    tier.apply(KVMoves([(1, 4)], []))
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)     # keep the compute stream busy for a while
     kv[:, :, 2].fill_(3.0)

@@ -94,9 +94,12 @@ class KVHostTier:
         self._check(to_host, to_device)
         if not to_host and not to_device:
             return
+        # (the compute stream is read before the copy stream becomes current: inside the
+        # context current_stream() is the copy stream, and waiting for it waits for nothing)
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
         with on_device(self.device, self.stream):
             if self.cuda:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                self.stream.wait_stream(compute)
                 # (the ids travel on the copy stream: the gathers are ordered after them)
                 ids = _to_device([d for d, _ in to_host] + [d for _, d in to_device], self.device)
             else:
