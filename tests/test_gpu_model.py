@@ -112,6 +112,41 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
     assert kernel_variants(kernels) == before
 
 
+def test_capture_survives_an_unreachable_engine(tmp_path, monkeypatch):
+    """An engine dropped in a reference cycle holds CUDA graphs until the garbage collector
+    runs; a collection during the next engine's capture destroys them mid-capture, which CUDA
+    forbids (the capture fails: seen once in the GPU suite). Here a collection is forced inside
+    every captured forward: the next engine still starts and generates."""
+    import gc
+
+    from pdserve.config import EngineConfig
+    from pdserve.models.llama import LlamaForCausalLM
+    from pdserve.worker.llm_engine import LLMEngine
+
+    from .test_tp import LLAMA_8Q_2KV, _folder
+    cfg = EngineConfig(model=_folder(tmp_path, LLAMA_8Q_2KV), load_format="dummy",
+                       device="cuda", skip_tokenizer_init=True, num_kv_blocks=256)
+    first = LLMEngine(cfg)
+    assert first.runner.graphs is not None and first.runner.graphs.graphs
+    first.cycle = first            # unreachable only through the collector
+    del first
+    forward = LlamaForCausalLM.forward
+    collections = []
+
+    def collecting(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            collections.append(gc.collect())
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", collecting)
+    engine = LLMEngine(cfg)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+    assert collections
+    engine.add_request("r", {"prompt_token_ids": list(range(2, 40))},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_step_records_carry_forward_gpu_times(tmp_path, async_scheduling):
     """Every forward yields a StepRecord whose device time (CUDA events around the forward) is

@@ -22,6 +22,7 @@ eagerly over the same buffers.
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -124,8 +125,24 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every graph, largest first (later graphs reuse the pool's blocks); records
-        capture_s and memory_bytes (device memory the graphs added)."""
+        capture_s and memory_bytes (device memory the graphs added).
+
+        The garbage collector is run first and kept off while capturing: an unreachable engine
+        (a reference cycle) collected mid-capture destroys its CUDA graphs, which a capture in
+        progress forbids, and the capture fails (torch.cuda.graph collects only when
+        torch.compiler.config.force_cudagraph_gc is set)."""
         t0 = time.perf_counter()
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if was_enabled:
+                gc.enable()
+        self.capture_s = time.perf_counter() - t0
+
+    def _capture_all(self) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         reserved0 = torch.cuda.memory_reserved()
@@ -151,7 +168,6 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()   # the warm-ups' activations: the graphs keep their own pool
         self.memory_bytes = torch.cuda.memory_reserved() - reserved0   # the graphs' pool
-        self.capture_s = time.perf_counter() - t0
 
     def replay(self, plan: GraphPlan, num_tokens: int) -> torch.Tensor:
         """Replays the planned graph over the staged inputs; hidden states of the first
