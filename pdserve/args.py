@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import config as _config
+from .step_shapes import MAX_GRAPH_TOKENS
 
 # flag destinations whose EngineConfig field has another name
 _RENAMED = {"kv_transfer_timeout": "kv_transfer_timeout_s"}
@@ -74,7 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=None,
                    help="largest step with prefill tokens replayed as a CUDA graph (default: "
-                        f"the token budget, at most {_config.MAX_GRAPH_TOKENS}; 0: eager)")
+                        f"the token budget, at most {MAX_GRAPH_TOKENS}; 0: eager)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch the next step while the device runs this one (default on; "
                         "--no-async-scheduling: schedule each step only after the previous "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .checks import check_int, check_number, is_int, is_number
+from .step_shapes import graph_max_tokens, uses_cuda_graphs
 
 if TYPE_CHECKING:
     import torch
@@ -33,9 +34,6 @@ KV_OFFLOAD_POLICIES = ("on-eviction", "write-through")
 MAX_BLOCK_SIZE = 1024
 # Block ids travel as int32 (block tables), the scratch block included (id num_kv_blocks).
 MAX_NUM_KV_BLOCKS = 2 ** 31 - 2
-# Default bound on the steps with prefill tokens that CUDA graphs cover: past ~8k tokens a step's
-# GPU time (tens of ms) dwarfs its launch overhead, and graph memory grows with the tokens.
-MAX_GRAPH_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graph_max_batch: int = 512     # largest captured decode batch (capped by max_num_seqs)
     # largest step with prefill tokens replayed as a CUDA graph (None: the token budget, at most
-    # MAX_GRAPH_TOKENS; 0: such steps run eagerly, decode graphs stay)
+    # step_shapes.MAX_GRAPH_TOKENS; 0: such steps run eagerly, decode graphs stay)
     cuda_graph_max_tokens: int | None = None
     tensor_parallel_size: int = 1       # ranks per worker (NCCL on CUDA, gloo on CPU)
     # "uni": the engine runs in the caller's process (tp 1 only); "mp": in worker processes the
@@ -231,17 +229,13 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return (self.is_cuda and not self.enforce_eager
-                and self.resolved_attention_backend == "triton")
+        return uses_cuda_graphs(self)
 
     @property
     def graph_max_tokens(self) -> int:
-        """The largest step with prefill tokens that runs as a CUDA graph (0: none)."""
-        if not self.use_cuda_graphs:
-            return 0
-        if self.cuda_graph_max_tokens is not None:
-            return min(self.cuda_graph_max_tokens, self.max_num_batched_tokens)
-        return min(self.max_num_batched_tokens, MAX_GRAPH_TOKENS)
+        """The largest step with prefill tokens that runs as a CUDA graph (0: none;
+        step_shapes.graph_max_tokens)."""
+        return graph_max_tokens(self)
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -272,9 +272,10 @@ def test_profile_round_trips_through_a_file(tmp_path):
     path = p.save(tmp_path / "p.json")
     q = CostProfile.from_json(path, model="qwen2.5-1.5b", hardware="NVIDIA H200")
     assert q == p and q.extra == {"notes": ["kept as an extra"]}
-    # (a file made before the serving term is written with its default)
+    # (a file made before the serving term and the step shapes is written with their defaults)
     assert json.loads((tmp_path / "p.json").read_text()) == {**_profile_dict(),
-                                                              "serving_overhead_ms": 0.0}
+                                                              "serving_overhead_ms": 0.0,
+                                                              "graph_padded": False}
 
 
 def _set(d, path, value):
@@ -314,6 +315,8 @@ BAD = [
     ("serving_overhead_ms", float("inf"), "serving_overhead_ms must be finite"),
     ("serving_overhead_ms", "3", "serving_overhead_ms must be a number"),
     ("serving_overhead_ms", False, "serving_overhead_ms must be a number"),
+    ("graph_padded", 1, "graph_padded must be true or false"),
+    ("graph_padded", "yes", "graph_padded must be true or false"),
     ("fit.serving", [], "fit.serving must be an object"),
     ("fit.serving", {"n_samples": 3}, "fit.serving.heldout_mean_abs_rel_err is missing"),
 ]
@@ -441,3 +444,69 @@ def test_profile_from_samples_fits_the_serving_term_against_its_own_prefill_fit(
     assert q.serving_overhead_ms == 0.0 and q.fit["serving"]["source"] == "not measured"
     assert q.fit["serving"]["note"] == "not measured (--no-serving-overhead)"
     assert refit(CostProfile.from_json(q.to_dict())) == q
+
+
+# ---- step shapes (CUDA graph buckets) -----------------------------------------------------------
+def test_rows_are_fitted_at_their_graph_shapes():
+    """Mixed rows whose true cost is the decode model plus gamma per token of the step's graph
+    bucket (padding included): fitted at their shapes, gamma comes back exactly; fitted at their
+    own token counts it does not (these rows pad by different fractions)."""
+    from pdserve.perf.cost_fit import decode_predict, shaped_rows
+    from pdserve.step_shapes import mixed_sizes
+    gamma = 0.005
+    sizes = mixed_sizes(8192)
+    dec_rows, *_ = _decode_rows(seed=11, sigma=0)
+    dec = fit_decode(dec_rows)
+    # (b, n) -> bucket: 8+256=264 -> 384, 100+284=384 -> 384, 32+1024 -> 1536,
+    # 64+1984=2048 -> 2048, 128+2048 -> 3072
+    pts = [(8, 256, 384), (100, 284, 384), (32, 1024, 1536), (64, 1984, 2048), (128, 2048, 3072)]
+    rows = [{"b": b, "ctx_sum": b * 1024, "n": n,
+             "wall_ms": decode_predict(dec, b, b * 1024) + gamma * (t - b)} for b, n, t in pts]
+    shaped = shaped_rows({"mixed": rows}, sizes)["mixed"]
+    assert [r["n"] for r in shaped] == [376, 284, 1504, 1984, 2944]
+    assert [r["n"] for r in rows] == [256, 284, 1024, 1984, 2048]      # (the rows are not changed)
+    assert fit_mixed(shaped, dec)["gamma_ms_per_token"] == pytest.approx(gamma, rel=1e-9)
+    assert abs(fit_mixed(rows, dec)["gamma_ms_per_token"] - gamma) > 0.0005
+    # prefill rows: a lone step of n tokens at its bucket
+    pre = shaped_rows({"prefill": [{"n": 100, "wall_ms": 1.0}, {"n": 128, "wall_ms": 1.0},
+                                   {"n": 9000, "wall_ms": 9.0}]}, sizes)["prefill"]
+    assert [r["n"] for r in pre] == [128, 128, 9000]
+    assert shaped_rows({"mixed": rows}, []) == {"mixed": rows}
+
+
+def test_a_profile_of_a_graphed_engine_is_fitted_per_shape_and_costed_per_shape():
+    """profile_from_samples pads by the measuring engine's buckets (its engine_config) and says
+    so (graph_padded); step_cost_ms then pads a step by the deployment's buckets, by hand."""
+    from pdserve.perf.cost_profile import graph_sizes, step_cost_ms
+    from pdserve.step_shapes import mixed_sizes
+    pre, *_ = _prefill_rows(2.0, 0.006, 1.5e-7, seed=9)
+    dec, *_ = _decode_rows(seed=10)
+    mix = [{"b": 32, "ctx_sum": 32 * 1024, "n": 256, "wall_ms": 6.0},
+           {"b": 64, "ctx_sum": 64 * 1024, "n": 512, "wall_ms": 9.0}]
+    est = {"transfer_fixed_ms": 0.0, "transfer_gb_per_s": 5.0, "kv_bytes_per_token": 100,
+           "note": "estimate"}
+    cfg = {"device": "cuda", "max_num_batched_tokens": 8192}
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
+                             hardware="NVIDIA H200", engine_config=cfg, commit="c",
+                             transfer_estimate=est)
+    flat = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
+                                hardware="NVIDIA H200", engine_config={**cfg, "device": "cpu"},
+                                commit="c", transfer_estimate=est)
+    assert p.graph_padded and not flat.graph_padded
+    # 32 + 256 = 288 -> 384: 352 chunk tokens; 64 + 512 = 576 -> 768: 704 (each 1.375x n)
+    assert p.gamma_ms_per_token == pytest.approx(flat.gamma_ms_per_token / 1.375)
+    assert refit(CostProfile.from_json(p.to_dict())) == p
+    # costing: the deployment's budget 2048 -> buckets up to 2048
+    sizes = graph_sizes(p, 2048)
+    assert sizes == mixed_sizes(2048) and graph_sizes(flat, 2048) == []
+    assert graph_sizes(CostProfile.from_json({**p.to_dict(), "engine_config": {
+        **cfg, "enforce_eager": True}}), 2048) == []
+    d = p.decode_ms(40, 40_000)
+    # 40 decodes + 300 prompt tokens = 340 -> 384: the chunk is costed at 344 tokens
+    assert step_cost_ms(p, 40, 40_000, 300, sizes) == ("mixed", pytest.approx(
+        d + p.gamma_ms_per_token * 344))
+    assert step_cost_ms(p, 40, 40_000, 300, []) == ("mixed", pytest.approx(
+        d + p.gamma_ms_per_token * 300))
+    assert step_cost_ms(p, 0, 0, 100, sizes) == ("prefill", pytest.approx(p.prefill_ms(128)))
+    assert step_cost_ms(p, 0, 0, 3000, sizes) == ("prefill", pytest.approx(p.prefill_ms(3000)))
+    assert step_cost_ms(p, 40, 40_000, 0, sizes) == ("decode", pytest.approx(d))

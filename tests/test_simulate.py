@@ -97,6 +97,25 @@ def test_a_lone_request_takes_the_profiles_step_times(L):
     assert r.output_len == O
 
 
+@pytest.mark.parametrize("L,padded", [(100, [128]), (5000, [2048, 2048, 1024])])
+def test_a_profile_fitted_per_graph_shape_costs_steps_at_the_deployments_buckets(L, padded):
+    """A profile measured with CUDA graphs (graph_padded) on a budget of 8192: the simulated
+    deployment (budget 2048) pads each prefill chunk to its own graph bucket (the smallest of
+    16, 32, ..., 1536, 2048 that holds it: step_shapes.mixed_sizes), as its ModelRunner would;
+    decode steps are not padded. The same profile without graph_padded costs the chunks as
+    they are."""
+    shaped = profile(graph_padded=True,
+                     engine_config={"device": "cuda", "max_num_batched_tokens": 8192})
+    O = 6
+    r = simulator(prof=shaped).run([SimRequest(prompts(1, L)[0], O, 0.0)]).results[0]
+    assert r.ttft * 1e3 == pytest.approx(sum(shaped.prefill_ms(n) for n in padded), rel=1e-9)
+    assert np.array(r.itl) * 1e3 == pytest.approx(service_ms(shaped, L, O)[1], rel=1e-9)
+    flat = profile(engine_config={"device": "cuda", "max_num_batched_tokens": 8192})
+    r = simulator(prof=flat).run([SimRequest(prompts(1, L)[0], O, 0.0)]).results[0]
+    chunks = [min(2048, L - i) for i in range(0, L, 2048)]
+    assert r.ttft * 1e3 == pytest.approx(sum(flat.prefill_ms(n) for n in chunks), rel=1e-9)
+
+
 def test_a_lone_request_pays_the_serving_overhead_before_the_router():
     """Serving overhead 7.5 ms, a request at 0.3 s: by hand, TTFT = 7.5 + the prefill (2 +
     0.01 * 100 = 3 ms), e2e = TTFT + 5 decode steps, the ITLs those steps; it reaches the

@@ -32,6 +32,15 @@ matters from 3 ms steps to 60 ms ones alike):
               the median over a request's token gaps j = 1.. of (itl_ms[j-1] - decode_ms(1,
               n + j)) (the decode producing token j + 1 attends over n + j positions).
 
+Step shapes (step_shapes.py): on a GPU with CUDA graphs a step with prefill tokens runs at its
+graph bucket, padding included, so its cost follows the bucket's token count, not the step's.
+When the profile's engine_config ran graphs (fit_all's graph_sizes: its buckets), every row is
+fitted at its shape: a lone prefill's n (and a served request's, in the serving term's prefill
+time) at padded_tokens(n), a mixed row's n at padded_tokens(b + n) - b (the decodes fill b of
+the bucket's tokens). The terms are then per token of a step's shape (the profile's
+graph_padded), and a caller pads the steps it costs the same way (cost_profile.step_cost_ms).
+Without graphs (a CPU profile) nothing is padded.
+
 Held-out error: leave-one-out over the rows. Each row is predicted by the whole procedure
 (model choice and knee search included) run on the other rows, so it is never tuned on the
 point it is judged on. mixed's held-out rows use the decode model of all decode rows (they are
@@ -46,6 +55,8 @@ import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from ..step_shapes import graph_max_tokens, mixed_sizes, padded_tokens
 
 QUADRATIC_GAIN = 0.05
 MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2, "serving": 2}
@@ -303,19 +314,23 @@ def _median(xs: Sequence[float]) -> float:
     return float(np.median(np.asarray(xs, dtype=float)))
 
 
-def fit_serving(rows: list[dict], prefill: dict[str, Any], decode: dict[str, Any]
-                ) -> dict[str, Any]:
+def fit_serving(rows: list[dict], prefill: dict[str, Any], decode: dict[str, Any],
+                graph_sizes: Sequence[int] = ()) -> dict[str, Any]:
     """prefill / decode: fit_prefill's and fit_decode's results (the profile's own step
-    times, subtracted from what the client measured)."""
+    times, subtracted from what the client measured); a request's prefill at its step shape
+    (graph_sizes: the profile's graph buckets, empty without graphs)."""
     _check_rows("serving", rows, ("n", "ttft_ms"))
     if any(r["n"] < 1 or r["ttft_ms"] <= 0 for r in rows):
         raise ValueError("serving fit: every row needs n >= 1 and ttft_ms > 0")
-    over = [r["ttft_ms"] - prefill_predict(prefill, r["n"]) for r in rows]
+
+    def lone(n: float) -> float:
+        return prefill_predict(prefill, padded_tokens(int(n), graph_sizes))
+    over = [r["ttft_ms"] - lone(r["n"]) for r in rows]
     value = max(0.0, _median(over))
 
     def fit(train):
-        o = max(0.0, _median([t["ttft_ms"] - prefill_predict(prefill, t["n"]) for t in train]))
-        return lambda r: prefill_predict(prefill, r["n"]) + o
+        o = max(0.0, _median([t["ttft_ms"] - lone(t["n"]) for t in train]))
+        return lambda r: lone(r["n"]) + o
     info: dict[str, Any] = {"n_samples": len(rows), **_heldout(rows, fit, lambda r: r["ttft_ms"]),
                             "source": "measured",
                             "overhead_ms_samples": [round(x, 4) for x in over]}
@@ -342,14 +357,38 @@ def fit_serving(rows: list[dict], prefill: dict[str, Any], decode: dict[str, Any
 
 
 # ---- all terms ----------------------------------------------------------------------------------
-def fit_all(samples: dict[str, list[dict]]) -> dict[str, Any]:
+def shaped_rows(samples: dict[str, list[dict]], graph_sizes: Sequence[int]
+                ) -> dict[str, list[dict]]:
+    """The prefill and mixed rows at their step shapes (module docstring): copies whose n is
+    the bucket's (padding included); the other terms' rows as they are."""
+    if not graph_sizes:
+        return samples
+    out = dict(samples)
+    if samples.get("prefill"):
+        out["prefill"] = [{**r, "n": padded_tokens(r["n"], graph_sizes)} if _is_count(r.get("n"))
+                          else r for r in samples["prefill"]]
+    if samples.get("mixed"):
+        out["mixed"] = [{**r, "n": padded_tokens(r["b"] + r["n"], graph_sizes) - r["b"]}
+                        if _is_count(r.get("n")) and _is_count(r.get("b")) else r
+                        for r in samples["mixed"]]
+    return out
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = ()) -> dict[str, Any]:
     """Every term from samples {"prefill": rows, "decode": rows, "mixed": rows, "transfer":
     rows, "serving": rows}: the profile's terms at top level and "fit" per term. Without
     transfer rows the caller supplies the transfer terms (and says where they came from);
-    without serving rows there is no serving_overhead_ms (profile_from_samples: 0)."""
+    without serving rows there is no serving_overhead_ms (profile_from_samples: 0).
+    graph_sizes: the measuring engine's graph buckets (step_shapes.mixed_sizes; empty: none),
+    the shapes its prefill and mixed rows ran at (module docstring)."""
     for term in ("prefill", "decode", "mixed"):
         if not samples.get(term):
             raise ValueError(f"no {term} rows to fit")
+    samples = shaped_rows(samples, graph_sizes)
     pre = fit_prefill(samples["prefill"])
     dec = fit_decode(samples["decode"])
     mix = fit_mixed(samples["mixed"], dec)
@@ -363,7 +402,7 @@ def fit_all(samples: dict[str, list[dict]]) -> dict[str, Any]:
         fit["transfer"] = tr.pop("fit")
         out.update(tr)
     if samples.get("serving"):
-        sv = fit_serving(samples["serving"], out, out)
+        sv = fit_serving(samples["serving"], out, out, graph_sizes)
         fit["serving"] = sv.pop("fit")
         out.update(sv)
     out["fit"] = fit
@@ -381,7 +420,8 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
     serving_note: why there are no serving rows, when there are none (serving_overhead_ms is
     then 0 and its fit says "not measured")."""
     from .cost_profile import CostProfile
-    terms = fit_all(samples)
+    sizes = mixed_sizes(graph_max_tokens(engine_config))
+    terms = fit_all(samples, sizes)
     if "serving_overhead_ms" not in terms:
         terms["serving_overhead_ms"] = 0.0
         terms["fit"]["serving"] = {"n_samples": 0, "heldout_mean_abs_rel_err": None,
@@ -401,7 +441,7 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
                                     "note": note, **est}
     return CostProfile(model=model, hardware=hardware, engine_config=dict(engine_config),
                        commit=commit, samples={k: list(v) for k, v in samples.items()},
-                       extra=dict(extra or {}), **terms)
+                       graph_padded=bool(sizes), extra=dict(extra or {}), **terms)
 
 
 def refit(profile):

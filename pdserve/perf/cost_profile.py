@@ -12,6 +12,11 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
     mixed_ms(b, ctx_sum, n) = decode_ms(b, ctx_sum) + gamma_ms_per_token*n  (b == 0: prefill_ms(n))
     transfer_ms(tokens)     = transfer_fixed_ms
                               + tokens*kv_bytes_per_token / (transfer_gb_per_s*1e6)
+    graph_padded            whether n above is a step's shape (step_shapes.py): true when the
+                            measuring engine ran CUDA graphs, whose buckets pad a step with
+                            prefill tokens (the fit then ran on the rows' shapes, cost_fit.py).
+                            A step is costed at its own deployment's shapes by step_cost_ms.
+                            Optional (false in files made before it).
     serving_overhead_ms     what a request spends outside the engine's steps when it is served
                             (HTTP, the router, IPC to and from the worker, SSE, the client):
                             a request reaches the router this long after the client sends it.
@@ -33,6 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..step_shapes import graph_max_tokens, mixed_sizes, padded_tokens
 from .files import read_json_object, write_json
 
 VERSION = 1
@@ -90,6 +96,7 @@ class CostProfile:
     transfer_fixed_ms: float
     kv_bytes_per_token: int
     serving_overhead_ms: float = 0.0
+    graph_padded: bool = False
     fit: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
     version: int = VERSION
@@ -208,6 +215,8 @@ def _validate(d: Mapping, where: str) -> None:
     number("transfer_gb_per_s", d["transfer_gb_per_s"], positive=True)
     if "serving_overhead_ms" in d:      # (optional: files older than the term load with 0)
         number("serving_overhead_ms", d["serving_overhead_ms"])
+    if "graph_padded" in d and not isinstance(d["graph_padded"], bool):   # (optional too)
+        raise bad("graph_padded", f"must be true or false, got {d['graph_padded']!r}")
     for name, least in (("batch_threshold", 1), ("kv_bytes_per_token", 1)):
         v = d[name]
         if not isinstance(v, int) or isinstance(v, bool):
@@ -237,3 +246,28 @@ def _validate(d: Mapping, where: str) -> None:
             # None: no held-out error (a term that was estimated, not fitted; the fit says why)
             if entry[k] is not None:
                 number(f"fit.{term}.{k}", entry[k])
+
+
+# ---- a step at its shape ------------------------------------------------------------------------
+def graph_sizes(profile: Any, max_num_batched_tokens: int) -> list[int]:
+    """The graph buckets (step_shapes.mixed_sizes) of a deployment on the profile's machine and
+    settings with this token budget, for step_cost_ms: empty unless the profile's terms are per
+    step shape (graph_padded; a cost source without the attribute counts as not padded)."""
+    if not getattr(profile, "graph_padded", False):
+        return []
+    ec = profile.engine_config if isinstance(profile.engine_config, Mapping) else {}
+    return mixed_sizes(graph_max_tokens({**ec, "max_num_batched_tokens": max_num_batched_tokens}))
+
+
+def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
+                 sizes: "list[int] | tuple[int, ...]" = ()) -> tuple[str, float]:
+    """One step of b decodes (contexts summing to ctx_sum) and n prompt tokens: its kind
+    ("prefill": b == 0, "decode": n == 0, else "mixed") and its time from `costs` (prefill_ms /
+    decode_ms / mixed_ms) at its shape: sizes are the deployment's graph buckets (graph_sizes;
+    empty: every step at its own token count), a lone prefill runs at padded_tokens(n) and a
+    mixed step's chunk at padded_tokens(b + n) - b."""
+    if b <= 0:
+        return "prefill", costs.prefill_ms(padded_tokens(n, sizes))
+    if n <= 0:
+        return "decode", costs.decode_ms(b, ctx_sum)
+    return "mixed", costs.mixed_ms(b, ctx_sum, padded_tokens(b + n, sizes) - b)

@@ -10,6 +10,9 @@ step of each kind:
     mixed_ms(b, S, n)      both: decode_ms(b, S) + gamma * n
     transfer_ms(t)         the KV of t tokens from a prefill worker to a decode worker
 
+each step at its shape (cost_profile.step_cost_ms: with a profile fitted per CUDA graph shape, n
+padded to the graph bucket of the worker's token budget).
+
 A worker's state (WorkerLoad, built by the router core from what it placed there) is: prompt
 tokens queued for prefill (after what that worker has cached), the sequences decoding with their
 contexts and predicted remaining outputs, and the prefill tokens its recent steps carried (the
@@ -42,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from ..perf.cost_profile import graph_sizes, step_cost_ms
 
 STEP_KINDS = ("prefill", "decode", "mixed")
 TERMS = (*STEP_KINDS, "transfer", "ttft", "tpot")
@@ -109,15 +114,12 @@ class CostModel:
             raise ValueError(f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
         if not 0 <= self.correction_weight <= 1:
             raise ValueError(f"correction_weight must be in [0, 1], got {self.correction_weight!r}")
+        # the steps' shapes on this budget (a profile fitted per CUDA graph shape; else none)
+        self._graph_sizes = graph_sizes(self.profile, self.chunk_tokens)
 
     # ---- step times ------------------------------------------------------------------------
     def _raw_step_ms(self, b: int, ctx: float, n: int) -> tuple[str, float]:
-        p = self.profile
-        if b <= 0:
-            return "prefill", p.prefill_ms(n)
-        if n <= 0:
-            return "decode", p.decode_ms(b, int(ctx))
-        return "mixed", p.mixed_ms(b, int(ctx), n)
+        return step_cost_ms(self.profile, b, int(ctx), n, self._graph_sizes)
 
     def step_ms(self, worker: str, b: int, ctx: float, n: float) -> float:
         """One step on worker with b decodes (contexts summing to ctx) and n prompt tokens,

@@ -8,6 +8,10 @@ the profile says the step costs, from the step's own mix:
         n == 0          decode_ms(b, S)
         otherwise       mixed_ms(b, S, n)
 
+at the step's shape (perf/cost_profile.step_cost_ms): with a profile whose terms are per CUDA
+graph shape (graph_padded), n is padded to the deployment's graph bucket (graph_sizes: the
+buckets of its token budget, cost_profile.graph_sizes), as the ModelRunner replays it.
+
 P/D: a consumer's KV loads (the step's kv_work) start when the step starts and end
 transfer_ms(tokens) later on the same clock (tokens: what the load moves, the source's
 positions past the blocks this worker already had cached); poll_loads reports those that
@@ -37,10 +41,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Sequence
 
 from ..engine.block_pool import host_runs
 from ..engine.executor import SampledToken
 from ..engine.scheduler import SchedulerOutput
+from ..perf.cost_profile import step_cost_ms
 from ..protocol import KVLoadDone
 
 # What every sampled position gets: a fixed id (requests run with ignore_eos and fixed
@@ -64,15 +70,17 @@ class CostModelRunner:
     """An Executor whose steps take the profile's time on `clock`. coordinator: the engine
     core's KVCoordinator (a P/D consumer: where a load's token count is read), else None.
     host_copy_gb_per_s: the host tier's copy rate (GB/s, both ways; 0: copies are free), see
-    the module docstring."""
+    the module docstring. graph_sizes: the deployment's graph buckets (empty: steps at their
+    own token counts)."""
 
     def __init__(self, profile, clock: SimClock, block_size: int, token_id: int = SIM_TOKEN_ID,
-                 host_copy_gb_per_s: float = 0.0):
+                 host_copy_gb_per_s: float = 0.0, graph_sizes: Sequence[int] = ()):
         r = host_copy_gb_per_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
             raise ValueError(f"host_copy_gb_per_s must be a finite number >= 0, got {r!r}")
         self.host_copy_gb_per_s = float(r)
         self.profile = profile
+        self.graph_sizes = list(graph_sizes)
         self.clock = clock
         self.block_size = block_size
         self.token = SampledToken(token_id, None, None)
@@ -98,7 +106,8 @@ class CostModelRunner:
         self.token_times: dict[str, list[float]] = {}
 
     def step_ms(self, sched: SchedulerOutput) -> float:
-        """The simulated duration of `sched` (ms); 0 for a step without chunks."""
+        """The simulated duration of `sched` (ms) at its shape (graph_sizes); 0 for a step
+        without chunks."""
         if not sched.chunks:
             return 0.0
         plen = self._prompt_len
@@ -107,13 +116,7 @@ class CostModelRunner:
             if len(c.token_ids) == 1 and c.start_pos >= plen[c.request_id]:
                 b += 1
                 ctx += c.start_pos + 1
-        n = sched.num_prefill_tokens
-        p = self.profile
-        if b == 0:
-            return p.prefill_ms(n)
-        if n == 0:
-            return p.decode_ms(b, ctx)
-        return p.mixed_ms(b, ctx, n)
+        return step_cost_ms(self.profile, b, ctx, sched.num_prefill_tokens, self.graph_sizes)[1]
 
     def copy_ms(self, sched: SchedulerOutput) -> float:
         """The simulated duration of `sched`'s host-tier copies on the copy stream (ms)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
+from ..step_shapes import mixed_sizes
 from .step_inputs import StepInputs
 
 
@@ -38,9 +39,6 @@ SHORT_CONTEXT = 511  # below 512 keys the attention kernel runs without split-K
 # reduce pass (measured: 32 decodes at 1k context + a 256-token chunk spent 1.3 ms in attention
 # under a 32k bound). Decode graphs keep two tiers: their split count barely moves with it.
 MIXED_TIER_RATIO = 4
-# Mixed-step token buckets: ~1.5x apart, so padding wastes at most a third of a step's work.
-MIXED_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
-               6144, 8192)
 
 
 def context_tiers(max_seq_len: int, ratio: int) -> list[int]:
@@ -56,15 +54,6 @@ def context_tiers(max_seq_len: int, ratio: int) -> list[int]:
 def capture_sizes(max_batch: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 513, 8))
     return [s for s in sizes if s <= max_batch] or [1]
-
-
-def mixed_sizes(max_tokens: int) -> list[int]:
-    """Token buckets for steps with prefill tokens, up to max_tokens (the step's token budget,
-    itself a bucket so that a full step is graphed too). Empty for max_tokens 0."""
-    if max_tokens <= 0:
-        return []
-    sizes = [s for s in MIXED_SIZES if s < max_tokens]
-    return sizes + [max_tokens]
 
 
 @dataclass(frozen=True)
