@@ -156,7 +156,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              wait_up $pid || { tail -5 "$OUT"/serve-*.log; continue; }
              for shape in ${MT_SHAPES:-chat:128:128 long:1024:32}; do
                IFS=: read name ulen olen <<< "$shape"
-               for rate in ${MT_RATES:-1 2 4 8 16 inf}; do
+               for rate in ${MT_RATES:-8 inf}; do
                  curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
                  python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --dataset-name multi-turn \
                    --multi-turn-conversations 64 --multi-turn-turns 6 --multi-turn-user-len $ulen \
@@ -166,7 +166,9 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              done
              curl -s localhost:8000/metrics | grep -E "^pdserve:prefix_cache"
              kill -TERM $pid; wait $pid
-           done;;
+           done
+           # (one file: the device tool brings back 8 files a call)
+           python3 scripts/bundle_results.py "$OUT/serve-prefix.json" "$OUT"/serve-mt-*.json;;
     serve-kv-tier) # issue 21's multi-turn target served: prefix caching with the host tier
            # (--swap-space) against GPU-only prefix caching on the same small GPU pool
            # (--num-kv-blocks), side by side: 256 conversations x 8 turns (each turn sent after the
@@ -181,10 +183,10 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            # (~92 blocks: a 3.5 x 328 + 262-token prompt and 64 answer tokens). Host tier 24 GiB
            # = 56,173 blocks (25.8 GB): every history fits, and the ~4 blocks a turn where the
            # generated tokens and the retokenized answer part (~8,000 blocks, dead ends) too.
-           # Time (estimated from RESULTS' serve-prefix run, not measured): 131k output tokens at
-           # ~13k tok/s; GPU-only prefills ~2.9M prompt tokens (every turn's whole history) at
-           # ~130k tok/s, the tier ~0.7M; rate 16 spreads the starts over 16 s: ~10 + 21 s
-           # (tier) and ~30 + 30 s (GPU-only), plus two server starts of ~20 s: ~130 s.
+           # Time (measured at 350b8f9, rate inf): 12 s (tier) and 21 s (GPU-only) a run, and the
+           # whole stage took 147 s for three sides at rate inf. Rates 48 / 40 / 32 / 24 spread
+           # the starts over 5-11 s (the simulator puts the GPU-only side's collapse between 28
+           # and 32 and the tier's knee near 40: RESULTS): about 5 min for two sides.
            # A CPU dry run: TIER_MODEL= (empty: the embedded model) TIER_COMMON="--device cpu",
            # small TIER_CONVS/TURNS/USER/OUT/BLOCKS/SWAP.
            mdir=${TIER_MODEL-.qwen-text}; model=""
@@ -203,7 +205,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              pid=$!
              wait_up $pid || { tail -5 "$OUT/serve-kv-tier-$side.log"; continue; }
              before=$(mktemp)
-             for rate in ${TIER_RATES:-inf 16}; do
+             for rate in ${TIER_RATES:-inf 48 40 32 24}; do
                curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
                curl -s localhost:8000/metrics > $before
                res="$OUT/tier-mt-$side-$rate.json"
@@ -216,7 +218,10 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
              rm -f $before
              kill -TERM $pid; wait $pid
            done
-           python3 scripts/tier_report.py report "$OUT" --output "$OUT/tier-report.json";;
+           python3 scripts/tier_report.py report "$OUT" --output "$OUT/tier-report.json"
+           [[ " ${TIER_SIDES:-} " = *" wt "* ]] && python3 scripts/tier_report.py report "$OUT" --tier-side wt \
+             --output "$OUT/tier-report-wt.json"
+           python3 scripts/bundle_results.py "$OUT/serve-kv-tier.json" "$OUT"/tier-mt-*.json "$OUT"/tier-report*.json;;
     serve-adaptive) # issue 17: the mixed workload (short chat turns + long documents, Poisson)
            # through 1P1D on the one GPU, one sweep per policy; first the profile of this engine
            # config (the adaptive policy's cost model), with its held-out errors

@@ -104,3 +104,19 @@ def test_report_without_a_side_is_an_error(tmp_path, capsys):
     write(tmp_path / "tier-mt-tier-inf.json", result("inf", 1.0, 1.0, 1.0, 1.0))
     assert tier_report.main(["report", str(tmp_path)]) == 2
     assert "gpu" in capsys.readouterr().err
+
+
+def test_bundle_results_keeps_every_file_once(tmp_path):
+    """scripts/bundle_results.py: one file keyed by the inputs' names, the inputs removed, a
+    missing input skipped."""
+    spec = importlib.util.spec_from_file_location("bundle_results", "scripts/bundle_results.py")
+    bundle_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bundle_results)
+    a, b = tmp_path / "serve-mt-chat-on-8.json", tmp_path / "tier-report.json"
+    a.write_text(json.dumps({"output_throughput": 1.5}))
+    b.write_text(json.dumps({"rates": []}))
+    out = tmp_path / "bundle.json"
+    bundle_results.bundle(str(out), [str(a), str(b), str(tmp_path / "never-written.json")])
+    assert json.loads(out.read_text()) == {"serve-mt-chat-on-8": {"output_throughput": 1.5},
+                                           "tier-report": {"rates": []}}
+    assert not a.exists() and not b.exists()

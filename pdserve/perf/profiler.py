@@ -56,8 +56,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cuda": dict(prefill_tokens=[128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192],
                  decode_batches=[1, 8, 16, 32, 48, 64, 96, 128, 192, 256],
                  contexts=[256, 1024, 4096], mixed_context=1024,
-                 mixed=["8:256", "32:256", "32:1024", "64:512", "128:256", "128:1024", "128:2048",
-                        "256:512"],
+                 # (b + n: most rows pad to a graph bucket 1.5x their tokens; 64:960 and
+                 # 128:1920 fill 1024 and 2048 exactly, so the rows tell padding from tokens)
+                 mixed=["8:256", "32:256", "32:1024", "64:512", "64:960", "128:256", "128:1024",
+                        "128:1920", "128:2048", "256:512"],
                  transfer_tokens=[256, 1024, 2048, 4096, 8192], reps=10, warmup=3,
                  transfer_reps=5, serving_tokens=[256, 1024, 2048, 4096], serving_reps=10,
                  serving_max_tokens=16),
