@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .checks import check_int, check_number, is_int, is_number
-from .step_shapes import graph_max_tokens, uses_cuda_graphs
+from .step_shapes import graph_max_tokens, resolve_attention_backend, uses_cuda_graphs
 
 if TYPE_CHECKING:
     import torch
@@ -223,9 +223,7 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        if self.attention_backend == "auto":
-            return "triton" if self.is_cuda else "torch"
-        return self.attention_backend
+        return resolve_attention_backend(self.attention_backend, self.is_cuda)
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -71,7 +71,7 @@ def adaptive_policy(config: EngineConfig, deployment: DeploymentArgs, log=None):
     for this model and machine (profile_dir()), else one measured now with `pdserve profile
     --quick`'s row set on this configuration (and stored). Says which on stderr (or log)."""
     from .bench.common import hardware_info
-    from .perf.cost_profile import CostProfile, model_name
+    from .perf.cost_profile import CostProfile, deployment_graph_sizes, model_name
     from .perf.profiler import default_output
     from .routing.adaptive import AdaptivePolicy
     from .routing.cost_model import CostModel
@@ -95,5 +95,7 @@ def adaptive_policy(config: EngineConfig, deployment: DeploymentArgs, log=None):
             how = f"measured at start-up in {time.perf_counter() - t0:.0f} s (saved to {stored})"
     log(f"adaptive routing: cost model of {prof.model} on {prof.hardware_label} {how}; "
         f"SLOs TTFT {deployment.slo_ttft_ms:g} ms, TPOT {deployment.slo_tpot_ms:g} ms")
-    return AdaptivePolicy(CostModel(prof, config.max_num_batched_tokens),
-                          deployment.slo_ttft_ms, deployment.slo_tpot_ms)
+    # (its steps at this deployment's own CUDA-graph buckets: its budget, eager or not)
+    cost = CostModel(prof, config.max_num_batched_tokens,
+                     graph_sizes=deployment_graph_sizes(prof, config))
+    return AdaptivePolicy(cost, deployment.slo_ttft_ms, deployment.slo_tpot_ms)

@@ -9,6 +9,7 @@ step shapes (perf/cost_fit.py fits on them, sim/runner.py evaluates steps at the
     uses_cuda_graphs(config)   whether a configuration (EngineConfig, or a profile's
                                engine_config dict) runs CUDA graphs
     graph_max_tokens(config)   its largest graphed step with prefill tokens
+    graph_bucket(t, sizes)     the bucket a step of t tokens replays (None: eager)
     padded_tokens(t, sizes)    the tokens a step of t tokens runs at
 
 Decode-only steps are padded too (to CUDAGraphRunner's decode batch sizes, 8 apart); the cost
@@ -42,15 +43,22 @@ def _getter(config: Any):
     return lambda k, default=None: getattr(config, k, default)
 
 
+def resolve_attention_backend(backend: str, cuda: bool) -> str:
+    """The attention backend a configuration runs: "auto" is Triton on CUDA, torch elsewhere."""
+    if backend == "auto":
+        return "triton" if cuda else "torch"
+    return backend
+
+
 def uses_cuda_graphs(config: Any) -> bool:
     """Whether a configuration runs CUDA graphs: an EngineConfig, or a mapping of its fields (a
     profile's engine_config; a missing field takes EngineConfig's default). They need CUDA, no
-    enforce_eager and the Triton attention backend ("auto" is Triton on CUDA)."""
+    enforce_eager and the Triton attention backend."""
     get = _getter(config)
     device = get("device", "cpu")
-    return (isinstance(device, str) and device.startswith("cuda")
-            and not get("enforce_eager", False)
-            and get("attention_backend", "auto") in ("auto", "triton"))
+    cuda = isinstance(device, str) and device.startswith("cuda")
+    return (cuda and not get("enforce_eager", False)
+            and resolve_attention_backend(get("attention_backend", "auto"), cuda) == "triton")
 
 
 def graph_max_tokens(config: Any) -> int:
@@ -65,8 +73,17 @@ def graph_max_tokens(config: Any) -> int:
     return min(budget, MAX_GRAPH_TOKENS if cap is None else cap)
 
 
-def padded_tokens(num_tokens: int, sizes: Sequence[int]) -> int:
-    """The tokens a step of num_tokens runs at: the smallest of the sorted buckets `sizes` that
-    holds it, or num_tokens itself (eager) when none does."""
+def graph_bucket(num_tokens: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the sorted buckets `sizes` that holds a step of num_tokens (>= 1), or
+    None when none does (the step runs eagerly)."""
     i = bisect_left(sizes, num_tokens)
-    return sizes[i] if i < len(sizes) else num_tokens
+    return sizes[i] if i < len(sizes) else None
+
+
+def padded_tokens(num_tokens: int, sizes: Sequence[int]) -> int:
+    """The tokens a step of num_tokens runs at: its graph bucket, or num_tokens itself (eager,
+    or an empty step) when there is none."""
+    if num_tokens <= 0:
+        return num_tokens
+    bucket = graph_bucket(num_tokens, sizes)
+    return num_tokens if bucket is None else bucket

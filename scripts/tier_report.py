@@ -31,7 +31,11 @@ GAUGES = ("pdserve:kv_host_blocks", "pdserve:kv_host_blocks_used", "pdserve:kv_c
 COUNTERS = ("pdserve:kv_blocks_swapped_total", "pdserve:kv_blocks_offloaded_total",
             "pdserve:kv_blocks_loaded_back_total", "pdserve:prefix_cache_host_hits_total",
             "pdserve:prefix_cache_hits_total", "pdserve:prefix_cache_queries_total",
-            "pdserve:num_preemptions_total")
+            "pdserve:num_preemptions_total",
+            # the engine's steps by kind (their count, host and device time, tokens)
+            "pdserve:engine_steps_total", "pdserve:engine_step_wall_seconds_total",
+            "pdserve:engine_step_gpu_seconds_total", "pdserve:engine_steps_gpu_timed_total",
+            "pdserve:engine_step_tokens_total")
 _SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 _RESULT = re.compile(r"^tier-mt-(?P<side>[A-Za-z0-9_]+)-(?P<rate>[^/]+)\.json$")
@@ -88,6 +92,36 @@ def attach(result_path: str, before_path: str, after_path: str) -> dict[str, Any
     return result
 
 
+def step_summary(delta: dict[str, float]) -> dict[str, dict[str, float | None]]:
+    """Per step kind over a run (every worker's steps together, from metrics_delta's counters):
+    steps, mean host and device ms per step (device: over the steps it was measured on; None
+    without any), and prompt / decode tokens per step."""
+    by: dict[str, dict[str, float]] = {}
+    for key, v in delta.items():
+        name, _, labels = key.partition("{")
+        lab = dict(x.split("=", 1) for x in labels.rstrip("}").split(",") if "=" in x)
+        kind = lab.get("kind")
+        if kind is None or not name.startswith("pdserve:engine_step"):
+            continue
+        field = {"pdserve:engine_steps_total": "steps",
+                 "pdserve:engine_step_wall_seconds_total": "wall_s",
+                 "pdserve:engine_step_gpu_seconds_total": "gpu_s",
+                 "pdserve:engine_steps_gpu_timed_total": "gpu_steps",
+                 "pdserve:engine_step_tokens_total": f"{lab.get('phase')}_tokens"}.get(name)
+        if field is not None:
+            d = by.setdefault(kind, {})
+            d[field] = d.get(field, 0.0) + v
+    out = {}
+    for kind, d in sorted(by.items()):
+        n, g = d.get("steps", 0.0), d.get("gpu_steps", 0.0)
+        out[kind] = {"steps": n,
+                     "mean_wall_ms": 1e3 * d.get("wall_s", 0.0) / n if n else None,
+                     "mean_gpu_ms": 1e3 * d.get("gpu_s", 0.0) / g if g else None,
+                     "prefill_tokens_per_step": d.get("prefill_tokens", 0.0) / n if n else None,
+                     "decode_tokens_per_step": d.get("decode_tokens", 0.0) / n if n else None}
+    return out
+
+
 def side_summary(result: dict[str, Any]) -> dict[str, Any]:
     """One side at one rate: its numbers and the host-tier counters over the run."""
     runs = result.get("runs") or [result]
@@ -101,7 +135,9 @@ def side_summary(result: dict[str, Any]) -> dict[str, Any]:
             "goodput_slos_ms": r.get("goodput_slos_ms"),
             "mean_ttft_ms": r["mean_ttft_ms"], "p99_ttft_ms": r.get("p99_ttft_ms"),
             "cached_token_fraction": r.get("cached_token_fraction"),
-            "server_metrics": None if sm is None else metrics_delta(sm["before"], sm["after"])}
+            "server_metrics": None if sm is None else metrics_delta(sm["before"], sm["after"]),
+            "steps": None if sm is None else step_summary(metrics_delta(sm["before"],
+                                                                        sm["after"]))}
 
 
 def _rate_key(rate: str) -> float:
@@ -164,6 +200,12 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{f(sm.get('pdserve:kv_blocks_offloaded_total'), 0)} "
             f"{f(sm.get('pdserve:kv_blocks_loaded_back_total'), 0)} "
             f"{f(sm.get('pdserve:prefix_cache_host_hits_total'), 0)}")
+        for side, x in ((tier, t), (gpu, g)):
+            for kind, k in (x.get("steps") or {}).items():
+                lines.append(f"{'':>5}   {side} {kind} steps: {f(k['steps'], 0)}, "
+                             f"{f(k['mean_gpu_ms'], 2)} ms device / {f(k['mean_wall_ms'], 2)} ms "
+                             f"host each, {f(k['prefill_tokens_per_step'], 0)} prompt + "
+                             f"{f(k['decode_tokens_per_step'], 0)} decode tokens")
     return "\n".join(lines)
 
 

@@ -275,7 +275,7 @@ def test_profile_round_trips_through_a_file(tmp_path):
     # (a file made before the serving term and the step shapes is written with their defaults)
     assert json.loads((tmp_path / "p.json").read_text()) == {**_profile_dict(),
                                                               "serving_overhead_ms": 0.0,
-                                                              "graph_padded": False}
+                                                              "fit_graph_sizes": []}
 
 
 def _set(d, path, value):
@@ -315,8 +315,10 @@ BAD = [
     ("serving_overhead_ms", float("inf"), "serving_overhead_ms must be finite"),
     ("serving_overhead_ms", "3", "serving_overhead_ms must be a number"),
     ("serving_overhead_ms", False, "serving_overhead_ms must be a number"),
-    ("graph_padded", 1, "graph_padded must be true or false"),
-    ("graph_padded", "yes", "graph_padded must be true or false"),
+    ("fit_graph_sizes", 16, "fit_graph_sizes must be a list of increasing token counts"),
+    ("fit_graph_sizes", [32, 16], "fit_graph_sizes must be a list of increasing token counts"),
+    ("fit_graph_sizes", [0, 16], "fit_graph_sizes must be a list of increasing token counts"),
+    ("fit_graph_sizes", [16, True], "fit_graph_sizes must be a list of increasing token counts"),
     ("fit.serving", [], "fit.serving must be an object"),
     ("fit.serving", {"n_samples": 3}, "fit.serving.heldout_mean_abs_rel_err is missing"),
 ]
@@ -349,13 +351,20 @@ def test_another_models_or_machines_profile_is_refused(tmp_path):
     assert hardware_label({"cpu_model": "Xeon"}) == "cpu: Xeon"
 
 
-def test_profile_from_samples_and_refit():
+def _small_samples():
+    """Prefill and decode rows from the synthetic truths, two mixed rows, and a transfer
+    estimate (no transfer rows)."""
     pre, *_ = _prefill_rows(2.0, 0.006, 1.5e-7, seed=9)
     dec, *_ = _decode_rows(seed=10)
     mix = [{"b": 32, "ctx_sum": 32 * 1024, "n": 256, "wall_ms": 6.0},
            {"b": 64, "ctx_sum": 64 * 1024, "n": 512, "wall_ms": 9.0}]
     est = {"transfer_fixed_ms": 0.0, "transfer_gb_per_s": 5.0, "kv_bytes_per_token": 100,
            "note": "no second worker: the device copy bandwidth"}
+    return pre, dec, mix, est
+
+
+def test_profile_from_samples_and_refit():
+    pre, dec, mix, est = _small_samples()
     p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
                              hardware="cpu: x", engine_config={}, commit="c",
                              transfer_estimate=est)
@@ -476,15 +485,12 @@ def test_rows_are_fitted_at_their_graph_shapes():
 
 def test_a_profile_of_a_graphed_engine_is_fitted_per_shape_and_costed_per_shape():
     """profile_from_samples pads by the measuring engine's buckets (its engine_config) and says
-    so (graph_padded); step_cost_ms then pads a step by the deployment's buckets, by hand."""
-    from pdserve.perf.cost_profile import graph_sizes, step_cost_ms
+    so (fit_graph_sizes); refits keep it; step_cost_ms then pads a step by the deployment's
+    buckets, by hand."""
+    from pdserve.perf.cost_fit import device_time_profile
+    from pdserve.perf.cost_profile import deployment_graph_sizes, step_cost_ms
     from pdserve.step_shapes import mixed_sizes
-    pre, *_ = _prefill_rows(2.0, 0.006, 1.5e-7, seed=9)
-    dec, *_ = _decode_rows(seed=10)
-    mix = [{"b": 32, "ctx_sum": 32 * 1024, "n": 256, "wall_ms": 6.0},
-           {"b": 64, "ctx_sum": 64 * 1024, "n": 512, "wall_ms": 9.0}]
-    est = {"transfer_fixed_ms": 0.0, "transfer_gb_per_s": 5.0, "kv_bytes_per_token": 100,
-           "note": "estimate"}
+    pre, dec, mix, est = _small_samples()
     cfg = {"device": "cuda", "max_num_batched_tokens": 8192}
     p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
                              hardware="NVIDIA H200", engine_config=cfg, commit="c",
@@ -492,15 +498,21 @@ def test_a_profile_of_a_graphed_engine_is_fitted_per_shape_and_costed_per_shape(
     flat = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
                                 hardware="NVIDIA H200", engine_config={**cfg, "device": "cpu"},
                                 commit="c", transfer_estimate=est)
-    assert p.graph_padded and not flat.graph_padded
+    assert p.fit_graph_sizes == mixed_sizes(8192) and p.graph_padded and not flat.graph_padded
     # 32 + 256 = 288 -> 384: 352 chunk tokens; 64 + 512 = 576 -> 768: 704 (each 1.375x n)
     assert p.gamma_ms_per_token == pytest.approx(flat.gamma_ms_per_token / 1.375)
     assert refit(CostProfile.from_json(p.to_dict())) == p
+    # an older file (no fit_graph_sizes) keeps its meaning through refit; refitting it per
+    # shape is asked for
+    old = CostProfile.from_json({**flat.to_dict(), "engine_config": cfg})
+    assert refit(old).fit_graph_sizes == [] and refit(old) == old
+    assert refit(old, mixed_sizes(8192)).gamma_ms_per_token == pytest.approx(p.gamma_ms_per_token)
     # costing: the deployment's budget 2048 -> buckets up to 2048
-    sizes = graph_sizes(p, 2048)
-    assert sizes == mixed_sizes(2048) and graph_sizes(flat, 2048) == []
-    assert graph_sizes(CostProfile.from_json({**p.to_dict(), "engine_config": {
-        **cfg, "enforce_eager": True}}), 2048) == []
+    sizes = deployment_graph_sizes(p, None, 2048)
+    assert sizes == mixed_sizes(2048) and deployment_graph_sizes(flat, None, 2048) == []
+    assert deployment_graph_sizes(p) == mixed_sizes(8192)
+    assert deployment_graph_sizes(p, {**cfg, "enforce_eager": True}) == []
+    assert deployment_graph_sizes(p, {**cfg, "cuda_graph_max_tokens": 512}) == mixed_sizes(512)
     d = p.decode_ms(40, 40_000)
     # 40 decodes + 300 prompt tokens = 340 -> 384: the chunk is costed at 344 tokens
     assert step_cost_ms(p, 40, 40_000, 300, sizes) == ("mixed", pytest.approx(
@@ -510,3 +522,36 @@ def test_a_profile_of_a_graphed_engine_is_fitted_per_shape_and_costed_per_shape(
     assert step_cost_ms(p, 0, 0, 100, sizes) == ("prefill", pytest.approx(p.prefill_ms(128)))
     assert step_cost_ms(p, 0, 0, 3000, sizes) == ("prefill", pytest.approx(p.prefill_ms(3000)))
     assert step_cost_ms(p, 40, 40_000, 0, sizes) == ("decode", pytest.approx(d))
+
+
+def test_refit_script_fits_an_older_file_per_shape(tmp_path, capsys):
+    """scripts/refit_profile.py: an older file of a graphed engine (no fit_graph_sizes) refitted
+    with --graph-shapes gets the buckets and the per-shape gamma (as profile_from_samples would
+    make it today); a CPU profile has no shapes to take."""
+    import importlib.util
+
+    from pdserve.step_shapes import mixed_sizes
+    spec = importlib.util.spec_from_file_location("refit_profile", "scripts/refit_profile.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    pre, dec, mix, est = _small_samples()
+    cfg = {"device": "cuda", "max_num_batched_tokens": 8192}
+    today = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
+                                 hardware="NVIDIA H200", engine_config=cfg, commit="c",
+                                 transfer_estimate=est)
+    older = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
+                                 hardware="NVIDIA H200", engine_config=cfg, commit="c",
+                                 transfer_estimate=est, graph_sizes=[])
+    src, out = tmp_path / "old.json", tmp_path / "new.json"
+    older.save(src)
+    assert script.main([str(src), str(out), "--graph-shapes"]) == 0
+    assert "gamma_ms_per_token" in capsys.readouterr().out
+    new = CostProfile.from_json(out)
+    assert new.fit_graph_sizes == mixed_sizes(8192)
+    assert new.gamma_ms_per_token == pytest.approx(today.gamma_ms_per_token)
+    assert script.main([str(src), str(out)]) == 0          # as fitted: unchanged
+    assert CostProfile.from_json(out).gamma_ms_per_token == pytest.approx(older.gamma_ms_per_token)
+    cpu = tmp_path / "cpu.json"
+    CostProfile.from_json({**older.to_dict(), "engine_config": {}}).save(cpu)
+    assert script.main([str(cpu), str(out), "--graph-shapes"]) == 2
+    assert "ran no CUDA graphs" in capsys.readouterr().err

@@ -115,12 +115,16 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
 def test_capture_survives_an_unreachable_engine(tmp_path, monkeypatch):
     """An engine dropped in a reference cycle holds CUDA graphs until the garbage collector
     runs; a collection during the next engine's capture destroys them mid-capture, which CUDA
-    forbids (the capture fails: seen once in the GPU suite). Here a collection is forced inside
-    every captured forward: the next engine still starts and generates."""
+    forbids (the capture fails: seen once in the GPU suite). Here the first engine is still
+    alive when the second one's capture begins (automatic collections are held off until
+    then), and a collection is forced inside every captured forward: the second engine still
+    starts and generates, and the first one's graphs are gone."""
     import gc
+    import weakref
 
     from pdserve.config import EngineConfig
     from pdserve.models.llama import LlamaForCausalLM
+    from pdserve.worker.cuda_graph import CUDAGraphRunner
     from pdserve.worker.llm_engine import LLMEngine
 
     from .test_tp import LLAMA_8Q_2KV, _folder
@@ -128,19 +132,31 @@ def test_capture_survives_an_unreachable_engine(tmp_path, monkeypatch):
                        device="cuda", skip_tokenizer_init=True, num_kv_blocks=256)
     first = LLMEngine(cfg)
     assert first.runner.graphs is not None and first.runner.graphs.graphs
+    old_graphs = weakref.ref(first.runner.graphs)
     first.cycle = first            # unreachable only through the collector
     del first
-    forward = LlamaForCausalLM.forward
-    collections = []
+    forward, capture = LlamaForCausalLM.forward, CUDAGraphRunner.capture
+    collections, alive_at_capture = [], []
 
     def collecting(self, *args, **kwargs):
         if torch.cuda.is_current_stream_capturing():
             collections.append(gc.collect())
         return forward(self, *args, **kwargs)
+
+    def watched_capture(self):
+        alive_at_capture.append(old_graphs() is not None)
+        return capture(self)
     monkeypatch.setattr(LlamaForCausalLM, "forward", collecting)
-    engine = LLMEngine(cfg)
+    monkeypatch.setattr(CUDAGraphRunner, "capture", watched_capture)
+    was_enabled = gc.isenabled()
+    gc.disable()                   # (the first engine must live until the capture begins)
+    try:
+        engine = LLMEngine(cfg)
+    finally:
+        if was_enabled:
+            gc.enable()
     monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
-    assert collections
+    assert alive_at_capture == [True] and collections and old_graphs() is None
     engine.add_request("r", {"prompt_token_ids": list(range(2, 40))},
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():

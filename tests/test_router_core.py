@@ -508,6 +508,22 @@ def test_workers_recent_steps_are_kept_and_summarised():
     assert StepSummary.of([_rec(T0, 0, 0, 2.0)]).wall_ms_per_token is None
 
 
+def test_workers_steps_are_totalled_by_kind_for_the_metrics():
+    """RouterStats.steps: per worker and kind, the steps' count, host and device time (device
+    only where measured) and tokens, summed by hand; a step that fed nothing is not counted."""
+    from pdserve.routing.router_core import StepTotals
+    dep = Deployment({"c0": "collocated", "c1": "collocated"}, policy="collocated")
+    dep.core.observe("c0", steps=[_rec(T0, 5, 1, 10.0, 6.0), _rec(T0 + 1, 0, 2, 20.0, 4.0),
+                                  _rec(T0 + 2, 7, 0, 3.0), _rec(T0 + 3, 0, 0, 1.0)])
+    dep.core.observe("c0", steps=[_rec(T0 + 4, 0, 3, 5.0, 2.5)])
+    dep.core.observe("c1", steps=[_rec(T0, 2, 4, 8.0, 7.0)])
+    assert dep.core.stats.steps == {
+        ("c0", "mixed"): StepTotals(1, 10.0, 1, 6.0, 5, 1),
+        ("c0", "decode"): StepTotals(2, 25.0, 2, 6.5, 0, 5),
+        ("c0", "prefill"): StepTotals(1, 3.0, 0, 0.0, 7, 0),
+        ("c1", "mixed"): StepTotals(1, 8.0, 1, 7.0, 2, 4)}
+
+
 # ---- the boundaries -------------------------------------------------------------------------
 def test_router_core_and_policies_import_without_torch_zmq_worker_server():
     """The core is what tests and a simulator drive without processes: it must not pull in

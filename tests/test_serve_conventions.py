@@ -196,10 +196,21 @@ def test_metrics_carry_model_name_and_totals_are_counters():
     m = Metrics("my-model")
     for q, h, pre in ((100, 40, 2), (150, 40, 1), (150, 70, 4)):
         m.update_stats(WorkerStats(1, 0, 5, 20, pre, 0, 0, q, h, 3))
+    from pdserve.routing.router_core import StepTotals
+    steps = {("w0", "mixed"): StepTotals(steps=3, wall_ms=30.0, gpu_steps=2, gpu_ms=12.0,
+                                         prefill_tokens=600, decode_tokens=20)}
     m.update_routes(SimpleNamespace(requests={"disagg": 3, "collocated": 1}, transfers=2,
                                     transfer_bytes=10, transfer_seconds=0.5,
-                                    transfer_failures=0, rerouted=0, recomputed=1, failed=0))
+                                    transfer_failures=0, rerouted=0, recomputed=1, failed=0,
+                                    steps=steps))
     text = m.render().decode()
+    w0 = 'worker="w0",kind="mixed"'
+    assert metric_value(text, f"pdserve:engine_steps_total{{{w0}}}") == 3
+    assert metric_value(text, f"pdserve:engine_step_wall_seconds_total{{{w0}}}") == 0.03
+    assert metric_value(text, f"pdserve:engine_step_gpu_seconds_total{{{w0}}}") == 0.012
+    assert metric_value(text, f"pdserve:engine_steps_gpu_timed_total{{{w0}}}") == 2
+    assert metric_value(text, f'pdserve:engine_step_tokens_total{{{w0},phase="prefill"}}') == 600
+    assert metric_value(text, f'pdserve:engine_step_tokens_total{{{w0},phase="decode"}}') == 20
     assert metric_value(text, "pdserve:prefix_cache_queries_total") == 150
     assert metric_value(text, "pdserve:prefix_cache_hits_total") == 70
     assert metric_value(text, "pdserve:num_preemptions_total") == 5

@@ -181,8 +181,13 @@ def test_metrics_move(server, client):
     before = _metric(server, "pdserve:generation_tokens_total")
     n_before = _metric(server, "pdserve:request_success_total")
     pulls = _metric(server, "pdserve:kv_transfers_total")
+    steps = _metric(server, "pdserve:engine_steps_total")
+    step_s = _metric(server, "pdserve:engine_step_wall_seconds_total")
     client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=7, temperature=0)
     assert _metric(server, "pdserve:generation_tokens_total") == before + 7
+    # a forward for each of the 7 tokens (the first from a step with prompt tokens)
+    assert _metric(server, "pdserve:engine_steps_total") >= steps + 7
+    assert _metric(server, "pdserve:engine_step_wall_seconds_total") > step_s
     assert _metric(server, "pdserve:request_success_total") == n_before + 1
     assert _metric(server, "pdserve:time_to_first_token_seconds_count") >= 1
     assert _metric(server, "pdserve:kv_cache_blocks_total") > 0

@@ -99,12 +99,13 @@ def test_a_lone_request_takes_the_profiles_step_times(L):
 
 @pytest.mark.parametrize("L,padded", [(100, [128]), (5000, [2048, 2048, 1024])])
 def test_a_profile_fitted_per_graph_shape_costs_steps_at_the_deployments_buckets(L, padded):
-    """A profile measured with CUDA graphs (graph_padded) on a budget of 8192: the simulated
+    """A profile measured with CUDA graphs (fit_graph_sizes) on a budget of 8192: the simulated
     deployment (budget 2048) pads each prefill chunk to its own graph bucket (the smallest of
     16, 32, ..., 1536, 2048 that holds it: step_shapes.mixed_sizes), as its ModelRunner would;
-    decode steps are not padded. The same profile without graph_padded costs the chunks as
+    decode steps are not padded. The same profile without fit_graph_sizes costs the chunks as
     they are."""
-    shaped = profile(graph_padded=True,
+    from pdserve.step_shapes import mixed_sizes
+    shaped = profile(fit_graph_sizes=mixed_sizes(8192),
                      engine_config={"device": "cuda", "max_num_batched_tokens": 8192})
     O = 6
     r = simulator(prof=shaped).run([SimRequest(prompts(1, L)[0], O, 0.0)]).results[0]

@@ -120,3 +120,38 @@ def test_bundle_results_keeps_every_file_once(tmp_path):
     assert json.loads(out.read_text()) == {"serve-mt-chat-on-8": {"output_throughput": 1.5},
                                            "tier-report": {"rates": []}}
     assert not a.exists() and not b.exists()
+
+
+def test_the_engine_steps_over_a_run_from_the_servers_own_exposition(tmp_path):
+    """The step counters as pdserve's /metrics writes them (Metrics.update_routes), before and
+    after a run of two workers: per kind over the run, by hand. mixed: c0 went 10 -> 30 steps
+    (20) and c1 0 -> 5 (5): 25 steps; host 0.1 -> 0.5 s and 0 -> 0.1 s: 0.5 s / 25 = 20 ms;
+    device 0.05 -> 0.25 s over 8 -> 28 timed steps and 0 -> 0.05 s over 5: 0.25 s / 25 = 10 ms;
+    prompt tokens 1,000 + 500 over 25 = 60 a step, decode 100 + 25 = 5 a step. decode (c0
+    only, no device time): 4 steps, 2 ms each."""
+    from types import SimpleNamespace
+
+    from pdserve.routing.router_core import StepTotals
+    from pdserve.server.metrics import Metrics
+
+    def exposition(m, steps):
+        m.update_routes(SimpleNamespace(requests={}, transfers=0, transfer_bytes=0,
+                                        transfer_seconds=0.0, transfer_failures=0, rerouted=0,
+                                        recomputed=0, failed=0, steps=steps))
+        return m.render().decode()
+    m = Metrics("m")
+    before = exposition(m, {("c0", "mixed"): StepTotals(10, 100.0, 8, 50.0, 1000, 200)})
+    after = exposition(m, {("c0", "mixed"): StepTotals(30, 500.0, 28, 250.0, 2000, 300),
+                           ("c1", "mixed"): StepTotals(5, 100.0, 5, 50.0, 500, 25),
+                           ("c0", "decode"): StepTotals(4, 8.0, 0, 0.0, 0, 40)})
+    path = write(tmp_path / "tier-mt-tier-inf.json", result("inf", 1.0, 1.0, 1.0, 1.0))
+    (tmp_path / "b.txt").write_text(before)
+    (tmp_path / "a.txt").write_text(after)
+    assert tier_report.main(["attach", path, str(tmp_path / "b.txt"), str(tmp_path / "a.txt")]) == 0
+    steps = tier_report.side_summary(json.loads(open(path).read()))["steps"]
+    assert steps["mixed"] == pytest.approx({"steps": 25, "mean_wall_ms": 20.0,
+                                            "mean_gpu_ms": 10.0, "prefill_tokens_per_step": 60.0,
+                                            "decode_tokens_per_step": 5.0})
+    assert steps["decode"] == pytest.approx({"steps": 4, "mean_wall_ms": 2.0, "mean_gpu_ms": None,
+                                             "prefill_tokens_per_step": 0.0,
+                                             "decode_tokens_per_step": 10.0})

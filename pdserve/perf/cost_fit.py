@@ -34,12 +34,13 @@ matters from 3 ms steps to 60 ms ones alike):
 
 Step shapes (step_shapes.py): on a GPU with CUDA graphs a step with prefill tokens runs at its
 graph bucket, padding included, so its cost follows the bucket's token count, not the step's.
-When the profile's engine_config ran graphs (fit_all's graph_sizes: its buckets), every row is
-fitted at its shape: a lone prefill's n (and a served request's, in the serving term's prefill
+When the rows ran in graphs (a new profile of a graphed engine: its engine_config's buckets,
+kept in the profile's fit_graph_sizes so that a refit uses the same ones), every row is fitted at
+its shape: a lone prefill's n (and a served request's, in the serving term's prefill
 time) at padded_tokens(n), a mixed row's n at padded_tokens(b + n) - b (the decodes fill b of
-the bucket's tokens). The terms are then per token of a step's shape (the profile's
-graph_padded), and a caller pads the steps it costs the same way (cost_profile.step_cost_ms).
-Without graphs (a CPU profile) nothing is padded.
+the bucket's tokens). The terms are then per token of a step's shape, and a caller pads the
+steps it costs the same way (cost_profile.step_cost_ms). Without graphs (a CPU profile), and in
+files made before fit_graph_sizes, nothing is padded.
 
 Held-out error: leave-one-out over the rows. Each row is predicted by the whole procedure
 (model choice and knee search included) run on the other rows, so it is never tuned on the
@@ -324,7 +325,8 @@ def fit_serving(rows: list[dict], prefill: dict[str, Any], decode: dict[str, Any
         raise ValueError("serving fit: every row needs n >= 1 and ttft_ms > 0")
 
     def lone(n: float) -> float:
-        return prefill_predict(prefill, padded_tokens(int(n), graph_sizes))
+        return prefill_predict(prefill, padded_tokens(_tokens("serving", n), graph_sizes)
+                               if graph_sizes else n)
     over = [r["ttft_ms"] - lone(r["n"]) for r in rows]
     value = max(0.0, _median(over))
 
@@ -365,11 +367,13 @@ def shaped_rows(samples: dict[str, list[dict]], graph_sizes: Sequence[int]
         return samples
     out = dict(samples)
     if samples.get("prefill"):
-        out["prefill"] = [{**r, "n": padded_tokens(r["n"], graph_sizes)} if _is_count(r.get("n"))
-                          else r for r in samples["prefill"]]
+        _check_rows("prefill", samples["prefill"], ("n", "wall_ms"))
+        out["prefill"] = [{**r, "n": padded_tokens(_tokens("prefill", r["n"]), graph_sizes)}
+                          for r in samples["prefill"]]
     if samples.get("mixed"):
-        out["mixed"] = [{**r, "n": padded_tokens(r["b"] + r["n"], graph_sizes) - r["b"]}
-                        if _is_count(r.get("n")) and _is_count(r.get("b")) else r
+        _check_rows("mixed", samples["mixed"], ("b", "ctx_sum", "n", "wall_ms"))
+        out["mixed"] = [{**r, "n": padded_tokens(_tokens("mixed", r["b"]) + _tokens("mixed", r["n"]),
+                                                 graph_sizes) - r["b"]}
                         for r in samples["mixed"]]
     return out
 
@@ -378,13 +382,23 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = ()) -> dict[str, Any]:
+def _tokens(term: str, v: float) -> int:
+    """A row's token count as a whole number (a step's shape is one); ValueError otherwise."""
+    if v != int(v):
+        raise ValueError(f"{term} fit: a row's token count must be a whole number to take its "
+                         f"graph shape, got {v!r}")
+    return int(v)
+
+
+def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = (),
+            serving_graph_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """Every term from samples {"prefill": rows, "decode": rows, "mixed": rows, "transfer":
     rows, "serving": rows}: the profile's terms at top level and "fit" per term. Without
     transfer rows the caller supplies the transfer terms (and says where they came from);
     without serving rows there is no serving_overhead_ms (profile_from_samples: 0).
     graph_sizes: the measuring engine's graph buckets (step_shapes.mixed_sizes; empty: none),
-    the shapes its prefill and mixed rows ran at (module docstring)."""
+    the shapes its prefill and mixed rows ran at (module docstring); serving_graph_sizes: those
+    of the server the serving rows were measured on (None: graph_sizes)."""
     for term in ("prefill", "decode", "mixed"):
         if not samples.get(term):
             raise ValueError(f"no {term} rows to fit")
@@ -402,7 +416,8 @@ def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = ()) -> 
         fit["transfer"] = tr.pop("fit")
         out.update(tr)
     if samples.get("serving"):
-        sv = fit_serving(samples["serving"], out, out, graph_sizes)
+        sv = fit_serving(samples["serving"], out, out,
+                         graph_sizes if serving_graph_sizes is None else serving_graph_sizes)
         fit["serving"] = sv.pop("fit")
         out.update(sv)
     out["fit"] = fit
@@ -413,15 +428,24 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
                          engine_config: dict, commit: str,
                          transfer_estimate: dict[str, Any] | None = None,
                          extra: dict[str, Any] | None = None,
-                         serving_note: str = "no serving-path rows"):
+                         serving_note: str = "no serving-path rows",
+                         graph_sizes: Sequence[int] | None = None):
     """A CostProfile fitted from samples. transfer_estimate: the transfer terms to use when
     samples hold no transfer rows ({"transfer_fixed_ms", "transfer_gb_per_s",
     "kv_bytes_per_token", "note": where they come from}); the profile's fit says "estimate".
     serving_note: why there are no serving rows, when there are none (serving_overhead_ms is
-    then 0 and its fit says "not measured")."""
+    then 0 and its fit says "not measured"). graph_sizes: the buckets the rows ran at (the
+    profile's fit_graph_sizes; empty: fit on the rows' own token counts); None: those of
+    engine_config (a new measurement). The serving rows' own server may have had other
+    buckets: extra's serving_setup["graph_max_tokens"] says so, where recorded."""
     from .cost_profile import CostProfile
-    sizes = mixed_sizes(graph_max_tokens(engine_config))
-    terms = fit_all(samples, sizes)
+    sizes = (mixed_sizes(graph_max_tokens(engine_config)) if graph_sizes is None
+             else list(graph_sizes))
+    setup = (extra or {}).get("serving_setup")
+    serving_sizes = sizes
+    if sizes and isinstance(setup, dict) and _is_count(setup.get("graph_max_tokens")):
+        serving_sizes = mixed_sizes(setup["graph_max_tokens"])
+    terms = fit_all(samples, sizes, serving_sizes)
     if "serving_overhead_ms" not in terms:
         terms["serving_overhead_ms"] = 0.0
         terms["fit"]["serving"] = {"n_samples": 0, "heldout_mean_abs_rel_err": None,
@@ -441,11 +465,13 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
                                     "note": note, **est}
     return CostProfile(model=model, hardware=hardware, engine_config=dict(engine_config),
                        commit=commit, samples={k: list(v) for k, v in samples.items()},
-                       graph_padded=bool(sizes), extra=dict(extra or {}), **terms)
+                       fit_graph_sizes=sizes, extra=dict(extra or {}), **terms)
 
 
-def refit(profile):
-    """The profile's terms fitted afresh from its own samples (e.g. after a fit change)."""
+def refit(profile, graph_sizes: Sequence[int] | None = None):
+    """The profile's terms fitted afresh from its own samples (e.g. after a fit change), at the
+    step shapes it was fitted at (its fit_graph_sizes), or at graph_sizes when given
+    (scripts/refit_profile.py: an older file refitted per CUDA-graph shape)."""
     tr = profile.fit.get("transfer", {})
     est = None
     if not profile.samples.get("transfer"):
@@ -456,7 +482,9 @@ def refit(profile):
     return profile_from_samples(profile.samples, model=profile.model, hardware=profile.hardware,
                                 engine_config=profile.engine_config, commit=profile.commit,
                                 transfer_estimate=est, extra=profile.extra,
-                                serving_note=_serving_note(profile))
+                                serving_note=_serving_note(profile),
+                                graph_sizes=profile.fit_graph_sizes if graph_sizes is None
+                                else graph_sizes)
 
 
 def _serving_note(profile) -> str:
@@ -501,4 +529,5 @@ def device_time_profile(profile):
     return profile_from_samples(samples, model=profile.model, hardware=profile.hardware,
                                 engine_config=profile.engine_config, commit=profile.commit,
                                 transfer_estimate=est, extra=extra,
-                                serving_note=_serving_note(profile))
+                                serving_note=_serving_note(profile),
+                                graph_sizes=profile.fit_graph_sizes)

@@ -12,11 +12,13 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
     mixed_ms(b, ctx_sum, n) = decode_ms(b, ctx_sum) + gamma_ms_per_token*n  (b == 0: prefill_ms(n))
     transfer_ms(tokens)     = transfer_fixed_ms
                               + tokens*kv_bytes_per_token / (transfer_gb_per_s*1e6)
-    graph_padded            whether n above is a step's shape (step_shapes.py): true when the
-                            measuring engine ran CUDA graphs, whose buckets pad a step with
-                            prefill tokens (the fit then ran on the rows' shapes, cost_fit.py).
-                            A step is costed at its own deployment's shapes by step_cost_ms.
-                            Optional (false in files made before it).
+    fit_graph_sizes         the CUDA-graph token buckets (step_shapes.py) the measuring engine
+                            padded its steps with prefill tokens to, which the fit took as the
+                            rows' shapes (cost_fit.py); then n above is a step's shape, padding
+                            included (graph_padded), and a caller costs a step at its own
+                            deployment's buckets (step_cost_ms). Empty: n is the step's own
+                            token count. Optional (empty in files made before it: they keep
+                            their meaning; scripts/refit_profile.py refits one per shape).
     serving_overhead_ms     what a request spends outside the engine's steps when it is served
                             (HTTP, the router, IPC to and from the worker, SSE, the client):
                             a request reaches the router this long after the client sends it.
@@ -96,7 +98,7 @@ class CostProfile:
     transfer_fixed_ms: float
     kv_bytes_per_token: int
     serving_overhead_ms: float = 0.0
-    graph_padded: bool = False
+    fit_graph_sizes: list = field(default_factory=list)
     fit: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
     version: int = VERSION
@@ -104,6 +106,11 @@ class CostProfile:
 
     def __post_init__(self):
         _validate(self.to_dict(), "<CostProfile>")
+
+    @property
+    def graph_padded(self) -> bool:
+        """Whether the terms are per step shape (fitted on CUDA-graph buckets)."""
+        return bool(self.fit_graph_sizes)
 
     # ---- formulas ----------------------------------------------------------------------------
     @staticmethod
@@ -215,8 +222,13 @@ def _validate(d: Mapping, where: str) -> None:
     number("transfer_gb_per_s", d["transfer_gb_per_s"], positive=True)
     if "serving_overhead_ms" in d:      # (optional: files older than the term load with 0)
         number("serving_overhead_ms", d["serving_overhead_ms"])
-    if "graph_padded" in d and not isinstance(d["graph_padded"], bool):   # (optional too)
-        raise bad("graph_padded", f"must be true or false, got {d['graph_padded']!r}")
+    if "fit_graph_sizes" in d:          # (optional too: files older than it load with [])
+        sizes = d["fit_graph_sizes"]
+        if (not isinstance(sizes, list) or any(not isinstance(x, int) or isinstance(x, bool)
+                                               or x < 1 for x in sizes)
+                or sizes != sorted(set(sizes))):
+            raise bad("fit_graph_sizes", "must be a list of increasing token counts >= 1, got "
+                      f"{sizes!r}")
     for name, least in (("batch_threshold", 1), ("kv_bytes_per_token", 1)):
         v = d[name]
         if not isinstance(v, int) or isinstance(v, bool):
@@ -249,22 +261,28 @@ def _validate(d: Mapping, where: str) -> None:
 
 
 # ---- a step at its shape ------------------------------------------------------------------------
-def graph_sizes(profile: Any, max_num_batched_tokens: int) -> list[int]:
-    """The graph buckets (step_shapes.mixed_sizes) of a deployment on the profile's machine and
-    settings with this token budget, for step_cost_ms: empty unless the profile's terms are per
-    step shape (graph_padded; a cost source without the attribute counts as not padded)."""
+def deployment_graph_sizes(profile: Any, config: Any = None,
+                           max_num_batched_tokens: int | None = None) -> list[int]:
+    """The graph buckets (step_shapes.mixed_sizes) that step_cost_ms pads a deployment's steps
+    to: empty unless the profile's terms are per step shape (graph_padded; a cost source without
+    the attribute counts as not padded). config: the deployment's (an EngineConfig, or a mapping
+    of its fields); None: the profile's own engine_config, with max_num_batched_tokens when
+    given (a deployment like the measured one on another budget: the simulator's)."""
     if not getattr(profile, "graph_padded", False):
         return []
-    ec = profile.engine_config if isinstance(profile.engine_config, Mapping) else {}
-    return mixed_sizes(graph_max_tokens({**ec, "max_num_batched_tokens": max_num_batched_tokens}))
+    if config is None:
+        ec = profile.engine_config if isinstance(profile.engine_config, Mapping) else {}
+        config = dict(ec) if max_num_batched_tokens is None else {
+            **ec, "max_num_batched_tokens": max_num_batched_tokens}
+    return mixed_sizes(graph_max_tokens(config))
 
 
 def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
                  sizes: "list[int] | tuple[int, ...]" = ()) -> tuple[str, float]:
     """One step of b decodes (contexts summing to ctx_sum) and n prompt tokens: its kind
     ("prefill": b == 0, "decode": n == 0, else "mixed") and its time from `costs` (prefill_ms /
-    decode_ms / mixed_ms) at its shape: sizes are the deployment's graph buckets (graph_sizes;
-    empty: every step at its own token count), a lone prefill runs at padded_tokens(n) and a
+    decode_ms / mixed_ms) at its shape: sizes are the deployment's graph buckets
+    (deployment_graph_sizes; empty: every step at its own token count), a lone prefill runs at padded_tokens(n) and a
     mixed step's chunk at padded_tokens(b + n) - b."""
     if b <= 0:
         return "prefill", costs.prefill_ms(padded_tokens(n, sizes))

@@ -56,8 +56,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cuda": dict(prefill_tokens=[128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192],
                  decode_batches=[1, 8, 16, 32, 48, 64, 96, 128, 192, 256],
                  contexts=[256, 1024, 4096], mixed_context=1024,
-                 # (b + n: most rows pad to a graph bucket 1.5x their tokens; 64:960 and
-                 # 128:1920 fill 1024 and 2048 exactly, so the rows tell padding from tokens)
+                 # (the first eight rows' graph buckets, the smallest holding b + n, are each
+                 # 1.5x the row's chunk n, so chunk tokens and padded ones cannot be told
+                 # apart; 64:960 and 128:1920 fill 1024 and 2048 at 1.07x and 1.07x)
                  mixed=["8:256", "32:256", "32:1024", "64:512", "64:960", "128:256", "128:1024",
                         "128:1920", "128:2048", "256:512"],
                  transfer_tokens=[256, 1024, 2048, 4096, 8192], reps=10, warmup=3,
@@ -356,6 +357,8 @@ def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], dict[str, Any]]:
                          facts["vocab_size"], a.seed, a.threads)
     info["serving_args"] = a.serving_args
     info["async_scheduling"] = bool(cfg.async_scheduling)
+    # (the server's own step shapes: --serving-args may change its budget or its graphs)
+    info["graph_max_tokens"] = cfg.graph_max_tokens
     for n in a.serving_tokens:
         ttft = [r["ttft_ms"] for r in rows if r["n"] == n]
         print(f"serving {n:>6} tokens: TTFT median {statistics.median(ttft):9.3f} ms over "

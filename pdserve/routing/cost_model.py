@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..perf.cost_profile import graph_sizes, step_cost_ms
+from ..perf.cost_profile import deployment_graph_sizes, step_cost_ms
 
 STEP_KINDS = ("prefill", "decode", "mixed")
 TERMS = (*STEP_KINDS, "transfer", "ttft", "tpot")
@@ -108,23 +108,27 @@ class CostModel:
     correction_weight: float = CORRECTION_WEIGHT   # 0: the profile as it is, never corrected
     factors: dict[tuple[str, str], float] = field(default_factory=dict)  # (worker, kind) -> f
     errors: dict[str, _Err] = field(default_factory=lambda: {t: _Err() for t in TERMS})
+    # the deployment's CUDA-graph buckets its steps are costed at (cost_profile.step_cost_ms);
+    # None: a deployment like the profile's own on this budget (deployment_graph_sizes)
+    graph_sizes: list | None = None
 
     def __post_init__(self):
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
         if not 0 <= self.correction_weight <= 1:
             raise ValueError(f"correction_weight must be in [0, 1], got {self.correction_weight!r}")
-        # the steps' shapes on this budget (a profile fitted per CUDA graph shape; else none)
-        self._graph_sizes = graph_sizes(self.profile, self.chunk_tokens)
+        if self.graph_sizes is None:
+            self.graph_sizes = deployment_graph_sizes(self.profile, None, self.chunk_tokens)
 
     # ---- step times ------------------------------------------------------------------------
-    def _raw_step_ms(self, b: int, ctx: float, n: int) -> tuple[str, float]:
-        return step_cost_ms(self.profile, b, int(ctx), n, self._graph_sizes)
+    def _raw_step_ms(self, b: int, ctx: float, n: int, shaped: bool = True) -> tuple[str, float]:
+        return step_cost_ms(self.profile, b, int(ctx), n, self.graph_sizes if shaped else ())
 
-    def step_ms(self, worker: str, b: int, ctx: float, n: float) -> float:
+    def step_ms(self, worker: str, b: int, ctx: float, n: float, mean: bool = False) -> float:
         """One step on worker with b decodes (contexts summing to ctx) and n prompt tokens,
-        corrected by what that worker's steps of this kind have measured."""
-        kind, ms = self._raw_step_ms(b, ctx, int(round(n)))
+        corrected by what that worker's steps of this kind have measured. mean: n is a mean
+        over steps (not one step's count), costed without padding it to a step's shape."""
+        kind, ms = self._raw_step_ms(b, ctx, int(round(n)), shaped=not mean)
         return ms * self.factors.get((worker, kind), 1.0)
 
     def prefill_run_ms(self, worker: str, load: WorkerLoad, tokens: int) -> float:
@@ -141,7 +145,8 @@ class CostModel:
     # ---- paths -----------------------------------------------------------------------------
     def _decode_step_ms(self, worker: str, load: WorkerLoad, prompt: int, output: float) -> float:
         ctx = load.decode_context_tokens + prompt + output / 2
-        return self.step_ms(worker, load.decodes + 1, ctx, load.prefill_tokens_per_step)
+        return self.step_ms(worker, load.decodes + 1, ctx, load.prefill_tokens_per_step,
+                            mean=True)
 
     def _harmed(self, worker: str, load: WorkerLoad, extra_ms: float, slo_tpot_ms: float | None) -> int:
         """W's decodes that extra_ms of added step time (spread over their predicted remaining
@@ -149,7 +154,7 @@ class CostModel:
         if slo_tpot_ms is None or load.decodes == 0 or extra_ms <= 0:
             return 0
         base = self.step_ms(worker, load.decodes, load.decode_context_tokens,
-                            load.prefill_tokens_per_step)
+                            load.prefill_tokens_per_step, mean=True)
         remaining = max(1.0, load.decode_remaining_tokens / load.decodes)
         return load.decodes if base <= slo_tpot_ms < base + extra_ms / remaining else 0
 

@@ -85,6 +85,37 @@ class Stage(enum.Enum):
     DECODE = "decode"          # on path.worker, continuing after the first token
 
 
+STEP_KINDS = ("prefill", "decode", "mixed")
+
+
+def step_kind(r: StepRecord) -> str | None:
+    """A step's kind, as the cost model names its terms: prompt tokens only ("prefill"),
+    decodes only ("decode"), both ("mixed"); None for a step that fed neither."""
+    if r.num_prefill_tokens > 0:
+        return "mixed" if r.num_decode_seqs > 0 else "prefill"
+    return "decode" if r.num_decode_seqs > 0 else None
+
+
+@dataclass
+class StepTotals:
+    """A worker's engine steps of one kind since the router started (across its restarts)."""
+    steps: int = 0
+    wall_ms: float = 0.0           # the steps' host time (StepRecord.wall_ms)
+    gpu_steps: int = 0             # of them, those whose device time was measured
+    gpu_ms: float = 0.0            # their device time (StepRecord.gpu_ms)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    def add(self, r: StepRecord) -> None:
+        self.steps += 1
+        self.wall_ms += r.wall_ms
+        if r.gpu_ms is not None:
+            self.gpu_steps += 1
+            self.gpu_ms += r.gpu_ms
+        self.prefill_tokens += r.num_prefill_tokens
+        self.decode_tokens += r.num_decode_tokens
+
+
 @dataclass
 class RouterStats:
     requests: dict[str, int] = field(default_factory=lambda: {"collocated": 0, "disagg": 0})
@@ -95,6 +126,8 @@ class RouterStats:
     rerouted: int = 0             # requests sent again after their worker died
     recomputed: int = 0           # handed off without KV (their prefill worker died)
     failed: int = 0               # requests lost with a dead worker
+    # per worker and step kind (STEP_KINDS): the engine steps its StepRecords reported
+    steps: dict[tuple[str, str], StepTotals] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -461,6 +494,14 @@ class RouterCore:
                 cost.observe_step(worker, r.num_prefill_tokens, r.num_decode_seqs,
                                   per_seq * r.num_decode_seqs, r.wall_ms)
         if steps:
+            totals = self.stats.steps
+            for r in steps:
+                kind = step_kind(r)
+                if kind is not None:
+                    t = totals.get((worker, kind))
+                    if t is None:
+                        t = totals[(worker, kind)] = StepTotals()
+                    t.add(r)
             w.steps.extend(steps)
             window = itertools.islice(w.steps, max(0, len(w.steps) - STEP_SUMMARY_WINDOW), None)
             w.summary = StepSummary.of(list(window))

@@ -126,6 +126,20 @@ class Metrics:
         self.kv_transfer_seconds = total("pdserve:kv_transfer_seconds", "Time spent in KV pulls")
         self.kv_transfer_failures = total("pdserve:kv_transfer_failures",
                                           "KV pulls that failed or timed out (recomputed)")
+        # every worker's engine steps by kind (prefill, decode, mixed: the cost model's terms)
+        self.steps = total("pdserve:engine_steps", "Engine steps (forwards) per worker and kind: "
+                           "prompt tokens only (prefill), decodes only (decode), or both (mixed)",
+                           ["worker", "kind"])
+        self.step_wall = total("pdserve:engine_step_wall_seconds", "Host time of those steps "
+                               "(schedule to tokens applied)", ["worker", "kind"])
+        self.step_gpu = total("pdserve:engine_step_gpu_seconds", "Device time of those steps "
+                              "(the forward's CUDA events; GPU workers only)", ["worker", "kind"])
+        self.step_gpu_steps = total("pdserve:engine_steps_gpu_timed", "Steps whose device time "
+                                    "was measured (the denominator of engine_step_gpu_seconds)",
+                                    ["worker", "kind"])
+        self.step_tokens = total("pdserve:engine_step_tokens", "Tokens fed by those steps, prompt "
+                                 "(prefill) or one per decoding sequence (decode)",
+                                 ["worker", "kind", "phase"])
         self.fault_requests = total("pdserve:requests_after_worker_death",
                                     "Requests caught by a worker's death: routed again, handed "
                                     "off without KV (recomputed) or failed", ["outcome"])
@@ -171,6 +185,13 @@ class Metrics:
         self.kv_transfer_failures.set_total(rs.transfer_failures)
         for outcome in ("rerouted", "recomputed", "failed"):
             self.fault_requests(outcome).set_total(getattr(rs, outcome))
+        for (worker, kind), t in rs.steps.items():
+            self.steps(worker, kind).set_total(t.steps)
+            self.step_wall(worker, kind).set_total(t.wall_ms / 1e3)
+            self.step_gpu(worker, kind).set_total(t.gpu_ms / 1e3)
+            self.step_gpu_steps(worker, kind).set_total(t.gpu_steps)
+            self.step_tokens(worker, kind, "prefill").set_total(t.prefill_tokens)
+            self.step_tokens(worker, kind, "decode").set_total(t.decode_tokens)
 
     def update_models(self, ms: dict) -> None:
         """From a Router's model_stats."""

@@ -10,7 +10,7 @@ the profile says the step costs, from the step's own mix:
 
 at the step's shape (perf/cost_profile.step_cost_ms): with a profile whose terms are per CUDA
 graph shape (graph_padded), n is padded to the deployment's graph bucket (graph_sizes: the
-buckets of its token budget, cost_profile.graph_sizes), as the ModelRunner replays it.
+buckets of its token budget, cost_profile.deployment_graph_sizes), as the ModelRunner replays it.
 
 P/D: a consumer's KV loads (the step's kv_work) start when the step starts and end
 transfer_ms(tokens) later on the same clock (tokens: what the load moves, the source's

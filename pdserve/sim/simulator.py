@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 from ..config import EngineConfig
 from ..engine.core import EngineCore
 from ..outputs import RequestOutput
-from ..perf.cost_profile import graph_sizes
+from ..perf.cost_profile import deployment_graph_sizes
 from ..perf.metrics import RequestResult
 from ..protocol import AddRequest, WorkerStats
 from ..routing import actions as act
@@ -235,8 +235,8 @@ class Simulator:
             clock = SimClock()
             runner = CostModelRunner(prof, clock, self.config.block_size,
                                      host_copy_gb_per_s=host_copy_gb_per_s,
-                                     graph_sizes=graph_sizes(
-                                         prof, self.config.max_num_batched_tokens))
+                                     graph_sizes=deployment_graph_sizes(
+                                         prof, None, self.config.max_num_batched_tokens))
             core = EngineCore(self.config, runner, num_kv_blocks=num_kv_blocks,
                               max_model_len=max_model_len, vocab_size=vocab_size,
                               eos_token_ids=(), kv_transfer=pd and role != "collocated",

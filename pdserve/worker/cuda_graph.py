@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.metadata import AttentionMetadata, forward_context
-from ..step_shapes import mixed_sizes
+from ..step_shapes import graph_bucket, mixed_sizes
 from .step_inputs import StepInputs
 
 
@@ -93,7 +93,7 @@ class CUDAGraphRunner:
             if bs is not None and tier is not None:
                 return GraphPlan(("decode", tier, bs), bs, bs)
         tier = self._tier(self.mixed_tiers, max_seq_len)
-        t = next((s for s in self.mixed_sizes if s >= num_tokens), None)
+        t = graph_bucket(num_tokens, self.mixed_sizes)
         if t is None or tier is None:
             return None
         b = self._mixed_seqs(t)
