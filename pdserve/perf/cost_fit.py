@@ -372,8 +372,8 @@ def shaped_rows(samples: dict[str, list[dict]], graph_sizes: Sequence[int]
                           for r in samples["prefill"]]
     if samples.get("mixed"):
         _check_rows("mixed", samples["mixed"], ("b", "ctx_sum", "n", "wall_ms"))
-        out["mixed"] = [{**r, "n": padded_tokens(_tokens("mixed", r["b"]) + _tokens("mixed", r["n"]),
-                                                 graph_sizes) - r["b"]}
+        out["mixed"] = [{**r, "n": padded_tokens(_tokens("mixed", r["b"])
+                                                 + _tokens("mixed", r["n"]), graph_sizes) - r["b"]}
                         for r in samples["mixed"]]
     return out
 

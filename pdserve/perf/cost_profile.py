@@ -282,8 +282,8 @@ def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
     """One step of b decodes (contexts summing to ctx_sum) and n prompt tokens: its kind
     ("prefill": b == 0, "decode": n == 0, else "mixed") and its time from `costs` (prefill_ms /
     decode_ms / mixed_ms) at its shape: sizes are the deployment's graph buckets
-    (deployment_graph_sizes; empty: every step at its own token count), a lone prefill runs at padded_tokens(n) and a
-    mixed step's chunk at padded_tokens(b + n) - b."""
+    (deployment_graph_sizes; empty: every step at its own token count), a lone prefill runs at
+    padded_tokens(n) and a mixed step's chunk at padded_tokens(b + n) - b."""
     if b <= 0:
         return "prefill", costs.prefill_ms(padded_tokens(n, sizes))
     if n <= 0:
