@@ -456,6 +456,14 @@ def test_profile_from_samples_fits_the_serving_term_against_its_own_prefill_fit(
 
 
 # ---- step shapes (CUDA graph buckets) -----------------------------------------------------------
+def _small_profile(engine_config, **kw):
+    """_small_samples' profile of a machine with this engine_config (kw: profile_from_samples')."""
+    pre, dec, mix, est = _small_samples()
+    return profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
+                                hardware="NVIDIA H200", engine_config=engine_config, commit="c",
+                                transfer_estimate=est, **kw)
+
+
 def test_rows_are_fitted_at_their_graph_shapes():
     """Mixed rows whose true cost is the decode model plus gamma per token of the step's graph
     bucket (padding included): fitted at their shapes, gamma comes back exactly; fitted at their
@@ -487,17 +495,11 @@ def test_a_profile_of_a_graphed_engine_is_fitted_per_shape_and_costed_per_shape(
     """profile_from_samples pads by the measuring engine's buckets (its engine_config) and says
     so (fit_graph_sizes); refits keep it; step_cost_ms then pads a step by the deployment's
     buckets, by hand."""
-    from pdserve.perf.cost_fit import device_time_profile
     from pdserve.perf.cost_profile import deployment_graph_sizes, step_cost_ms
     from pdserve.step_shapes import mixed_sizes
-    pre, dec, mix, est = _small_samples()
     cfg = {"device": "cuda", "max_num_batched_tokens": 8192}
-    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
-                             hardware="NVIDIA H200", engine_config=cfg, commit="c",
-                             transfer_estimate=est)
-    flat = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
-                                hardware="NVIDIA H200", engine_config={**cfg, "device": "cpu"},
-                                commit="c", transfer_estimate=est)
+    p = _small_profile(cfg)
+    flat = _small_profile({**cfg, "device": "cpu"})
     assert p.fit_graph_sizes == mixed_sizes(8192) and p.graph_padded and not flat.graph_padded
     # 32 + 256 = 288 -> 384: 352 chunk tokens; 64 + 512 = 576 -> 768: 704 (each 1.375x n)
     assert p.gamma_ms_per_token == pytest.approx(flat.gamma_ms_per_token / 1.375)
@@ -534,14 +536,8 @@ def test_refit_script_fits_an_older_file_per_shape(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("refit_profile", "scripts/refit_profile.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    pre, dec, mix, est = _small_samples()
     cfg = {"device": "cuda", "max_num_batched_tokens": 8192}
-    today = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
-                                 hardware="NVIDIA H200", engine_config=cfg, commit="c",
-                                 transfer_estimate=est)
-    older = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, model="m",
-                                 hardware="NVIDIA H200", engine_config=cfg, commit="c",
-                                 transfer_estimate=est, graph_sizes=[])
+    today, older = _small_profile(cfg), _small_profile(cfg, graph_sizes=[])
     src, out = tmp_path / "old.json", tmp_path / "new.json"
     older.save(src)
     assert script.main([str(src), str(out), "--graph-shapes"]) == 0
