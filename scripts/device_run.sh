@@ -92,25 +92,29 @@ for stage in "$@"; do
     serve) # issue 5's rate sweep: qwen2.5-1.5b dummy, random input 512-2048, output 128-512
            python3 -m pdserve serve --model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
              --device cuda --port 8000 --gpu-memory-utilization 0.8 ${SERVE_ARGS:---no-enable-prefix-caching} > "$OUT/serve-server.log" 2>&1 &
-           wait_up $! || { tail -5 "$OUT/serve-server.log"; continue; }
+           spid=$!
+           wait_up $spid || { tail -5 "$OUT/serve-server.log"; continue; }
            python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-200} \
              --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
              --vocab-size 151936 --request-rate ${SERVE_RATES:-2 4 8 16 32 64 inf} --goodput ttft:500 tpot:50 \
              --disable-tqdm --plot "$OUT/serve-h200.png" --result-file "$OUT/serve-h200.json" 2>&1 | tail -30
            # then the saturating rate once more with the server's step counters around it (issue
-           # 18: the served engine's steps at overload, host against device time, per kind)
+           # 18: the served engine's steps at overload, host against device time, per kind), and
+           # the CPU seconds the API process and the workers spent on it (is the API the limit?)
            for rate in ${SERVE_STEP_RATES:-inf}; do
              curl -s localhost:8000/metrics > "$OUT/metrics-before.txt"
+             python3 scripts/proc_cpu.py $spid > "$OUT/cpu-before.json"
              python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-200} \
                --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 --seed 1 \
                --vocab-size 151936 --request-rate $rate --goodput ttft:500 tpot:50 \
                --disable-tqdm --result-file "$OUT/serve-steps-$rate.json" 2>&1 | tail -3
+             python3 scripts/proc_cpu.py $spid --since "$OUT/cpu-before.json" --attach "$OUT/serve-steps-$rate.json"
              curl -s localhost:8000/metrics | python3 scripts/tier_report.py attach "$OUT/serve-steps-$rate.json" \
                "$OUT/metrics-before.txt" - | grep engine_step | head -20
              python3 -c "import json, sys; sys.path.insert(0, 'scripts'); import tier_report as t; \
 d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summary(d)['steps'], indent=1))"
            done
-           rm -f "$OUT/metrics-before.txt"
+           rm -f "$OUT/metrics-before.txt" "$OUT/cpu-before.json"
            python3 scripts/bundle_results.py "$OUT/serve-steps.json" "$OUT"/serve-steps-*.json
            kill -TERM %1; wait;;
     serve-pd) # one sweep per deployment on the same workload: 1 worker, 1 prefill + 1 decode, 2 collocated

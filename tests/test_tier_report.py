@@ -155,3 +155,37 @@ def test_the_engine_steps_over_a_run_from_the_servers_own_exposition(tmp_path):
     assert steps["decode"] == pytest.approx({"steps": 4, "mean_wall_ms": 2.0, "mean_gpu_ms": None,
                                              "prefill_tokens_per_step": 0.0,
                                              "decode_tokens_per_step": 10.0})
+
+
+def test_proc_cpu_counts_a_process_tree_and_attaches_its_growth(tmp_path, capsys):
+    """scripts/proc_cpu.py: a child that spins for 0.3 s of CPU is found under this process,
+    and its CPU seconds grow by about that much (a loose upper bound: its start-up counts)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    spec = importlib.util.spec_from_file_location("proc_cpu", "scripts/proc_cpu.py")
+    proc_cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proc_cpu)
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nsys.stdin.readline()\n"
+                              "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+                              "print('spun', flush=True)\nsys.stdin.readline()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.2)
+        before = tmp_path / "before.json"
+        assert proc_cpu.main([str(os.getpid())]) == 0
+        before.write_text(capsys.readouterr().out)
+        assert str(child.pid) in json.loads(before.read_text())
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "spun\n"     # (0.3 s of CPU spent, now it waits)
+        result = write(tmp_path / "r.json", {"benchmark": "serve"})
+        assert proc_cpu.main([str(os.getpid()), "--since", str(before), "--attach", result]) == 0
+        grown = json.loads(open(result).read())["process_cpu_s"]
+        assert 0.25 <= grown[str(child.pid)]["cpu_s"] <= 1.0
+        assert "time.process_time" in grown[str(child.pid)]["cmd"]
+    finally:
+        child.stdin.write("end\n")
+        child.stdin.flush()
+        child.wait(timeout=10)
