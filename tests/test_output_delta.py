@@ -3,6 +3,8 @@ engine reports, the client must rebuild exactly the cumulative RequestOutput it 
 logprobs, prompt logprobs, text with stop strings, n > 1 — after a msgpack round trip, while a
 later streaming report carries only the new ids. (A P/D continuation, whose first report already
 holds the producer's token, goes through the same path in test_disagg's streaming test.)"""
+import copy
+
 import msgspec
 import pytest
 
@@ -36,15 +38,19 @@ def test_rebuilt_outputs_equal_the_engines(engine):
     assert engine.add_requests(reqs) == [None, None, None]
     enc, dec = DeltaEncoder(), DeltaDecoder()
     seen = {r.request_id: 0 for r in reqs}
+    handed_out = []   # (an output handed out earlier, a deep copy of it then)
     while engine.has_unfinished_requests():
         for out in engine.step():
             wire, size = _wire(enc.encode(out))
-            got = dec.decode(wire)
-            assert got == out  # dataclass equality: every field, cumulative
             if seen[out.request_id]:  # later reports: no prompt ids, only the new tokens
                 assert wire.prompt_token_ids == []
                 assert all(len(o.token_ids) <= 1 for o in wire.outputs)
+            got = dec.decode(wire)
+            assert got == out  # dataclass equality: every field, cumulative
+            handed_out.append((got, copy.deepcopy(got)))
             seen[out.request_id] += 1
+    # the decoder builds each report in place, but nothing it handed out changed later
+    assert all(got == then for got, then in handed_out)
     assert all(n > 3 for n in seen.values())
     assert not enc._sent and not dec._seen  # finished requests leave no state
 
