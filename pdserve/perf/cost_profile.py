@@ -277,6 +277,14 @@ def deployment_graph_sizes(profile: Any, config: Any = None,
     return mixed_sizes(graph_max_tokens(config))
 
 
+def step_kind(b: int, n: int) -> str | None:
+    """The kind of a step of b decodes and n prompt tokens, as the cost terms are named: prompt
+    tokens only ("prefill"), decodes only ("decode"), both ("mixed"); None when it fed neither."""
+    if n > 0:
+        return "mixed" if b > 0 else "prefill"
+    return "decode" if b > 0 else None
+
+
 def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
                  sizes: "list[int] | tuple[int, ...]" = ()) -> tuple[str, float]:
     """One step of b decodes (contexts summing to ctx_sum) and n prompt tokens: its kind
@@ -284,8 +292,9 @@ def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
     decode_ms / mixed_ms) at its shape: sizes are the deployment's graph buckets
     (deployment_graph_sizes; empty: every step at its own token count), a lone prefill runs at
     padded_tokens(n) and a mixed step's chunk at padded_tokens(b + n) - b."""
-    if b <= 0:
-        return "prefill", costs.prefill_ms(padded_tokens(n, sizes))
-    if n <= 0:
-        return "decode", costs.decode_ms(b, ctx_sum)
-    return "mixed", costs.mixed_ms(b, ctx_sum, padded_tokens(b + n, sizes) - b)
+    kind = step_kind(b, n) or "prefill"
+    if kind == "prefill":
+        return kind, costs.prefill_ms(padded_tokens(n, sizes))
+    if kind == "decode":
+        return kind, costs.decode_ms(b, ctx_sum)
+    return kind, costs.mixed_ms(b, ctx_sum, padded_tokens(b + n, sizes) - b)

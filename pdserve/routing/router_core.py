@@ -62,6 +62,7 @@ import msgspec
 from ..outputs import CompletionOutput, RequestOutput
 from ..protocol import AddRequest, KVLoadDone, KVSend, StepRecord, WorkerStats
 from .actions import Abort, Action, Deliver, DropPeer, Reject, Release, Send, SendKV
+from ..perf.cost_profile import step_kind
 from .cost_model import WorkerLoad
 from .length_predictor import LengthPredictor
 from .policies import (Path, PathKind, RouteRequest, RoutingPolicy, StepSummary, WorkerView,
@@ -83,17 +84,6 @@ class Stage(enum.Enum):
     PREFILL = "prefill"        # on path.prefill: its first token, KV held for the hand-off
     HANDOFF = "handoff"        # prefilled: waits for flush_handoffs to reach path.worker
     DECODE = "decode"          # on path.worker, continuing after the first token
-
-
-STEP_KINDS = ("prefill", "decode", "mixed")
-
-
-def step_kind(r: StepRecord) -> str | None:
-    """A step's kind, as the cost model names its terms: prompt tokens only ("prefill"),
-    decodes only ("decode"), both ("mixed"); None for a step that fed neither."""
-    if r.num_prefill_tokens > 0:
-        return "mixed" if r.num_decode_seqs > 0 else "prefill"
-    return "decode" if r.num_decode_seqs > 0 else None
 
 
 @dataclass
@@ -126,7 +116,7 @@ class RouterStats:
     rerouted: int = 0             # requests sent again after their worker died
     recomputed: int = 0           # handed off without KV (their prefill worker died)
     failed: int = 0               # requests lost with a dead worker
-    # per worker and step kind (STEP_KINDS): the engine steps its StepRecords reported
+    # per worker and step kind (cost_model.STEP_KINDS): the engine steps its StepRecords reported
     steps: dict[tuple[str, str], StepTotals] = field(default_factory=dict)
 
 
@@ -496,7 +486,7 @@ class RouterCore:
         if steps:
             totals = self.stats.steps
             for r in steps:
-                kind = step_kind(r)
+                kind = step_kind(r.num_decode_seqs, r.num_prefill_tokens)
                 if kind is not None:
                     t = totals.get((worker, kind))
                     if t is None:
