@@ -56,9 +56,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cuda": dict(prefill_tokens=[128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192],
                  decode_batches=[1, 8, 16, 32, 48, 64, 96, 128, 192, 256],
                  contexts=[256, 1024, 4096], mixed_context=1024,
-                 # (the first eight rows' graph buckets, the smallest holding b + n, are each
-                 # 1.5x the row's chunk n, so chunk tokens and padded ones cannot be told
-                 # apart; 64:960 and 128:1920 fill 1024 and 2048 at 1.07x and 1.07x)
+                 # (the graph bucket holding b + n is 1.5x the chunk n in every row but 64:960
+                 # and 128:1920, where it is 1.07x (1024, 2048): those two tell a cost per
+                 # chunk token from a cost per padded token)
                  mixed=["8:256", "32:256", "32:1024", "64:512", "64:960", "128:256", "128:1024",
                         "128:1920", "128:2048", "256:512"],
                  transfer_tokens=[256, 1024, 2048, 4096, 8192], reps=10, warmup=3,
