@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from pdserve.perf import cost_fit
-from pdserve.perf.cost_fit import (fit_decode, fit_mixed, fit_prefill, fit_serving,
-                                   fit_transfer, nnls, profile_from_samples, refit)
+from pdserve.perf.cost_fit import (device_time_profile, fit_decode, fit_mixed, fit_prefill,
+                                   fit_serving, fit_serving_batch, fit_transfer, nnls,
+                                   profile_from_samples, refit)
 from pdserve.perf.cost_profile import CostProfile, hardware_label
 
 SIGMA = 0.02
@@ -272,9 +273,10 @@ def test_profile_round_trips_through_a_file(tmp_path):
     path = p.save(tmp_path / "p.json")
     q = CostProfile.from_json(path, model="qwen2.5-1.5b", hardware="NVIDIA H200")
     assert q == p and q.extra == {"notes": ["kept as an extra"]}
-    # (a file made before the serving term and the step shapes is written with their defaults)
+    # (a file made before the serving terms and the step shapes is written with their defaults)
     assert json.loads((tmp_path / "p.json").read_text()) == {**_profile_dict(),
                                                               "serving_overhead_ms": 0.0,
+                                                              "serving_host_ms": {},
                                                               "fit_graph_sizes": []}
 
 
@@ -321,6 +323,20 @@ BAD = [
     ("fit_graph_sizes", [16, True], "fit_graph_sizes must be a list of increasing token counts"),
     ("fit.serving", [], "fit.serving must be an object"),
     ("fit.serving", {"n_samples": 3}, "fit.serving.heldout_mean_abs_rel_err is missing"),
+    ("serving_host_ms", [], "serving_host_ms must be an object"),
+    ("serving_host_ms", 0.5, "serving_host_ms must be an object"),
+    ("serving_host_ms", {"fixed_ms": 1.0}, "serving_host_ms.per_seq_ms is missing"),
+    ("serving_host_ms", {"fixed_ms": -1.0, "per_seq_ms": 0.1},
+     "serving_host_ms.fixed_ms must be >= 0"),
+    ("serving_host_ms", {"fixed_ms": 1.0, "per_seq_ms": float("nan")},
+     "serving_host_ms.per_seq_ms must be finite"),
+    ("serving_host_ms", {"fixed_ms": 1.0, "per_seq_ms": float("inf")},
+     "serving_host_ms.per_seq_ms must be finite"),
+    ("serving_host_ms", {"fixed_ms": 1.0, "per_seq_ms": "0.1"},
+     "serving_host_ms.per_seq_ms must be a number"),
+    ("serving_host_ms", {"fixed_ms": 1.0, "per_seq_ms": 0.1, "per_token_ms": 0.2},
+     "serving_host_ms has unknown keys ['per_token_ms']"),
+    ("fit.serving_batch", [], "fit.serving_batch must be an object"),
 ]
 
 
@@ -551,3 +567,167 @@ def test_refit_script_fits_an_older_file_per_shape(tmp_path, capsys):
     CostProfile.from_json({**older.to_dict(), "engine_config": {}}).save(cpu)
     assert script.main([str(cpu), str(out), "--graph-shapes"]) == 2
     assert "ran no CUDA graphs" in capsys.readouterr().err
+
+
+# ---- served batches: the server's host work per step ---------------------------------------------
+# DECODE by hand: decode_ms(b, S) = 1 + 0.1 min(b, 8) + 0.001 S
+#   b = 1,  S = 40:    1 + 0.1 + 0.04 = 1.14
+#   b = 16, S = 640:   1 + 0.8 + 0.64 = 2.44
+#   b = 64, S = 2560:  1 + 0.8 + 2.56 = 4.36
+#   b = 8,  S = 20000: 1 + 0.8 + 20   = 21.8   (context-heavy: the device is the bound)
+def _batch(b, ctx, tpot):
+    return {"b": b, "ctx_sum": ctx, "tpot_ms": tpot}
+
+
+def test_served_batches_on_a_host_line_give_that_line_back():
+    """TPOTs max(decode, 2 + 0.05 b): 2.05, 2.8, 5.2 ms at b = 1, 16, 64 (each > 1.1 x decode:
+    host-bound), 21.8 at b = 8 (decode-bound: ratio 1). The host-bound rows lie on the line, so
+    it comes back exactly, and every row is predicted exactly by a fit without it (any two
+    host-bound rows give the line; the decode-bound row is the decode's)."""
+    rows = [_batch(1, 40, 2.05), _batch(16, 640, 2.8), _batch(64, 2560, 5.2),
+            _batch(8, 20000, 21.8)]
+    r = fit_serving_batch(rows, DECODE)
+    assert r["serving_host_ms"] == {"fixed_ms": pytest.approx(2.0, abs=1e-9),
+                                    "per_seq_ms": pytest.approx(0.05, abs=1e-12)}
+    f = r["fit"]
+    assert f["n_samples"] == 4 and f["source"] == "measured" and "note" not in f
+    assert [x["host_bound"] for x in f["rows"]] == [True, True, True, False]
+    assert [x["decode_ms"] for x in f["rows"]] == pytest.approx([1.14, 2.44, 4.36, 21.8])
+    assert [x["ratio"] for x in f["rows"]] == pytest.approx(
+        [2.05 / 1.14, 2.8 / 2.44, 5.2 / 4.36, 1.0], abs=1e-5)
+    assert f["heldout_abs_rel_errs"] == pytest.approx([0, 0, 0, 0], abs=1e-9)
+
+
+def test_served_batch_heldout_errors_are_the_max_model_fitted_without_the_row():
+    """The b = 64 row at 5.6 ms (off the line). Held out, each host-bound row is predicted by
+    the line through the other two: b = 1 by (16, 2.8)-(64, 5.6): 1.866667 + 0.058333 = 1.925
+    (> decode 1.14); b = 16 by (1, 2.05)-(64, 5.6): slope 3.55 / 63, 2.05 + 15 * 3.55 / 63 =
+    2.895238; b = 64 by (1, 2.05)-(16, 2.8): 2 + 0.05 * 64 = 5.2. The decode-bound row stays
+    the decode's 21.8 (the host line is ~2.5 ms there). The full fit is weighted least squares
+    on [1, b] with weights 1 / tpot, checked against numpy's lstsq."""
+    rows = [_batch(1, 40, 2.05), _batch(16, 640, 2.8), _batch(64, 2560, 5.6),
+            _batch(8, 20000, 21.8)]
+    f = fit_serving_batch(rows, DECODE)
+    want = [abs(1.925 - 2.05) / 2.05, abs(2.05 + 15 * 3.55 / 63 - 2.8) / 2.8, 0.4 / 5.6, 0.0]
+    assert f["fit"]["heldout_abs_rel_errs"] == pytest.approx(want, abs=1e-5)
+    assert f["fit"]["heldout_mean_abs_rel_err"] == pytest.approx(sum(want) / 4, abs=1e-5)
+    assert f["fit"]["heldout_max_abs_rel_err"] == pytest.approx(max(want), abs=1e-5)
+    y = np.array([2.05, 2.8, 5.6])
+    A = np.array([[1, 1], [1, 16], [1, 64]], dtype=float) / y[:, None]
+    c, *_ = np.linalg.lstsq(A, y / y, rcond=None)
+    assert f["serving_host_ms"]["fixed_ms"] == pytest.approx(c[0], rel=1e-9)
+    assert f["serving_host_ms"]["per_seq_ms"] == pytest.approx(c[1], rel=1e-9)
+
+
+def test_a_server_that_keeps_up_with_the_device_has_no_floor():
+    """Every TPOT within 10% of decode_ms (1.09x; 1.11x would count): both terms 0, said in
+    the fit; held out, each row is predicted by decode_ms alone (error 0.09 / 1.09)."""
+    rows = [_batch(1, 40, 1.14 * 1.09), _batch(16, 640, 2.44 * 1.09),
+            _batch(64, 2560, 4.36 * 1.09)]
+    r = fit_serving_batch(rows, DECODE)
+    assert r["serving_host_ms"] == {"fixed_ms": 0.0, "per_seq_ms": 0.0}
+    assert "kept up with the device" in r["fit"]["note"]
+    assert not any(x["host_bound"] for x in r["fit"]["rows"])
+    assert r["fit"]["heldout_abs_rel_errs"] == pytest.approx([0.09 / 1.09] * 3, abs=1e-5)
+    r = fit_serving_batch([_batch(16, 640, 2.44 * 1.11)], DECODE)
+    assert r["fit"]["rows"][0]["host_bound"] is True
+
+
+def test_one_host_bound_row_gives_a_floor_proportional_to_b():
+    """One host-bound row (b = 16 at 4.0 ms > 1.1 x 2.44): per_seq_ms = 4.0 / 16 = 0.25, no
+    fixed part; two at the same b (4.0 and 5.0 ms): the weighted line through the origin,
+    sum(b / y) / sum(b^2 / y^2) = (4 + 3.2) / (16 + 10.24)."""
+    rows = [_batch(1, 40, 1.14), _batch(16, 640, 4.0), _batch(8, 20000, 21.8)]
+    r = fit_serving_batch(rows, DECODE)
+    assert r["serving_host_ms"] == {"fixed_ms": 0.0, "per_seq_ms": pytest.approx(0.25)}
+    assert "one batch size" in r["fit"]["note"]
+    # held out, the b = 16 row has no host-bound row left: predicted by decode (2.44)
+    assert r["fit"]["heldout_abs_rel_errs"][1] == pytest.approx(1.56 / 4.0, abs=1e-5)
+    r = fit_serving_batch([_batch(16, 640, 4.0), _batch(16, 640, 5.0)], DECODE)
+    assert r["serving_host_ms"]["per_seq_ms"] == pytest.approx(7.2 / 26.24)
+    assert r["serving_host_ms"]["fixed_ms"] == 0.0
+
+
+def test_served_batch_rows_are_checked():
+    with pytest.raises(ValueError, match="serving_batch fit: needs >= 1 rows"):
+        fit_serving_batch([], DECODE)
+    with pytest.raises(ValueError, match="no finite number 'tpot_ms'"):
+        fit_serving_batch([{"b": 4, "ctx_sum": 10}], DECODE)
+    with pytest.raises(ValueError, match="b >= 1"):
+        fit_serving_batch([_batch(0, 10, 1.0)], DECODE)
+    with pytest.raises(ValueError, match="tpot_ms > 0"):
+        fit_serving_batch([_batch(4, 10, 0.0)], DECODE)
+
+
+def test_the_served_step_floor_is_optional_and_older_files_load_without_it():
+    """No serving_host_ms (every committed profile so far): the floor is 0. With the term
+    {fixed 1.5, per_seq 0.02}: 1.5 + 0.02 * 100 = 3.5 ms at 100 sequences; it survives a
+    file."""
+    import glob
+    import os
+    d = _profile_dict()
+    p = CostProfile.from_json(d)
+    assert p.serving_host_ms == {} and p.served_step_floor_ms(100) == 0.0
+    q = CostProfile.from_json({**d, "serving_host_ms": {"fixed_ms": 1.5, "per_seq_ms": 0.02}})
+    assert q.served_step_floor_ms(100) == pytest.approx(3.5)
+    assert q.served_step_floor_ms(1) == pytest.approx(1.52)
+    assert CostProfile.from_json(q.to_dict()) == q
+    with pytest.raises(ValueError, match="seqs must be"):
+        q.served_step_floor_ms(0)
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "bench", "results")
+    for path in sorted(glob.glob(os.path.join(root, "profile-*.json"))):
+        old = CostProfile.from_json(path)
+        assert old.served_step_floor_ms(256) == 0.0, path
+
+
+def _tpot_rows(p, factor, bs=(1, 16, 64)):
+    """Served-batch rows whose TPOT is `factor` x p's own decode_ms at each b (contexts of 32
+    tokens a sequence)."""
+    return [_batch(b, 32 * b, factor * p.decode_ms(b, 32 * b)) for b in bs]
+
+
+def test_profile_from_samples_fits_the_floor_against_its_own_decode_fit():
+    """TPOTs 1.5x the profile's own decode_ms: every row host-bound, a floor that is the
+    term of the file (a refit and a file keep it); without served-batch rows the term is {} and
+    its fit says why."""
+    pre, dec, mix, est = _small_samples()
+    kw = dict(model="m", hardware="cpu: x", engine_config={}, commit="c", transfer_estimate=est)
+    base = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, **kw,
+                                serving_note="not measured (--no-serving-overhead)")
+    assert base.serving_host_ms == {} and base.fit["serving_batch"]["source"] == "not measured"
+    assert base.fit["serving_batch"]["note"] == "not measured (--no-serving-overhead)"
+    assert refit(CostProfile.from_json(base.to_dict())) == base
+    rows = _tpot_rows(base, 1.5)
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix,
+                              "serving_batch": rows}, **kw)
+    assert p.samples["serving_batch"] == rows and p.fit["serving_batch"]["n_samples"] == 3
+    assert all(x["host_bound"] for x in p.fit["serving_batch"]["rows"])
+    assert p.serving_host_ms["per_seq_ms"] > 0
+    # the floor is what the measured TPOTs say a served step takes, not the bare decode
+    for r in rows:
+        served = max(p.decode_ms(r["b"], r["ctx_sum"]), p.served_step_floor_ms(r["b"]))
+        assert served == pytest.approx(r["tpot_ms"], rel=0.25)
+    assert refit(CostProfile.from_json(p.to_dict())) == p
+
+
+def test_the_device_time_profile_refits_the_floor_on_device_time_decode():
+    """Device time half of every step's wall time: the device profile's decode_ms is half the
+    wall profile's. TPOTs 1.05x the wall decode_ms are not host-bound against it (no floor,
+    "kept up"), but are 2.1x the device's: all host-bound there, a floor > 0. The rows are
+    carried over unchanged."""
+    pre, dec, mix, est = _small_samples()
+    pre, dec, mix = ([{**r, "gpu_ms": r["wall_ms"] / 2} for r in rows] for rows in (pre, dec, mix))
+    kw = dict(model="m", hardware="NVIDIA H200", engine_config={}, commit="c",
+              transfer_estimate=est)
+    wall = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, **kw)
+    rows = _tpot_rows(wall, 1.05)
+    wall = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix,
+                                 "serving_batch": rows}, **kw)
+    assert wall.serving_host_ms == {"fixed_ms": 0.0, "per_seq_ms": 0.0}
+    assert "kept up" in wall.fit["serving_batch"]["note"]
+    dev = device_time_profile(wall)
+    assert dev.decode_ms(16, 512) == pytest.approx(wall.decode_ms(16, 512) / 2, rel=1e-6)
+    assert dev.samples["serving_batch"] == rows
+    assert all(x["host_bound"] for x in dev.fit["serving_batch"]["rows"])
+    assert dev.serving_host_ms["per_seq_ms"] > 0 or dev.serving_host_ms["fixed_ms"] > 0

@@ -7,6 +7,10 @@ Rows (one per measured point; a row's time is the median of its reps):
     transfer  {"tokens", "bytes", "ms"}               one KV hand-off
     serving   {"n", "ttft_ms", "itl_ms"}              one request through `pdserve serve`,
                                                       alone (perf/serving_path.py)
+    serving_batch {"b", "ctx_sum", "tpot_ms"}         b streaming requests sent at once to
+                                                      the same server: their median TPOT,
+                                                      ctx_sum their mean context sum while
+                                                      they decode
 Extra keys are ignored (kept in the profile's samples).
 
 Every fit is least squares with non-negative coefficients, each row weighted by 1 / its
@@ -31,6 +35,15 @@ matters from 3 ms steps to 60 ms ones alike):
               time), clipped at 0. Reported beside it, not a term: the batch-1 ITL overhead,
               the median over a request's token gaps j = 1.. of (itl_ms[j-1] - decode_ms(1,
               n + j)) (the decode producing token j + 1 attends over n + j positions).
+    serving_batch  a served step of b sequences ~ max(decode_ms(b, ctx_sum), host_ms(b)),
+              host_ms(b) = fixed_ms + per_seq_ms * b (the server's host work per step, which
+              the profile's decode terms, timed on a bare engine, do not hold). A row is
+              host-bound when its TPOT exceeds decode_ms(b, ctx_sum) (the decode fit of the
+              same samples) by more than HOST_BOUND_MARGIN (10%); host_ms ~ [1, b] on the
+              host-bound rows when they hold >= 2 distinct b; with one b, through the origin
+              (one row: per_seq_ms = tpot / b); with none, both 0 (the server kept up with the
+              device). Rows within the margin say nothing about host_ms but that it is below
+              them, so they are left out of its fit.
 
 Step shapes (step_shapes.py): on a GPU with CUDA graphs a step with prefill tokens runs at its
 graph bucket, padding included, so its cost follows the bucket's token count, not the step's.
@@ -46,7 +59,9 @@ Held-out error: leave-one-out over the rows. Each row is predicted by the whole 
 (model choice and knee search included) run on the other rows, so it is never tuned on the
 point it is judged on. mixed's held-out rows use the decode model of all decode rows (they are
 separate measurements); so do serving's, with the prefill fit of all prefill rows and the
-median of the other requests' overheads (the term's TTFT model: prefill_ms(n) + overhead).
+median of the other requests' overheads (the term's TTFT model: prefill_ms(n) + overhead);
+serving_batch's, with the decode fit of all decode rows, the max model with host_ms fitted on
+the other rows.
 Reported per term as mean and max |predicted - measured| / measured.
 """
 from __future__ import annotations
@@ -60,7 +75,9 @@ import numpy as np
 from ..step_shapes import graph_max_tokens, mixed_sizes, padded_tokens
 
 QUADRATIC_GAIN = 0.05
-MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2, "serving": 2}
+HOST_BOUND_MARGIN = 0.10
+MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2, "serving": 2,
+            "serving_batch": 1}
 
 
 # ---- least squares with non-negative coefficients ----------------------------------------------
@@ -358,6 +375,61 @@ def fit_serving(rows: list[dict], prefill: dict[str, Any], decode: dict[str, Any
     return {"serving_overhead_ms": value, "fit": info}
 
 
+# ---- served batches: the server's host work per step ---------------------------------------------
+def _host_bound(rows: list[dict], decode: dict[str, Any]) -> list[bool]:
+    return [r["tpot_ms"] > decode_predict(decode, r["b"], r["ctx_sum"]) * (1 + HOST_BOUND_MARGIN)
+            for r in rows]
+
+
+def _host_coef(rows: list[dict], decode: dict[str, Any]) -> tuple[float, float]:
+    """(fixed_ms, per_seq_ms) of host_ms(b), fitted on the host-bound ones of rows."""
+    hb = [r for r, h in zip(rows, _host_bound(rows, decode)) if h]
+    if not hb:
+        return 0.0, 0.0
+    b = np.array([r["b"] for r in hb], dtype=float)
+    y = np.array([r["tpot_ms"] for r in hb], dtype=float)
+    w = _rel_weights(y)
+    if len(set(b.tolist())) >= 2:
+        c = nnls(np.stack([np.ones_like(b), b], axis=1), y, w)
+        return float(c[0]), float(c[1])
+    # one batch size cannot split a fixed part from a per-sequence one: all per sequence
+    return 0.0, float(np.sum(w * w * b * y) / np.sum((w * b) ** 2))
+
+
+def fit_serving_batch(rows: list[dict], decode: dict[str, Any]) -> dict[str, Any]:
+    """decode: fit_decode's result (what the bare engine's decode step costs); the module
+    docstring says how host_ms is fitted."""
+    _check_rows("serving_batch", rows, ("b", "ctx_sum", "tpot_ms"))
+    if any(r["b"] < 1 or r["tpot_ms"] <= 0 or r["ctx_sum"] < 0 for r in rows):
+        raise ValueError("serving_batch fit: every row needs b >= 1, ctx_sum >= 0 and "
+                         "tpot_ms > 0")
+    fixed, per_seq = _host_coef(rows, decode)
+    bound = _host_bound(rows, decode)
+
+    def fit(train):
+        f, s = _host_coef(train, decode)
+        return lambda r: max(decode_predict(decode, r["b"], r["ctx_sum"]), f + s * r["b"])
+    per_row = []
+    for r, h in zip(rows, bound):
+        d = decode_predict(decode, r["b"], r["ctx_sum"])
+        per_row.append({"b": r["b"], "tpot_ms": r["tpot_ms"], "decode_ms": round(d, 6),
+                        "ratio": round(r["tpot_ms"] / d, 5) if d > 0 else None,
+                        "host_bound": h})
+    info: dict[str, Any] = {"n_samples": len(rows),
+                            **_heldout(rows, fit, lambda r: r["tpot_ms"]),
+                            "source": "measured", "host_bound_margin": HOST_BOUND_MARGIN,
+                            "model": "max(decode_ms(b, ctx_sum), fixed_ms + per_seq_ms * b)",
+                            "rows": per_row}
+    n_bound = sum(bound)
+    if n_bound == 0:
+        info["note"] = (f"no row's TPOT is more than {HOST_BOUND_MARGIN:.0%} over the profile's "
+                        "decode_ms: the server kept up with the device (no floor)")
+    elif len({r["b"] for r, h in zip(rows, bound) if h}) == 1:
+        info["note"] = ("host-bound rows at one batch size only: host_ms taken proportional to "
+                        "b (no fixed part)")
+    return {"serving_host_ms": {"fixed_ms": fixed, "per_seq_ms": per_seq}, "fit": info}
+
+
 # ---- all terms ----------------------------------------------------------------------------------
 def shaped_rows(samples: dict[str, list[dict]], graph_sizes: Sequence[int]
                 ) -> dict[str, list[dict]]:
@@ -393,9 +465,10 @@ def _tokens(term: str, v: float) -> int:
 def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = (),
             serving_graph_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """Every term from samples {"prefill": rows, "decode": rows, "mixed": rows, "transfer":
-    rows, "serving": rows}: the profile's terms at top level and "fit" per term. Without
-    transfer rows the caller supplies the transfer terms (and says where they came from);
-    without serving rows there is no serving_overhead_ms (profile_from_samples: 0).
+    rows, "serving": rows, "serving_batch": rows}: the profile's terms at top level and "fit"
+    per term. Without transfer rows the caller supplies the transfer terms (and says where they
+    came from); without serving rows there is no serving_overhead_ms (profile_from_samples: 0),
+    without serving_batch rows no serving_host_ms (profile_from_samples: {}).
     graph_sizes: the measuring engine's graph buckets (step_shapes.mixed_sizes; empty: none),
     the shapes its prefill and mixed rows ran at (module docstring); serving_graph_sizes: those
     of the server the serving rows were measured on (None: graph_sizes)."""
@@ -420,6 +493,10 @@ def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = (),
                          graph_sizes if serving_graph_sizes is None else serving_graph_sizes)
         fit["serving"] = sv.pop("fit")
         out.update(sv)
+    if samples.get("serving_batch"):
+        sb = fit_serving_batch(samples["serving_batch"], out)
+        fit["serving_batch"] = sb.pop("fit")
+        out.update(sb)
     out["fit"] = fit
     return out
 
@@ -429,12 +506,14 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
                          transfer_estimate: dict[str, Any] | None = None,
                          extra: dict[str, Any] | None = None,
                          serving_note: str = "no serving-path rows",
-                         graph_sizes: Sequence[int] | None = None):
+                         graph_sizes: Sequence[int] | None = None,
+                         serving_batch_note: str | None = None):
     """A CostProfile fitted from samples. transfer_estimate: the transfer terms to use when
     samples hold no transfer rows ({"transfer_fixed_ms", "transfer_gb_per_s",
     "kv_bytes_per_token", "note": where they come from}); the profile's fit says "estimate".
     serving_note: why there are no serving rows, when there are none (serving_overhead_ms is
-    then 0 and its fit says "not measured"). graph_sizes: the buckets the rows ran at (the
+    then 0 and its fit says "not measured"); serving_batch_note: the same for the served-batch
+    rows (None: serving_note; serving_host_ms is then {}). graph_sizes: the buckets the rows ran at (the
     profile's fit_graph_sizes; empty: fit on the rows' own token counts); None: those of
     engine_config (a new measurement). The serving rows' own server may have had other
     buckets: extra's serving_setup["graph_max_tokens"] says so, where recorded."""
@@ -451,6 +530,12 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
         terms["fit"]["serving"] = {"n_samples": 0, "heldout_mean_abs_rel_err": None,
                                    "heldout_max_abs_rel_err": None, "source": "not measured",
                                    "note": serving_note}
+    if "serving_host_ms" not in terms:
+        terms["serving_host_ms"] = {}
+        terms["fit"]["serving_batch"] = {
+            "n_samples": 0, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None,
+            "source": "not measured",
+            "note": serving_note if serving_batch_note is None else serving_batch_note}
     if "transfer_gb_per_s" not in terms:
         if transfer_estimate is None:
             raise ValueError("no transfer rows and no transfer estimate")
@@ -483,6 +568,7 @@ def refit(profile, graph_sizes: Sequence[int] | None = None):
                                 engine_config=profile.engine_config, commit=profile.commit,
                                 transfer_estimate=est, extra=profile.extra,
                                 serving_note=_serving_note(profile),
+                                serving_batch_note=_serving_batch_note(profile),
                                 graph_sizes=profile.fit_graph_sizes if graph_sizes is None
                                 else graph_sizes)
 
@@ -490,6 +576,12 @@ def refit(profile, graph_sizes: Sequence[int] | None = None):
 def _serving_note(profile) -> str:
     return (profile.fit.get("serving", {}).get("note")
             or "the profile has no serving-path measurement (made before pdserve profile had one)")
+
+
+def _serving_batch_note(profile) -> str:
+    return (profile.fit.get("serving_batch", {}).get("note")
+            or "the profile has no served-batch measurement (made before pdserve profile had "
+               "one)")
 
 
 def device_time_profile(profile):
@@ -501,8 +593,11 @@ def device_time_profile(profile):
     are carried over. The serving overhead is refitted against the device-time prefill (its
     definition: the measured TTFT less the profile's own lone-prefill time), so a lone
     request's TTFT stays the measured one: the host's part of that first step, which nothing
-    hides for a request that finds the worker idle, moves into the overhead. ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU
-    profile: nothing runs beside the host there)."""
+    hides for a request that finds the worker idle, moves into the overhead. The served-batch
+    floor (serving_host_ms) is refitted against the device-time decode terms the same way:
+    the served TPOTs stay what was measured, and a step the device no longer explains is the
+    host's. ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile:
+    nothing runs beside the host there)."""
     samples: dict[str, list[dict]] = {}
     for term in ("prefill", "decode", "mixed"):
         rows = []
@@ -515,7 +610,7 @@ def device_time_profile(profile):
             row["wall_ms"], row["synced_wall_ms"] = float(g), r["wall_ms"]
             rows.append(row)
         samples[term] = rows
-    for term in ("transfer", "serving"):
+    for term in ("transfer", "serving", "serving_batch"):
         if profile.samples.get(term):
             samples[term] = list(profile.samples[term])
     tr = profile.fit.get("transfer", {})
@@ -530,4 +625,5 @@ def device_time_profile(profile):
                                 engine_config=profile.engine_config, commit=profile.commit,
                                 transfer_estimate=est, extra=extra,
                                 serving_note=_serving_note(profile),
+                                serving_batch_note=_serving_batch_note(profile),
                                 graph_sizes=profile.fit_graph_sizes)

@@ -23,11 +23,21 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
                             (HTTP, the router, IPC to and from the worker, SSE, the client):
                             a request reaches the router this long after the client sends it.
                             Optional (0 in files made before it was measured).
+    served_step_floor_ms(seqs)
+                            = serving_host_ms["fixed_ms"] + serving_host_ms["per_seq_ms"]*seqs
+                            the served engine's host work per step that grows with the
+                            sequences in it (output processing, detokenizing and streaming
+                            each one's token, IPC) and that the device's time does not cover:
+                            a served step of seqs sequences (prefill chunks and decodes alike)
+                            takes max(its step cost, this). Fitted on b streams served at once
+                            (cost_fit.fit_serving_batch). Optional: serving_host_ms {} (files
+                            made before it, or no served-batch rows) is 0; measured with no
+                            host-bound row, both terms are 0.
 
 The JSON file holds these terms at top level, with `version` (1), `model`, `hardware` (the
 measuring machine: bench.common.hardware_info's dict, or a plain label), `engine_config`,
-`commit`, `fit` (per term "prefill" / "decode" / "mixed" / "transfer", and "serving" where
-the file has serving_overhead_ms: n_samples,
+`commit`, `fit` (per term "prefill" / "decode" / "mixed" / "transfer", "serving" where
+the file has serving_overhead_ms and "serving_batch" where it has serving_host_ms: n_samples,
 heldout_mean_abs_rel_err, heldout_max_abs_rel_err, and whatever else the fit reports) and
 `samples` (the measured rows, so a profile can be refit). Other top-level keys are kept in
 `extra`. CostProfile.from_json checks every term (ValueError naming the field and the file).
@@ -46,7 +56,8 @@ from .files import read_json_object, write_json
 VERSION = 1
 BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_token_ms")
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
-OPTIONAL_FIT_TERMS = ("serving",)
+OPTIONAL_FIT_TERMS = ("serving", "serving_batch")
+SERVING_HOST_KEYS = ("fixed_ms", "per_seq_ms")
 FIT_KEYS = ("n_samples", "heldout_mean_abs_rel_err", "heldout_max_abs_rel_err")
 # coefficients that may be 0 but not negative
 _NONNEG = ("alpha_ms_per_token", "prefill_fixed_ms", "prefill_quadratic_ms", "gamma_ms_per_token",
@@ -98,6 +109,7 @@ class CostProfile:
     transfer_fixed_ms: float
     kv_bytes_per_token: int
     serving_overhead_ms: float = 0.0
+    serving_host_ms: dict = field(default_factory=dict)   # {} or the two SERVING_HOST_KEYS
     fit_graph_sizes: list = field(default_factory=list)
     fit: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
@@ -146,6 +158,15 @@ class CostProfile:
         self._count("tokens", tokens, 0)
         return (self.transfer_fixed_ms
                 + tokens * self.kv_bytes_per_token / (self.transfer_gb_per_s * 1e6))
+
+    def served_step_floor_ms(self, seqs: float) -> float:
+        """The least time a served step of `seqs` >= 1 sequences takes: the server's host work
+        per step (0.0 without the term)."""
+        self._count("seqs", seqs, 1)
+        h = self.serving_host_ms
+        if not h:
+            return 0.0
+        return h["fixed_ms"] + h["per_seq_ms"] * seqs
 
     # ---- files -------------------------------------------------------------------------------
     @property
@@ -222,6 +243,18 @@ def _validate(d: Mapping, where: str) -> None:
     number("transfer_gb_per_s", d["transfer_gb_per_s"], positive=True)
     if "serving_overhead_ms" in d:      # (optional: files older than the term load with 0)
         number("serving_overhead_ms", d["serving_overhead_ms"])
+    if "serving_host_ms" in d:          # (optional: files older than it load with {})
+        host = d["serving_host_ms"]
+        if not isinstance(host, dict):
+            raise bad("serving_host_ms", f"must be an object ({{}}: no term), got {host!r}")
+        for k in SERVING_HOST_KEYS if host else ():
+            if k not in host:
+                raise bad(f"serving_host_ms.{k}", "is missing")
+            number(f"serving_host_ms.{k}", host[k])
+        unknown = sorted(set(host) - set(SERVING_HOST_KEYS))
+        if unknown:
+            raise bad("serving_host_ms", f"has unknown keys {unknown} (it takes "
+                      f"{', '.join(SERVING_HOST_KEYS)})")
     if "fit_graph_sizes" in d:          # (optional too: files older than it load with [])
         sizes = d["fit_graph_sizes"]
         if (not isinstance(sizes, list) or any(not isinstance(x, int) or isinstance(x, bool)
