@@ -16,8 +16,18 @@ interleaved (a machine whose speed drifts shifts them alike). Each request's TTF
 are the client's, as bench serve measures them. The server is stopped with SIGTERM (its drain;
 killed if it has not exited within STOP_TIMEOUT_S).
 
-cost_fit.fit_serving turns the rows into the serving_overhead_ms term (TTFT less the profile's
-own lone-prefill time). The module imports no torch.
+Then, on the same server (one start-up), the served batches (measure_serving's `batches`): for
+each batch size b in turn, b streaming requests sent at once (fresh seeded random token-id
+prompts of one length, one max_tokens, ignore_eos, greedy), the next batch after the last
+stream has ended and the same pause. Each request's TPOT is (e2e - TTFT) / (output tokens - 1):
+at load the API coalesces several tokens into one SSE chunk, so single token gaps (ITLs) are
+not what a step costs, while the time from the first token to the last over the tokens between
+is. A row per b: the median TPOT over its b requests (p10 and p90 beside it) and the mean
+context sum while they decode, b * (prompt_len + max_tokens / 2).
+
+cost_fit.fit_serving turns the single requests into the serving_overhead_ms term (TTFT less the
+profile's own lone-prefill time), cost_fit.fit_serving_batch the batches into serving_host_ms
+(the server's host work per step). The module imports no torch.
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 STARTUP_TIMEOUT_S = 900.0   # CUDA: weights, then CUDA graphs captured up to the token budget
 STOP_TIMEOUT_S = 60.0
@@ -125,11 +135,76 @@ async def _send_sequential(base_url: str, prompts: Sequence[list[int]], max_toke
     return out
 
 
+class ServedBatches(NamedTuple):
+    """The served-batch phase: batch sizes (in the order sent), each request's prompt tokens
+    and max_tokens (>= 2: a TPOT needs two tokens)."""
+    sizes: Sequence[int]
+    prompt_len: int
+    max_tokens: int
+
+
+class ServingRows(NamedTuple):
+    """What measure_serving measured: the single requests' rows, the served batches' rows
+    (empty without batches) and the setup's facts."""
+    rows: list[dict]
+    batch_rows: list[dict]
+    info: dict[str, Any]
+
+
+async def _send_batches(base_url: str, batches: Sequence[Sequence[list[int]]], max_tokens: int,
+                        pause_s: float) -> list[tuple[list, float]]:
+    """Each batch's requests sent at once (the next batch after the last has ended): their
+    results and the batch's wall time (s); up to the first batch with a failed request."""
+    from ..bench.serve import Target, _client, send_request   # bench serve's client
+    from .workload import SampleRequest
+    target = Target(base_url, "/v1/completions", timeout_s=REQUEST_TIMEOUT_S)
+    out = []
+    # (a connection per stream: a smaller pool would queue requests in the client)
+    async with _client(target, max((len(b) for b in batches), default=1)) as session:
+        for prompts in batches:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(send_request(session, target,
+                                                      SampleRequest(ids, len(ids), max_tokens))
+                                         for ids in prompts))
+            out.append((list(res), time.perf_counter() - t0))
+            if not all(r.success for r in res):
+                break       # (the caller raises: no point loading the server further)
+            await asyncio.sleep(pause_s)
+    return out
+
+
+def _batch_row(b: int, spec: ServedBatches, results: list, wall_s: float) -> dict[str, Any]:
+    import numpy as np
+    tpot = []
+    for r in results:
+        if r.output_len < 2:
+            raise RuntimeError(f"a request of the {b}-stream batch returned {r.output_len} "
+                               "token(s): its TPOT needs two")
+        tpot.append((r.latency - r.ttft) / (r.output_len - 1) * 1e3)
+    p10, p50, p90 = np.percentile(tpot, [10, 50, 90])
+    return {"b": b, "prompt_len": spec.prompt_len, "max_tokens": spec.max_tokens,
+            "tpot_ms": float(p50), "tpot_ms_p10": float(p10), "tpot_ms_p90": float(p90),
+            "ctx_sum": b * (spec.prompt_len + spec.max_tokens / 2), "wall_s": round(wall_s, 4),
+            "ttft_ms_median": float(np.median([r.ttft for r in results])) * 1e3,
+            "tpot_ms_samples": [round(x, 4) for x in tpot]}
+
+
 def measure(config, lengths: Sequence[int], reps: int, max_tokens: int, vocab_size: int,
             seed: int, threads: int | None = None) -> tuple[list[dict], dict[str, Any]]:
     """Rows {"n", "ttft_ms", "itl_ms", "e2e_ms", "output_tokens"} (one per timed request) and
-    the setup's facts. RuntimeError when the server cannot start or a request fails (the server
-    is stopped either way)."""
+    the setup's facts: measure_serving without batches."""
+    rows, _, info = measure_serving(config, lengths, reps, max_tokens, vocab_size, seed, threads)
+    return rows, info
+
+
+def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
+                    vocab_size: int, seed: int, threads: int | None = None,
+                    batches: ServedBatches | None = None) -> ServingRows:
+    """The single requests' rows {"n", "ttft_ms", "itl_ms", "e2e_ms", "output_tokens"} (one per
+    timed request), then, with batches, one row per batch size {"b", "prompt_len",
+    "max_tokens", "tpot_ms", "tpot_ms_p10", "tpot_ms_p90", "ctx_sum", "wall_s", ...}, from
+    one server; and the setup's facts. RuntimeError when the server cannot start or a request
+    fails (the server is stopped either way)."""
     import gc
 
     from ..bench.common import random_prompts
@@ -146,6 +221,13 @@ def measure(config, lengths: Sequence[int], reps: int, max_tokens: int, vocab_si
                for i, n in enumerate(lengths)}
     warm = [per_len[n][0] for n in lengths]
     timed = [per_len[n][j] for j in range(1, reps + 1) for n in lengths]
+    sizes = list(batches.sizes) if batches is not None else []
+    # (seeds apart from the single requests': no prompt of a batch repeats one of theirs)
+    batch_prompts = [random_prompts(b, batches.prompt_len, batches.prompt_len + 1, vocab_size,
+                                    seed * 104729 + 65537 + i) for i, b in enumerate(sizes)]
+    if sizes:
+        info["served_batch"] = {"sizes": sizes, "prompt_len": batches.prompt_len,
+                                "max_tokens": batches.max_tokens}
     server = ServerProcess(argv, port, env)
     t0 = time.perf_counter()
     try:
@@ -155,19 +237,30 @@ def measure(config, lengths: Sequence[int], reps: int, max_tokens: int, vocab_si
         try:
             results = asyncio.run(_send_sequential(server.base_url, warm + timed, max_tokens,
                                                    PAUSE_S))
+            bad = [r for r in results if not r.success]
+            batch_results = []
+            if sizes and not bad:
+                batch_results = asyncio.run(_send_batches(server.base_url, batch_prompts,
+                                                          batches.max_tokens, PAUSE_S))
         finally:
             gc.unfreeze()
     finally:
         info.update(server.stop())
         info["wall_s"] = round(time.perf_counter() - t0, 2)
-    bad = [r for r in results if not r.success]
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(results)} requests through the server failed: "
                            f"{bad[0].error}")
+    for b, (res, _) in zip(sizes, batch_results):
+        failed = [r for r in res if not r.success]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of the {b} requests sent at once through the "
+                               f"server failed: {failed[0].error}")
     rows = []
     for r in results[len(warm):]:
         rows.append({"n": r.prompt_len, "ttft_ms": r.ttft * 1e3,
                      "itl_ms": [round(x * 1e3, 4) for x in r.itl], "e2e_ms": r.latency * 1e3,
                      "output_tokens": r.output_len})
     info["warmup_requests"] = len(warm)
-    return rows, info
+    batch_rows = [_batch_row(b, batches, res, wall)
+                  for b, (res, wall) in zip(sizes, batch_results)]
+    return ServingRows(rows, batch_rows, info)
