@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in TERMS:
         if getattr(old, t) != getattr(new, t):
             print(f"{t}: {getattr(old, t):.6g} -> {getattr(new, t):.6g}")
+    if old.serving_host_ms != new.serving_host_ms:     # (a dict: {} or fixed_ms, per_seq_ms)
+        print(f"serving_host_ms: {old.serving_host_ms} -> {new.serving_host_ms}")
     print(f"fit_graph_sizes: {old.fit_graph_sizes} -> {new.fit_graph_sizes}")
     print("wrote", new.save(a.output))
     return 0

@@ -121,6 +121,64 @@ def test_the_serving_path_was_measured_through_a_server(quick):
         p.engine_config["max_num_batched_tokens"])
 
 
+def test_the_served_batches_were_measured_on_the_same_server(quick):
+    """The quick row set's served batches (2 and 8 requests at once, 16 prompt tokens, 6 output
+    tokens each) on the server of the single requests: a row per b whose TPOT is the median of
+    its b requests' (e2e - TTFT) / 5, its mean context sum while decoding b * (16 + 6 / 2);
+    the fit compares each with the profile's own decode_ms and calls it host-bound past 10%."""
+    _, _, out = quick
+    p = CostProfile.from_json(out)
+    rows = p.samples["serving_batch"]
+    assert [r["b"] for r in rows] == QUICK["serving_batches"]
+    for r in rows:
+        assert (r["prompt_len"], r["max_tokens"]) == (QUICK["serving_batch_prompt_tokens"],
+                                                      QUICK["serving_batch_max_tokens"])
+        assert r["ctx_sum"] == r["b"] * (16 + 6 / 2)
+        assert len(r["tpot_ms_samples"]) == r["b"]
+        assert r["tpot_ms"] == pytest.approx(statistics.median(r["tpot_ms_samples"]), abs=1e-3)
+        assert 0 < r["tpot_ms_p10"] <= r["tpot_ms"] <= r["tpot_ms_p90"] and r["wall_s"] > 0
+    f = p.fit["serving_batch"]
+    assert f["source"] == "measured" and f["n_samples"] == len(rows)
+    assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
+    for r, x in zip(rows, f["rows"]):
+        d = p.decode_ms(r["b"], r["ctx_sum"])
+        assert x["decode_ms"] == pytest.approx(d, abs=1e-5)
+        assert x["host_bound"] == (r["tpot_ms"] > 1.1 * d)
+    assert set(p.serving_host_ms) == {"fixed_ms", "per_seq_ms"}
+    assert p.extra["serving_setup"]["served_batch"] == {
+        "sizes": QUICK["serving_batches"], "prompt_len": 16, "max_tokens": 6}
+    assert p.extra["row_set"]["serving_batches"] == QUICK["serving_batches"]
+
+
+def test_served_batch_sizes_must_fit_the_measured_server():
+    """Each b within the server's max_num_seqs, and b prompts prefilled within
+    MAX_BATCH_PREFILL_STEPS (4) steps of its budget: a preset size beyond is left out, a given
+    one is an error naming the limit."""
+    from types import SimpleNamespace as NS
+    server = NS(max_num_seqs=9, max_num_batched_tokens=32)     # 4 steps: 128 prompt tokens
+    ns = profiler.resolve(profiler.build_parser().parse_args([]), "cpu")
+    assert ns.serving_batches == [1, 4, 8, 16] and ns.serving_batch_prompt_tokens == 16
+    assert profiler.served_batch_sizes(ns, server) == ([1, 4, 8], [16])
+    ns = profiler.resolve(profiler.build_parser().parse_args(
+        ["--serving-batches", "2", "16"]), "cpu")
+    with pytest.raises(ValueError, match="max_num_seqs 9"):
+        profiler.served_batch_sizes(ns, server)
+    ns = profiler.resolve(profiler.build_parser().parse_args(
+        ["--serving-batches", "8", "--serving-batch-prompt-tokens", "17"]), "cpu")
+    with pytest.raises(ValueError, match="more than 4 steps of the measured server's 32-token"):
+        profiler.served_batch_sizes(ns, server)
+    ns = profiler.resolve(profiler.build_parser().parse_args(["--quick"]), "cpu")
+    with pytest.raises(ValueError, match="no served batch size of the preset"):
+        profiler.served_batch_sizes(ns, NS(max_num_seqs=1, max_num_batched_tokens=32))
+    for args, said in ((["--serving-batch-max-tokens", "1"], "--serving-batch-max-tokens must "
+                                                             "be >= 2"),
+                       (["--serving-batches", "0", "4"], "--serving-batches values must be >= 1"),
+                       (["--serving-batches", "4", "4"], "a size twice"),
+                       (["--serving-batch-prompt-tokens", "0"], "must be >= 1")):
+        with pytest.raises(ValueError, match=said):
+            profiler.resolve(profiler.build_parser().parse_args(args), "cpu")
+
+
 def test_serving_rows_default_to_lengths_the_prefill_fit_covers():
     ns = profiler.build_parser().parse_args(["--prefill-tokens", "8", "16", "40"])
     assert profiler.resolve(ns, "cpu").serving_tokens == [16]       # cpu's 16, 64, 128, 256
@@ -171,6 +229,10 @@ def test_transfer_and_server_failures_fall_back_to_stated_values(tmp_path, monke
     assert p.serving_overhead_ms == 0.0 and "serving" not in p.samples
     assert f["source"] == "not measured" and f["n_samples"] == 0
     assert "no room for a server" in f["note"] and "exited with code 1" in f["note"]
+    # (the served batches ran on that server: not measured either, for the same reason)
+    f = p.fit["serving_batch"]
+    assert p.serving_host_ms == {} and "serving_batch" not in p.samples
+    assert f["source"] == "not measured" and "no room for a server" in f["note"]
     assert "no room for a server" in p.extra["serving_setup"]["error"]
 
 
@@ -204,3 +266,7 @@ def test_bad_arguments_are_refused_before_any_engine(capsys, monkeypatch):
     assert main(["profile", "--device", "cpu", "--serving-tokens", "16", "64",
                  "--serving-args", "--max-num-batched-tokens 32"]) == 2
     assert "token budget is 32" in capsys.readouterr().err
+    # more requests at once than the measured server has sequence slots
+    assert main(["profile", "--device", "cpu", "--serving-batches", "64",
+                 "--serving-args", "--max-num-seqs 32"]) == 2
+    assert "max_num_seqs 32" in capsys.readouterr().err

@@ -23,7 +23,15 @@ What runs, in order:
      a time through bench serve's client; the term serving_overhead_ms is the median of their
      TTFT less the prefill fit's lone-prefill time. The file's serving_setup says which server
      (its command, serving_args, async_scheduling).
-     If the server cannot start, the file says why and the term is 0 ("not measured").
+     Then, on the same server, the served batches: for each b in --serving-batches, b
+     streaming requests at once (--serving-batch-prompt-tokens, --serving-batch-max-tokens),
+     their median TPOT per b; the term serving_host_ms (the server's host work per step:
+     fixed_ms + per_seq_ms * b, what a served step takes at least) is fitted on the batches
+     whose TPOT the profile's decode_ms does not explain (cost_fit.fit_serving_batch). Each b
+     within the server's max_num_seqs, its prompts within MAX_BATCH_PREFILL_STEPS steps of its
+     token budget (preset sizes that are not are left out, and said; given ones are an error).
+     If the server cannot start, or a request fails, the file says why and both terms are 0
+     ("not measured").
   4. the fits, a table of term / value / held-out error, and the JSON (--output).
 
 Row sets (prefill lengths, batches, contexts, ...) default to one of three presets, by device
@@ -63,23 +71,33 @@ PRESETS: dict[str, dict[str, Any]] = {
                         "128:1920", "128:2048", "256:512"],
                  transfer_tokens=[256, 1024, 2048, 4096, 8192], reps=10, warmup=3,
                  transfer_reps=5, serving_tokens=[256, 1024, 2048, 4096], serving_reps=10,
-                 serving_max_tokens=16),
+                 serving_max_tokens=16, serving_batches=[1, 16, 64, 128, 256],
+                 serving_batch_prompt_tokens=16, serving_batch_max_tokens=64),
     "cuda-quick": dict(prefill_tokens=[256, 1024, 2048, 4096, 8192],
                        decode_batches=[1, 16, 64, 128, 256], contexts=[512, 2048],
                        mixed_context=1024, mixed=["32:256", "128:256", "128:1024", "64:2048"],
                        transfer_tokens=[512, 2048, 8192], reps=5, warmup=2, transfer_reps=3,
-                       serving_tokens=[256, 1024, 4096], serving_reps=5, serving_max_tokens=8),
+                       serving_tokens=[256, 1024, 4096], serving_reps=5, serving_max_tokens=8,
+                       serving_batches=[16, 128], serving_batch_prompt_tokens=16,
+                       serving_batch_max_tokens=32),
     # CPU (the embedded 135M model, one thread): a step costs ~0.1-0.6 s and other work on the
     # machine makes single steps noisy, so rows stay small and reps are what buy precision.
     "cpu": dict(prefill_tokens=[16, 32, 64, 128, 192, 256], decode_batches=[1, 2, 4, 8, 16],
                 contexts=[32, 128], mixed_context=32, mixed=["2:16", "4:32", "8:16", "8:64"],
                 transfer_tokens=[16, 64, 128, 256, 512], reps=6, warmup=1, transfer_reps=4,
-                serving_tokens=[16, 64, 128, 256], serving_reps=5, serving_max_tokens=8),
+                serving_tokens=[16, 64, 128, 256], serving_reps=5, serving_max_tokens=8,
+                serving_batches=[1, 4, 8, 16], serving_batch_prompt_tokens=16,
+                serving_batch_max_tokens=12),
     "cpu-quick": dict(prefill_tokens=[16, 32, 64, 96, 128], decode_batches=[1, 2, 4, 8],
                       contexts=[16, 64], mixed_context=16, mixed=["2:16", "4:32", "8:16"],
                       transfer_tokens=[16, 48, 96, 192], reps=4, warmup=1, transfer_reps=3,
-                      serving_tokens=[16, 64, 128], serving_reps=3, serving_max_tokens=4),
+                      serving_tokens=[16, 64, 128], serving_reps=3, serving_max_tokens=4,
+                      serving_batches=[2, 8], serving_batch_prompt_tokens=16,
+                      serving_batch_max_tokens=6),
 }
+# A served batch's prompts must be prefilled within this many steps of the server's budget: its
+# TPOT is then decode steps but for a few, and the batch's run stays short.
+MAX_BATCH_PREFILL_STEPS = 4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("serving path (what a request costs outside the steps)")
     s.add_argument("--no-serving-overhead", action="store_true",
                    help="do not start `pdserve serve` to measure it: serving_overhead_ms is 0 "
-                        "(\"not measured\" in the file)")
+                        "and serving_host_ms empty (\"not measured\" in the file)")
     s.add_argument("--serving-tokens", type=int, nargs="+", default=None,
                    help="prompt lengths of its requests (within the --prefill-tokens range; "
                         "default: the preset's that lie there)")
@@ -125,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed requests per length (after one untimed)")
     s.add_argument("--serving-max-tokens", type=int, default=None,
                    help="max_tokens of each request (its token gaps: the batch-1 ITL)")
+    s.add_argument("--serving-batches", type=int, nargs="+", default=None, metavar="B",
+                   help="then, on the same server, B streaming requests at once per value: "
+                        "their TPOT against the profile's decode_ms(B) gives the server's host "
+                        "work per step (serving_host_ms); each B within the server's "
+                        "max_num_seqs")
+    s.add_argument("--serving-batch-prompt-tokens", type=int, default=None,
+                   help="prompt tokens of each served-batch request")
+    s.add_argument("--serving-batch-max-tokens", type=int, default=None,
+                   help="max_tokens of each served-batch request (>= 2: its TPOT)")
     s.add_argument("--serving-args", default="",
                    help="engine flags of the measured server, after the profile's own (later "
                         "ones win), quoted as one string: the deployment the term is added to, "
@@ -164,8 +191,10 @@ def resolve(a: argparse.Namespace, device_type: str) -> argparse.Namespace:
     elif not out.no_serving_overhead and any(not lo <= n <= hi for n in out.serving_tokens):
         raise ValueError(f"--serving-tokens must lie within the prefill lengths ({lo}..{hi}: "
                          f"the prefill fit subtracted from their TTFT), got {out.serving_tokens}")
+    out.serving_batches_given = a.serving_batches is not None
     out.mixed_pairs = [_pair(s) for s in out.mixed]
-    for name in ("prefill_tokens", "decode_batches", "contexts", "transfer_tokens"):
+    for name in ("prefill_tokens", "decode_batches", "contexts", "transfer_tokens",
+                 "serving_batches"):
         bad = [v for v in getattr(out, name) if v < 1]
         if bad:
             raise ValueError(f"--{name.replace('_', '-')} values must be >= 1, got {bad}")
@@ -184,9 +213,15 @@ def resolve(a: argparse.Namespace, device_type: str) -> argparse.Namespace:
         raise ValueError("--mixed needs at least one B:N pair")
     if not out.no_transfer and len(set(out.transfer_tokens)) < 3:
         raise ValueError("--transfer-tokens needs >= 3 distinct lengths (or --no-transfer)")
-    for name in ("reps", "transfer_reps", "mixed_context", "serving_reps", "serving_max_tokens"):
+    for name in ("reps", "transfer_reps", "mixed_context", "serving_reps", "serving_max_tokens",
+                 "serving_batch_prompt_tokens"):
         if getattr(out, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(out, name)}")
+    if out.serving_batch_max_tokens < 2:
+        raise ValueError("--serving-batch-max-tokens must be >= 2 (a TPOT is the time between "
+                         f"the first and the last token), got {out.serving_batch_max_tokens}")
+    if len(set(out.serving_batches)) != len(out.serving_batches):
+        raise ValueError(f"--serving-batches has a size twice: {out.serving_batches}")
     if out.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {out.warmup}")
     if out.threads is not None and out.threads < 1:
@@ -197,6 +232,36 @@ def resolve(a: argparse.Namespace, device_type: str) -> argparse.Namespace:
     if out.transfer_kv_gb <= 0:
         raise ValueError(f"--transfer-kv-gb must be > 0, got {out.transfer_kv_gb}")
     return out
+
+
+def served_batch_sizes(a, serving_cfg) -> tuple[list[int], list[int]]:
+    """(the batch sizes the measured server takes, the preset's left out): each b within its
+    max_num_seqs (all b requests run at once) and b * prompt tokens within
+    MAX_BATCH_PREFILL_STEPS steps of its token budget. ValueError for a given size that is not,
+    or when no preset size is."""
+    seqs, budget = serving_cfg.max_num_seqs, serving_cfg.max_num_batched_tokens
+    p = a.serving_batch_prompt_tokens
+    ok, out = [], []
+    for b in a.serving_batches:
+        why = None
+        if b > seqs:
+            why = (f"{b} requests at once need {b} sequence slots; the measured server has "
+                   f"max_num_seqs {seqs} (--max-num-seqs, or --serving-args)")
+        elif b * p > MAX_BATCH_PREFILL_STEPS * budget:
+            why = (f"{b} prompts of {p} tokens take more than {MAX_BATCH_PREFILL_STEPS} steps "
+                   f"of the measured server's {budget}-token budget to prefill (fewer or "
+                   "shorter prompts: --serving-batch-prompt-tokens)")
+        if why is None:
+            ok.append(b)
+        elif a.serving_batches_given:
+            raise ValueError(f"--serving-batches {a.serving_batches}: {why}")
+        else:
+            out.append(b)
+    if not ok:
+        raise ValueError(f"no served batch size of the preset ({a.serving_batches}) fits the "
+                         f"measured server (max_num_seqs {seqs}, token budget {budget}); give "
+                         "--serving-batches")
+    return ok, out
 
 
 def _budget(a) -> tuple[int, int]:
@@ -347,14 +412,20 @@ def serving_config(cfg, serving_args: str):
     return engine_config(ns)
 
 
-def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], dict[str, Any]]:
-    """Requests one at a time through a `pdserve serve` of this engine config."""
-    from .serving_path import measure
+def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """Requests one at a time, then the served batches, through a `pdserve serve` of this
+    engine config."""
+    from .serving_path import ServedBatches, measure_serving
     print(f"serving path: starting pdserve serve ({len(a.serving_tokens)} prompt lengths x "
-          f"{a.serving_reps} requests, max_tokens {a.serving_max_tokens}"
-          + (f", {a.serving_args}" if a.serving_args else "") + ")", flush=True)
-    rows, info = measure(cfg, a.serving_tokens, a.serving_reps, a.serving_max_tokens,
-                         facts["vocab_size"], a.seed, a.threads)
+          f"{a.serving_reps} requests, max_tokens {a.serving_max_tokens}; then batches of "
+          f"{', '.join(map(str, a.serving_batches))} requests at once, "
+          f"{a.serving_batch_prompt_tokens} prompt tokens, max_tokens "
+          f"{a.serving_batch_max_tokens}"
+          + (f"; {a.serving_args}" if a.serving_args else "") + ")", flush=True)
+    rows, batch_rows, info = measure_serving(
+        cfg, a.serving_tokens, a.serving_reps, a.serving_max_tokens, facts["vocab_size"], a.seed,
+        a.threads, ServedBatches(a.serving_batches, a.serving_batch_prompt_tokens,
+                                 a.serving_batch_max_tokens))
     info["serving_args"] = a.serving_args
     info["async_scheduling"] = bool(cfg.async_scheduling)
     # (the server's own step shapes: --serving-args may change its budget or its graphs)
@@ -363,10 +434,14 @@ def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], dict[str, Any]]:
         ttft = [r["ttft_ms"] for r in rows if r["n"] == n]
         print(f"serving {n:>6} tokens: TTFT median {statistics.median(ttft):9.3f} ms over "
               f"{len(ttft)} requests", flush=True)
+    for r in batch_rows:
+        print(f"served batch {r['b']:>4}: TPOT median {r['tpot_ms']:9.3f} ms (p10 "
+              f"{r['tpot_ms_p10']:.3f}, p90 {r['tpot_ms_p90']:.3f}) over {r['b']} streams, "
+              f"{r['wall_s']:.2f} s", flush=True)
     print(f"serving path: server up in {info['startup_s']} s, {info['wall_s']} s in all, "
           f"stopped {'cleanly' if info['stopped_cleanly'] else 'NOT cleanly'} "
           f"(exit code {info['exit_code']})", flush=True)
-    return rows, info
+    return rows, batch_rows, info
 
 
 def _transfer_estimate(device, why: str, kvb: int) -> dict[str, Any]:
@@ -429,12 +504,25 @@ def table(p: CostProfile) -> str:
             ("transfer", "transfer_fixed_ms", p.transfer_fixed_ms),
             ("transfer", "transfer_gb_per_s", p.transfer_gb_per_s),
             ("transfer", "kv_bytes_per_token", p.kv_bytes_per_token),
-            ("serving", "serving_overhead_ms", p.serving_overhead_ms)):
-        if term in p.fit:
+            ("serving", "serving_overhead_ms", p.serving_overhead_ms),
+            ("serving_batch", "serving_host_ms.fixed_ms", p.serving_host_ms.get("fixed_ms")),
+            ("serving_batch", "serving_host_ms.per_seq_ms", p.serving_host_ms.get("per_seq_ms"))):
+        if term in p.fit and value is not None:
             lines.append(f"{name:<34} {value:>14.6g}  {err(term)}")
     itl = p.fit.get("serving", {}).get("batch1_itl_overhead_ms")
     if itl is not None:
         lines.append(f"{'(batch-1 ITL overhead, not a term)':<34} {itl:>14.6g}")
+    sb = p.fit.get("serving_batch", {})
+    if sb.get("source") == "not measured":
+        lines.append(f"{'serving_host_ms':<34} {'(none)':>14}  {err('serving_batch')}")
+    for r in sb.get("rows") or ():
+        # the served TPOT beside what the profile's own decode step says for that batch
+        lines.append(f"served batch {r['b']:>4}: TPOT {r['tpot_ms']:9.3f} ms, decode_ms "
+                     f"{r['decode_ms']:9.3f} ms, "
+                     + (f"x{r['ratio']:.2f}" if r["ratio"] is not None else "-")
+                     + ("  host-bound" if r["host_bound"] else ""))
+    if sb.get("note"):
+        lines.append(f"  ({sb['note']})")
     return "\n".join(lines)
 
 
@@ -483,6 +571,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"no serving prompt length fits the measured server's token budget "
                              f"({budget}); give --serving-tokens")
         a.serving_tokens = fit
+        a.serving_batches, left_out = served_batch_sizes(a, serving_cfg)
+        if left_out:
+            notes.append(f"served batches of the preset left out: {left_out} (beyond the "
+                         f"measured server's max_num_seqs {serving_cfg.max_num_seqs} or "
+                         f"{MAX_BATCH_PREFILL_STEPS} steps of its token budget)")
     hw_start = hardware_info()
     t0 = time.perf_counter()
     with CpuUsage() as usage:
@@ -504,7 +597,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             serving_note = "not measured (--no-serving-overhead)"
         else:
             try:
-                samples["serving"], serving_info = _serving_rows(a, serving_cfg, facts)
+                samples["serving"], batch_rows, serving_info = _serving_rows(a, serving_cfg,
+                                                                             facts)
+                if batch_rows:
+                    samples["serving_batch"] = batch_rows
                 serving_note = ""
             except Exception as e:  # noqa: BLE001 - recorded in the file and printed, not hidden
                 serving_info["error"] = f"{type(e).__name__}: {e}"
@@ -520,7 +616,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                      "contexts", "mixed", "mixed_context",
                                                      "transfer_tokens", "reps", "warmup",
                                                      "transfer_reps", "serving_tokens",
-                                                     "serving_reps", "serving_max_tokens")},
+                                                     "serving_reps", "serving_max_tokens",
+                                                     "serving_batches",
+                                                     "serving_batch_prompt_tokens",
+                                                     "serving_batch_max_tokens")},
              "engine_facts": facts, "transfer_setup": transfer_info,
              "serving_setup": serving_info, "rows_not_used": unused,
              "notes": notes, "wall_s": round(wall_s, 2), "cpu_usage": usage.result(),
