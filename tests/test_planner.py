@@ -160,3 +160,18 @@ def test_the_planner_spends_the_profiles_serving_overhead_as_simulate_does():
     a, b = on.simulate(cand, 10.0), off.simulate(cand, 10.0)
     assert [r.ttft * 1e3 for r in a] == pytest.approx([5.0 + P_MS] * 20, rel=1e-9)
     assert [r.latency - s.latency for r, s in zip(a, b)] == pytest.approx([5e-3] * 20, abs=1e-12)
+
+
+def test_the_planner_takes_the_served_step_floor_with_the_serving_overhead():
+    """serving_host_ms {1 ms, 0.5 ms per sequence}: a lone request's steps (one sequence) have
+    a 1.5 ms floor; its prefill (5.2 ms) is longer, its decode step (0.5 ms) is not: e2e 5.2 +
+    1.5 = 6.7 ms, against 5.2 + 0.5 with serving_overhead=False."""
+    import dataclasses
+    prof = hand_profile(serving_host_ms={"fixed_ms": 1.0, "per_seq_ms": 0.5})
+    cand = Candidate(Unit(collocated=1), 2048, "collocated")
+    on = planner(prof, 100.0, n=20)
+    off = dataclasses.replace(on, serving_overhead=False, runs=None)
+    assert [r.latency * 1e3 for r in on.simulate(cand, 10.0)] == pytest.approx([6.7] * 20,
+                                                                                rel=1e-9)
+    assert [r.latency * 1e3 for r in off.simulate(cand, 10.0)] == pytest.approx(
+        [P_MS + D_MS] * 20, rel=1e-9)

@@ -140,6 +140,60 @@ def test_a_lone_request_pays_the_serving_overhead_before_the_router():
             simulator(overhead_ms=bad)
 
 
+FLOOR = {"fixed_ms": 2.0, "per_seq_ms": 0.5}
+
+
+def test_a_lone_batch_takes_the_served_step_floor_where_it_is_longer():
+    """16 requests of 10 prompt tokens and 4 output tokens at once, serving_host_ms {2 ms,
+    0.5 ms per sequence}: by hand, every step of the 16 sequences has a floor of 2 + 0.5 * 16 =
+    10 ms. The prefill step (160 tokens: 2 + 1.6 = 3.6 ms) and the decode steps (5 + 0.1 * 8 +
+    0.05 * 8 + 0.001 * 16 * (10 + k) = 6.376, 6.392, 6.408 ms at k = 1, 2, 3) are all shorter:
+    TTFT 10 ms, each ITL 10 ms, 4 steps lengthened by (10 - 3.6) + (10 - 6.376) + (10 - 6.392)
+    + (10 - 6.408) ms. Without serving_floor (or with a floor below the steps, 0.1 ms per
+    sequence: 1.6 ms) the steps take their costs."""
+    prof = profile(serving_host_ms=FLOOR)
+    decodes = [6.376, 6.392, 6.408]
+    reqs = [SimRequest(p, 4, 0.0) for p in prompts(16, 10, seed=4)]
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, block_size=16,
+                       enable_prefix_caching=False)
+
+    def run(prof, floor):
+        sim = Simulator(parse_deployment("1C"), {"default": prof}, cfg, 4096, 8192,
+                        "collocated", serving_floor=floor)
+        res = sim.run(reqs)
+        assert all(r.success for r in res.results)
+        return res.results, res.facts["workers"]["c0"]
+
+    results, w = run(prof, True)
+    for r in results:
+        assert r.ttft * 1e3 == pytest.approx(10.0, rel=1e-9)
+        assert np.array(r.itl) * 1e3 == pytest.approx([10.0] * 3, rel=1e-9)
+    assert w["served_floor_steps"] == 4 and w["steps"] == 4
+    assert w["served_floor_s"] * 1e3 == pytest.approx(6.4 + sum(10 - d for d in decodes),
+                                                      rel=1e-9)
+    assert w["busy_s"] * 1e3 == pytest.approx(40.0, rel=1e-9)
+    for p, floor in ((prof, False), (profile(serving_host_ms={"fixed_ms": 0.0,
+                                                              "per_seq_ms": 0.1}), True)):
+        results, w = run(p, floor)
+        for r in results:
+            assert r.ttft * 1e3 == pytest.approx(3.6, rel=1e-9)
+            assert np.array(r.itl) * 1e3 == pytest.approx(decodes, rel=1e-9)
+        assert w["served_floor_steps"] == 0 and w["served_floor_s"] == 0.0
+
+
+def test_the_floor_counts_every_sequence_a_step_feeds():
+    """The runner's floor is per sequence in the step, prefill chunks and decodes alike: a
+    step of 3 decodes and 2 prompt chunks has 5 sequences, 2 + 0.5 * 5 = 4.5 ms; a profile
+    without the term has none (0)."""
+    from types import SimpleNamespace as NS
+    r = CostModelRunner(profile(serving_host_ms=FLOOR), SimClock(), 16, serving_floor=True)
+    sched = NS(chunks=[object()] * 5)
+    assert r.floor_ms(sched) == pytest.approx(4.5)
+    assert CostModelRunner(profile(), SimClock(), 16, serving_floor=True).floor_ms(sched) == 0.0
+    assert CostModelRunner(profile(serving_host_ms=FLOOR), SimClock(), 16).floor_ms(sched) == 0.0
+    assert r.floor_ms(NS(chunks=[])) == 0.0
+
+
 def test_queues_form_behind_the_serving_overhead():
     """One sequence at a time (service D per request), the serving overhead o: every request
     reaches the router o after its arrival, so the queue is the one without the overhead
@@ -468,6 +522,34 @@ def test_simulate_takes_the_profiles_serving_overhead_unless_told_not_to(tmp_pat
     assert on["mean_e2el_ms"] - off["mean_e2el_ms"] == pytest.approx(7.5, abs=1e-9)
     for a, b in zip(on["itls"], off["itls"]):
         assert a == pytest.approx(b, abs=1e-12)
+
+
+def test_no_serving_overhead_turns_the_served_step_floor_off_too(tmp_path, capsys):
+    """A profile with serving_host_ms {2 ms, 0.5 ms per sequence} and no serving overhead: 16
+    requests of 10 prompt tokens and 4 output tokens at once (rate inf). By hand (as in
+    test_a_lone_batch_takes_the_served_step_floor_where_it_is_longer): with the serving path
+    every step takes the 10 ms floor; with --no-serving-overhead the steps' costs, 3.6 ms then
+    6.376, 6.392, 6.408 ms. The file says which floor was used, and the worker's facts how many
+    steps it lengthened."""
+    path = str(profile(serving_host_ms=FLOOR).save(tmp_path / "p.json"))
+    runs = {}
+    for flag in ("--serving-overhead", "--no-serving-overhead"):
+        out = str(tmp_path / f"{flag}.json")
+        assert simulate_main(["--profile", path, "--num-prompts", "16", "--request-rate", "inf",
+                              "--random-input-len", "10", "--random-output-len", "4",
+                              "--no-enable-prefix-caching", flag, "--result-file", out]) == 0
+        runs[flag] = json.load(open(out))
+    on, off = runs["--serving-overhead"], runs["--no-serving-overhead"]
+    assert on["profile"]["serving_host_ms"] == FLOOR and off["profile"]["serving_host_ms"] == {}
+    assert on["ttfts"] == pytest.approx([10e-3] * 16, rel=1e-9)
+    assert off["ttfts"] == pytest.approx([3.6e-3] * 16, rel=1e-9)
+    for a, b in zip(on["itls"], off["itls"]):
+        assert a == pytest.approx([10e-3] * 3, rel=1e-9)
+        assert b == pytest.approx([6.376e-3, 6.392e-3, 6.408e-3], rel=1e-9)
+    won, woff = on["simulation"]["workers"]["c0"], off["simulation"]["workers"]["c0"]
+    assert won["served_floor_steps"] == 4 and woff["served_floor_steps"] == 0
+    assert won["served_floor_s"] > 0 and woff["served_floor_s"] == 0
+    assert "served-step floor 2.000 ms + 0.5000 ms per sequence" in capsys.readouterr().out
 
 
 def test_a_profile_missing_a_term_is_an_error(tmp_path, capsys):

@@ -9,7 +9,10 @@ become seeded random token ids of their approximate length (the simulator has no
 The simulated cores run without async scheduling; --async-scheduling models its two effects on
 timing (steps at the device's time, requests joining the step after the next). A request
 reaches the router the profile's serving_overhead_ms after it arrives (the serving path `pdserve
-profile` measured: HTTP, the router, IPC, SSE, the client; --no-serving-overhead: at once).
+profile` measured: HTTP, the router, IPC, SSE, the client), and every step takes at least the
+profile's served-step floor (serving_host_ms: the same server's host work per step, fixed +
+per sequence, measured on batches of streams at once); --no-serving-overhead turns both off
+(requests reach the router at once, steps take their costs alone).
 Per-role profiles (--prefill-profile ...)
 stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.
 
@@ -73,14 +76,24 @@ def add_workload_args(g) -> None:
 def add_serving_overhead_arg(g) -> None:
     """--serving-overhead / --no-serving-overhead, shared by simulate and plan."""
     g.add_argument("--serving-overhead", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request reaches the router the profile's serving_overhead_ms after "
-                        "it arrives (HTTP, router, IPC and SSE, measured by pdserve profile; 0 "
-                        "in profiles made before it was) (default on)")
+                   help="the serving path measured by pdserve profile: a request reaches the "
+                        "router the profile's serving_overhead_ms after it arrives (HTTP, "
+                        "router, IPC and SSE), and a step of s sequences takes at least the "
+                        "profile's served-step floor, fixed_ms + per_seq_ms * s of its "
+                        "serving_host_ms (the server's host work per step); each is 0 in "
+                        "profiles made before it was measured. --no-serving-overhead turns "
+                        "both off (default on)")
 
 
 def serving_overhead_ms(a: argparse.Namespace, profile: CostProfile) -> float:
     """The serving overhead a run uses: the profile's, or 0 with --no-serving-overhead."""
     return profile.serving_overhead_ms if a.serving_overhead else 0.0
+
+
+def serving_host_ms(a: argparse.Namespace, profile: CostProfile) -> dict:
+    """The served-step floor's terms a run uses: the profile's serving_host_ms, or {} (none)
+    with --no-serving-overhead."""
+    return dict(profile.serving_host_ms) if a.serving_overhead else {}
 
 
 def serving_path_async(profile: CostProfile) -> bool | None:
@@ -310,7 +323,10 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
               f"({sum(len(p) for p, _ in reqs)} prompt / {sum(o for _, o in reqs)} output "
               f"tokens) on {dep.label} ({policy_name}); rates {rates} req/s, burstiness "
               f"{a.burstiness:g}", flush=True)
-    print(f"serving overhead {overhead:.3f} ms per request before the router"
+    host = serving_host_ms(a, profile)
+    floor = (f"served-step floor {host['fixed_ms']:.3f} ms + {host['per_seq_ms']:.4f} ms per "
+             "sequence" if host else "no served-step floor")
+    print(f"serving overhead {overhead:.3f} ms per request before the router, {floor}"
           + ("" if a.serving_overhead else " (--no-serving-overhead)"), flush=True)
     note = serving_path_note(a, profile, overhead)
     if note:
@@ -321,7 +337,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
                         a.vocab_size, pipelined_pickup=a.async_scheduling,
                         serving_overhead_ms=overhead, num_host_blocks=a.num_host_blocks,
                         retokenized_answers=a.multi_turn_retokenized_answers,
-                        host_copy_gb_per_s=a.host_copy_gbps)
+                        host_copy_gb_per_s=a.host_copy_gbps, serving_floor=a.serving_overhead)
         if a.dataset_name == "multi-turn":
             offsets = arrival_times(len(convs), rate, a.burstiness, a.seed)
             res = sim.run_conversations([SimConversation(float(t), s, u, o)
@@ -342,7 +358,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         "deployment": dep.label, "routing_policy": policy_name,
         "profile": {"model": profile.model, "hardware": profile.hardware_label,
                     "file": a.profile, "step_time": a.step_time,
-                    "serving_overhead_ms": overhead,
+                    "serving_overhead_ms": overhead, "serving_host_ms": host,
                     "serving_path_async": serving_path_async(profile)},
         "async_scheduling": a.async_scheduling,
         "dataset_name": a.dataset_name, "percentiles": percentiles, "runs": runs}

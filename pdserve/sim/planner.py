@@ -44,8 +44,9 @@ measured TP-2 profile (its engine_config.tensor_parallel_size, when recorded, mu
 scaling flags apply to every profile. No TP size without a profile is modelled.
 
 Serving path: every simulated request reaches the router the TP-1 profile's
-serving_overhead_ms after it arrives, as in `pdserve simulate` (--no-serving-overhead: at
-once); no scaling flag changes it (host work: HTTP, the router, IPC, SSE).
+serving_overhead_ms after it arrives, and every worker's steps take at least its profile's
+served-step floor (serving_host_ms), as in `pdserve simulate` (--no-serving-overhead: neither);
+no scaling flag changes them (host work: HTTP, the router, IPC, SSE, output processing).
 """
 from __future__ import annotations
 
@@ -284,7 +285,8 @@ class Planner:
     seed: int = 0
     min_rate: float = 2.0 ** -6
     max_rate: float = 2.0 ** 14
-    serving_overhead: bool = True   # requests reach the router the profile's overhead late
+    serving_overhead: bool = True   # requests reach the router the profile's overhead late,
+    #                                 and steps take at least its served-step floor
     # (candidate, k) -> that run's RequestResults (token gaps dropped); share one dict only
     # among planners of the same profiles, requests, engine options and serving overhead
     # (e.g. other SLOs)
@@ -347,7 +349,8 @@ class Planner:
         max_len = self.max_model_len or max(longest, 2)
         sim = Simulator(u.deployment, profiles, config, self.num_kv_blocks, max_len,
                         self._policy(cand, profiles),
-                        serving_overhead_ms=self.serving_overhead_ms)
+                        serving_overhead_ms=self.serving_overhead_ms,
+                        serving_floor=self.serving_overhead)
         offsets = arrival_times(len(reqs), rate, self.burstiness, self.seed)
         res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
         self.num_simulations += 1
@@ -553,7 +556,9 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
                                   "deployment is num_gpus/unit_gpus copies of a unit",
             "profile": {"model": base.model, "hardware": base.hardware_label,
                         "source": a.profile, "tp_sizes": sorted(profs), **scale,
-                        "serving_overhead_ms": planner.serving_overhead_ms},
+                        "serving_overhead_ms": planner.serving_overhead_ms,
+                        "serving_host_ms": (dict(base.serving_host_ms)
+                                            if a.serving_overhead else {})},
             "workload": {k: getattr(a, k) for k in _WORKLOAD},
             "best": rows[0], "candidates": rows,
             "search": {"simulations": planner.num_simulations,

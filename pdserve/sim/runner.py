@@ -12,6 +12,18 @@ at the step's shape (perf/cost_profile.step_cost_ms): with a profile whose terms
 graph shape (graph_padded), n is padded to the deployment's graph bucket (graph_sizes: the
 buckets of its token budget, cost_profile.deployment_graph_sizes), as the ModelRunner replays it.
 
+Served-step floor (serving_floor on: the simulator's serving path, as the profile measured it
+through `pdserve serve`): a served step also waits for the server's host work, which grows with
+the sequences in the step (output processing, detokenizing and streaming each one's token, IPC)
+and which the step costs above, timed on a bare engine, do not hold. With s = len(chunks) (every
+sequence the step feeds, prefill chunks and decodes alike):
+
+    step_ms = max(the cost above, profile.served_step_floor_ms(s))
+
+(served_step_floor_ms: serving_host_ms' fixed_ms + per_seq_ms * s; 0 without the term). The
+runner counts the steps the floor lengthened and the time it added; the step's device time
+(take_gpu_times) stays the cost above.
+
 P/D: a consumer's KV loads (the step's kv_work) start when the step starts and end
 transfer_ms(tokens) later on the same clock (tokens: what the load moves, the source's
 positions past the blocks this worker already had cached); poll_loads reports those that
@@ -71,16 +83,19 @@ class CostModelRunner:
     core's KVCoordinator (a P/D consumer: where a load's token count is read), else None.
     host_copy_gb_per_s: the host tier's copy rate (GB/s, both ways; 0: copies are free), see
     the module docstring. graph_sizes: the deployment's graph buckets (empty: steps at their
-    own token counts)."""
+    own token counts). serving_floor: a step takes at least the profile's served-step floor
+    (the module docstring)."""
 
     def __init__(self, profile, clock: SimClock, block_size: int, token_id: int = SIM_TOKEN_ID,
-                 host_copy_gb_per_s: float = 0.0, graph_sizes: Sequence[int] = ()):
+                 host_copy_gb_per_s: float = 0.0, graph_sizes: Sequence[int] = (),
+                 serving_floor: bool = False):
         r = host_copy_gb_per_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
             raise ValueError(f"host_copy_gb_per_s must be a finite number >= 0, got {r!r}")
         self.host_copy_gb_per_s = float(r)
         self.profile = profile
         self.graph_sizes = list(graph_sizes)
+        self.serving_floor = bool(serving_floor)
         self.clock = clock
         self.block_size = block_size
         self.token = SampledToken(token_id, None, None)
@@ -94,6 +109,9 @@ class CostModelRunner:
         self.busy_s = 0.0
         self.num_loads = 0
         self.last_step_ms = 0.0
+        # the served-step floor: steps it lengthened, and the time it added to them (s)
+        self.floor_steps = 0
+        self.floor_s = 0.0
         # host tier: when the copy stream has run every move queued (s), its busy time, the time
         # forwards waited for it, and the blocks it moved
         self.copies_end = 0.0
@@ -106,7 +124,19 @@ class CostModelRunner:
         self.token_times: dict[str, list[float]] = {}
 
     def step_ms(self, sched: SchedulerOutput) -> float:
-        """The simulated duration of `sched` (ms) at its shape (graph_sizes); 0 for a step
+        """The simulated duration of `sched` (ms): its cost (device_ms), or the served-step
+        floor where that is on and longer; 0 for a step without chunks."""
+        ms = self.device_ms(sched)
+        return max(ms, self.floor_ms(sched))
+
+    def floor_ms(self, sched: SchedulerOutput) -> float:
+        """The served-step floor of `sched` (ms); 0 when off or for a step without chunks."""
+        if not self.serving_floor or not sched.chunks:
+            return 0.0
+        return self.profile.served_step_floor_ms(len(sched.chunks))
+
+    def device_ms(self, sched: SchedulerOutput) -> float:
+        """The profile's cost of `sched` (ms) at its shape (graph_sizes); 0 for a step
         without chunks."""
         if not sched.chunks:
             return 0.0
@@ -157,13 +187,18 @@ class CostModelRunner:
                 self.copy_s += cs
         if not sched.chunks:
             return {}
-        ms = self.step_ms(sched)
+        dev = self.device_ms(sched)
+        ms = max(dev, self.floor_ms(sched))
+        if ms > dev:
+            self.floor_steps += 1
+            self.floor_s += (ms - dev) / 1e3
         self.last_step_ms = ms
         self.num_steps += 1
         self.busy_s += ms / 1e3
         self.copy_wait_s += start - now
         end = self.clock.t = start + ms / 1e3
-        self._gpu_times[sched.step_id] = ms
+        # (the device's share: the floor is the server's host work, not the forward's)
+        self._gpu_times[sched.step_id] = dev
         tok = self.token
         times = self.token_times
         out = {}

@@ -21,7 +21,10 @@ serving_overhead_ms, measured on a lone request) is spent before the router: a r
 the router core that long after its arrival, and its TTFT and e2e count from the arrival, so a
 lone request's TTFT is the overhead plus its prefill and queues form behind the router as they
 would. (A multi-turn conversation's next turn is sent when the answer has ended and pays it
-again.)
+again.) The same serving path spends host work on every step of the served engine (output
+processing, streaming each sequence's token: the profile's serving_host_ms, measured on b
+requests at once): with serving_floor on, a step of s sequences takes at least
+served_step_floor_ms(s) (runner.py).
 
 Events are ordered by time, then by the order they were made (a heap; deterministic). A worker
 runs one step at a time; between steps it takes what the router sent it meanwhile (as a
@@ -191,7 +194,9 @@ class Simulator:
     (perf.cost_fit.device_time_profile): the step period under async scheduling.
 
     serving_overhead_ms: the time from a request's arrival to the router (the module docstring;
-    a profile's serving_overhead_ms; 0: arrivals reach the router at once).
+    a profile's serving_overhead_ms; 0: arrivals reach the router at once). serving_floor: every
+    worker's steps take at least its profile's served-step floor (runner.py; off: the steps'
+    costs alone).
 
     num_host_blocks: each worker's KV host tier (0: none), as a served worker's --swap-space
     gives it: the real engine offloads, loads back and swaps as it would, and its stats carry
@@ -205,7 +210,7 @@ class Simulator:
                  num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000,
                  *, pipelined_pickup: bool = False, serving_overhead_ms: float = 0.0,
                  num_host_blocks: int = 0, retokenized_answers: bool = False,
-                 host_copy_gb_per_s: float = 0.0):
+                 host_copy_gb_per_s: float = 0.0, serving_floor: bool = False):
         if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
             raise ValueError("profiles: give a 'default' profile or one per role")
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
@@ -236,7 +241,8 @@ class Simulator:
             runner = CostModelRunner(prof, clock, self.config.block_size,
                                      host_copy_gb_per_s=host_copy_gb_per_s,
                                      graph_sizes=deployment_graph_sizes(
-                                         prof, None, self.config.max_num_batched_tokens))
+                                         prof, None, self.config.max_num_batched_tokens),
+                                     serving_floor=serving_floor)
             core = EngineCore(self.config, runner, num_kv_blocks=num_kv_blocks,
                               max_model_len=max_model_len, vocab_size=vocab_size,
                               eos_token_ids=(), kv_transfer=pd and role != "collocated",
@@ -511,7 +517,9 @@ class Simulator:
                       "blocks_copied": w.runner.blocks_copied,
                       "host_copy_runs": w.runner.copy_runs,
                       "host_copy_s": w.runner.copy_s,
-                      "host_copy_wait_s": w.runner.copy_wait_s}
+                      "host_copy_wait_s": w.runner.copy_wait_s,
+                      "served_floor_steps": w.runner.floor_steps,
+                      "served_floor_s": w.runner.floor_s}
         return {"simulated_s": self.now, "events": self.num_events, "wall_s": wall_s,
                 "requests": dict(st.requests), "transfers": st.transfers,
                 "transfer_bytes": st.transfer_bytes, "transfer_seconds": st.transfer_seconds,
