@@ -122,6 +122,26 @@ def test_bundle_results_keeps_every_file_once(tmp_path):
     assert not a.exists() and not b.exists()
 
 
+def test_bundle_results_drops_the_per_token_gaps_only(tmp_path):
+    """A serving result's runs lose "itls" (counted: 2 + 1 + 0 gaps), and so does the result
+    itself (a one-rate result repeats its run at top level: 1 gap); every other per-request list
+    stays; a result without runs is kept as it is."""
+    spec = importlib.util.spec_from_file_location("bundle_results", "scripts/bundle_results.py")
+    bundle_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bundle_results)
+    run = {"request_rate": "inf", "ttfts": [0.1, 0.2, 0.3], "itls": [[0.01, 0.02], [0.03], []]}
+    a, b = tmp_path / "tier-mt-gpu-inf.json", tmp_path / "tier-report.json"
+    a.write_text(json.dumps({"runs": [run], "config": {"num_prompts": 3}, "itls": [[0.5]]}))
+    b.write_text(json.dumps({"rates": [{"itls": "kept: not a run"}]}))
+    out = tmp_path / "bundle.json"
+    bundle_results.bundle(str(out), [str(a), str(b)])
+    got = json.loads(out.read_text())
+    assert got["tier-mt-gpu-inf"] == {"runs": [{"request_rate": "inf", "ttfts": [0.1, 0.2, 0.3],
+                                                "itls_dropped": 3}],
+                                      "config": {"num_prompts": 3}, "itls_dropped": 1}
+    assert got["tier-report"] == {"rates": [{"itls": "kept: not a run"}]}
+
+
 def test_the_engine_steps_over_a_run_from_the_servers_own_exposition(tmp_path):
     """The step counters as pdserve's /metrics writes them (Metrics.update_routes), before and
     after a run of two workers: per kind over the run, by hand. mixed: c0 went 10 -> 30 steps
