@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -117,6 +117,36 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
            rm -f "$OUT/metrics-before.txt" "$OUT/cpu-before.json"
            python3 scripts/bundle_results.py "$OUT/serve-steps.json" "$OUT"/serve-steps-*.json
            kill -TERM %1; wait;;
+    profile-api) # issue 18: where the API process's CPU (93% of a core at rate inf on the H100,
+           # 3832858) and the worker's go at overload: py-spy (carried in .whl: the wheels stage
+           # installs it to /tmp/site/bin) samples both during the serve stage's rate-inf run
+           pyspy=/tmp/site/bin/py-spy; [ -x $pyspy ] || pyspy=$(command -v py-spy) || { echo "no py-spy"; continue; }
+           # (a CPU dry run: API_SERVER_ARGS="--device cpu" API_WORKLOAD="--random-input-len 16
+           # --random-output-len 16 --vocab-size 49152" SERVE_PROMPTS=32)
+           python3 -m pdserve serve ${API_SERVER_ARGS:---model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
+             --device cuda --gpu-memory-utilization 0.8} --port 8000 --no-enable-prefix-caching > "$OUT/profile-api-server.log" 2>&1 &
+           spid=$!
+           wait_up $spid || { tail -5 "$OUT/profile-api-server.log"; continue; }
+           args="--ignore-eos --base-url http://127.0.0.1:8000 ${API_WORKLOAD:---random-input-len 1280 --random-output-len 320 \
+             --random-range-ratio 0.6 --vocab-size 151936} --request-rate inf --disable-tqdm"
+           python3 -m pdserve bench serve $args --num-prompts 50 > /dev/null 2>&1     # (first-use paths)
+           wpid=$(pgrep -f "pdserve.worker.worker" | head -1)
+           $pyspy record -p $spid -r 250 -f raw -o "$OUT/pyspy-api.txt" --nonblocking > "$OUT/pyspy-api.log" 2>&1 &
+           p1=$!
+           $pyspy record -p $wpid -r 250 -f raw -o "$OUT/pyspy-worker.txt" --nonblocking > "$OUT/pyspy-worker.log" 2>&1 &
+           p2=$!
+           sleep 2
+           python3 scripts/proc_cpu.py $spid > "$OUT/cpu-before.json"
+           python3 -m pdserve bench serve $args --num-prompts ${SERVE_PROMPTS:-150} --seed 1 \
+             --result-file "$OUT/profile-api-run.json" 2>&1 | tail -3
+           python3 scripts/proc_cpu.py $spid --since "$OUT/cpu-before.json" --attach "$OUT/profile-api-run.json"
+           kill -INT $p1 $p2; wait $p1 $p2; rm -f "$OUT/cpu-before.json"
+           for who in api worker; do
+             echo "--- py-spy: $who"; tail -2 "$OUT/pyspy-$who.log"
+             python3 scripts/pyspy_summary.py "$OUT/pyspy-$who.txt" --top 30 --json "$OUT/pyspy-$who-summary.json" 2>&1 | head -70
+           done
+           python3 scripts/bundle_results.py "$OUT/profile-api.json" "$OUT/profile-api-run.json" "$OUT"/pyspy-*-summary.json
+           kill -TERM $spid; wait $spid;;
     serve-pd) # one sweep per deployment on the same workload: 1 worker, 1 prefill + 1 decode, 2 collocated
            for dep in ${SERVE_DEPS:-single: 1p1d:--prefill_1_--decode_1 2col:--collocated_2}; do
              dep=${dep//_/ }

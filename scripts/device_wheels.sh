@@ -14,5 +14,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   $plats -d .whl gguf pyzmq msgspec fastapi starlette uvicorn h11 click prometheus_client aiohttp \
   aiohappyeyeballs aiosignal frozenlist multidict yarl propcache attrs pydantic \
   "pydantic_core==${PYDANTIC_CORE:-2.50.5}" annotated-types typing-inspection anyio sniffio pytest pytest-timeout pluggy iniconfig \
-  hypothesis sortedcontainers idna typing_extensions annotated-doc opentelemetry-api llguidance
+  hypothesis sortedcontainers idna typing_extensions annotated-doc opentelemetry-api llguidance \
+  py-spy
 du -sh .whl
