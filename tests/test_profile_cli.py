@@ -270,3 +270,41 @@ def test_bad_arguments_are_refused_before_any_engine(capsys, monkeypatch):
     assert main(["profile", "--device", "cpu", "--serving-batches", "64",
                  "--serving-args", "--max-num-seqs 32"]) == 2
     assert "max_num_seqs 32" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and Linux's "
+                    "process CPU clock")
+def test_the_api_cpu_reading_counts_the_process_and_its_threads_not_its_children():
+    """A process that spins 0.2 s of CPU in a second thread while a child process of its own
+    spins 0.3 s: process_cpu_s counts the thread (>= 0.2 s, plus its start-up) and not the
+    child (< 0.5 s); the ns clock and /proc/<pid>/stat's ticks agree within two ticks."""
+    import os
+    import subprocess
+    import textwrap
+
+    from pdserve.perf import serving_path as sp
+    code = textwrap.dedent("""
+        import subprocess, sys, threading, time
+        def spin(s):
+            t = time.thread_time()
+            while time.thread_time() - t < s:
+                pass
+        kid = subprocess.Popen([sys.executable, "-c", "import time\\nt = time.process_time()\\n"
+                                "while time.process_time() - t < 0.3: pass"])
+        th = threading.Thread(target=spin, args=(0.2,))
+        th.start(); th.join(); kid.wait()
+        print("done", flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "done"
+        clock, ticks = sp.process_cpu_s(p.pid), sp._proc_stat_cpu_s(p.pid)
+        assert 0.2 <= clock < 0.45
+        assert abs(clock - ticks) <= 2 / os.sysconf("SC_CLK_TCK") + 1e-3
+        assert sp.process_cpu_source(p.pid).startswith("process CPU-time clock")
+    finally:
+        p.stdin.close()
+        p.wait()
+    assert sp.process_cpu_s(p.pid) is None      # (gone: nothing to read)

@@ -422,7 +422,7 @@ def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], list[dict], dict[str
           f"{a.serving_batch_prompt_tokens} prompt tokens, max_tokens "
           f"{a.serving_batch_max_tokens}"
           + (f"; {a.serving_args}" if a.serving_args else "") + ")", flush=True)
-    rows, batch_rows, info = measure_serving(
+    rows, batch_rows, info, _ = measure_serving(
         cfg, a.serving_tokens, a.serving_reps, a.serving_max_tokens, facts["vocab_size"], a.seed,
         a.threads, ServedBatches(a.serving_batches, a.serving_batch_prompt_tokens,
                                  a.serving_batch_max_tokens))
