@@ -506,7 +506,12 @@ def table(p: CostProfile) -> str:
             ("transfer", "kv_bytes_per_token", p.kv_bytes_per_token),
             ("serving", "serving_overhead_ms", p.serving_overhead_ms),
             ("serving_batch", "serving_host_ms.fixed_ms", p.serving_host_ms.get("fixed_ms")),
-            ("serving_batch", "serving_host_ms.per_seq_ms", p.serving_host_ms.get("per_seq_ms"))):
+            ("serving_batch", "serving_host_ms.per_seq_ms", p.serving_host_ms.get("per_seq_ms")),
+            ("serving_api", "api_cost_ms.per_request_ms", p.api_cost_ms.get("per_request_ms")),
+            ("serving_api", "api_cost_ms.per_prompt_token_ms",
+             p.api_cost_ms.get("per_prompt_token_ms")),
+            ("serving_api", "api_cost_ms.per_output_token_ms",
+             p.api_cost_ms.get("per_output_token_ms"))):
         if term in p.fit and value is not None:
             lines.append(f"{name:<34} {value:>14.6g}  {err(term)}")
     itl = p.fit.get("serving", {}).get("batch1_itl_overhead_ms")
@@ -523,6 +528,16 @@ def table(p: CostProfile) -> str:
                      + ("  host-bound" if r["host_bound"] else ""))
     if sb.get("note"):
         lines.append(f"  ({sb['note']})")
+    sa = p.fit.get("serving_api", {})
+    if "serving_api" in p.fit and not p.api_cost_ms:
+        lines.append(f"{'api_cost_ms':<34} {'(none)':>14}  {err('serving_api')}")
+    for r in sa.get("rows") or ():
+        # each phase's API CPU beside what the three costs say for it
+        lines.append(f"API CPU, {r['phase'] or '?':<10} {r['requests']:>4} req "
+                     f"{r['prompt_tokens']:>7} prompt {r['output_tokens']:>6} output tokens: "
+                     f"{r['api_cpu_ms']:9.2f} ms, fit {r['predicted_ms']:9.2f} ms")
+    if sa.get("note"):
+        lines.append(f"  ({sa['note']})")
     return "\n".join(lines)
 
 
