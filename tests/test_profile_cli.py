@@ -150,6 +150,34 @@ def test_the_served_batches_were_measured_on_the_same_server(quick):
     assert p.extra["row_set"]["serving_batches"] == QUICK["serving_batches"]
 
 
+def test_the_api_processs_cpu_was_measured_per_phase(quick):
+    """A row per serving prompt length (its 3 timed requests of max_tokens 4: 3 n prompt and
+    12 output tokens) and one per served batch (b requests of 16 prompt and 6 output tokens),
+    each with the `pdserve serve` process's CPU seconds during it (> 0 on Linux: the API did
+    parse, route and stream them) and its wall time; the fit took them all, its term empty
+    only with a note saying why."""
+    _, _, out = quick
+    p = CostProfile.from_json(out)
+    rows = p.samples["serving_api"]
+    reps, k = QUICK["serving_reps"], QUICK["serving_max_tokens"]
+    want = [("sequential", reps, reps * n, reps * k) for n in QUICK["serving_tokens"]]
+    want += [("batch", b, b * QUICK["serving_batch_prompt_tokens"],
+              b * QUICK["serving_batch_max_tokens"]) for b in QUICK["serving_batches"]]
+    assert [(r["phase"], r["requests"], r["prompt_tokens"], r["output_tokens"])
+            for r in rows] == want
+    assert all(r["wall_s"] > 0 for r in rows)
+    if sys.platform.startswith("linux"):
+        assert all(r["api_cpu_s"] > 0 for r in rows), rows
+        assert p.extra["serving_setup"]["api_cpu_source"].startswith("process CPU-time clock")
+    f = p.fit["serving_api"]
+    assert f["source"] == "measured" and f["n_samples"] == len(rows)
+    if p.api_cost_ms:
+        assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
+        assert all(v >= 0 for v in p.api_cost_ms.values())
+    else:
+        assert f["note"].startswith("no term")
+
+
 def test_served_batch_sizes_must_fit_the_measured_server():
     """Each b within the server's max_num_seqs, and b prompts prefilled within
     MAX_BATCH_PREFILL_STEPS (4) steps of its budget: a preset size beyond is left out, a given
@@ -232,6 +260,9 @@ def test_transfer_and_server_failures_fall_back_to_stated_values(tmp_path, monke
     # (the served batches ran on that server: not measured either, for the same reason)
     f = p.fit["serving_batch"]
     assert p.serving_host_ms == {} and "serving_batch" not in p.samples
+    assert f["source"] == "not measured" and "no room for a server" in f["note"]
+    f = p.fit["serving_api"]
+    assert p.api_cost_ms == {} and "serving_api" not in p.samples
     assert f["source"] == "not measured" and "no room for a server" in f["note"]
     assert "no room for a server" in p.extra["serving_setup"]["error"]
 
