@@ -601,9 +601,9 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
     serving_note: why there are no serving rows, when there are none (serving_overhead_ms is
     then 0 and its fit says "not measured"); serving_batch_note: the same for the served-batch
     rows (None: serving_note; serving_host_ms is then {}), serving_api_note for the API
-    process's CPU rows (None: serving_note; api_cost_ms is then {}). graph_sizes: the buckets the rows ran at (the
-    profile's fit_graph_sizes; empty: fit on the rows' own token counts); None: those of
-    engine_config (a new measurement). The serving rows' own server may have had other
+    process's CPU rows (None: serving_note; api_cost_ms is then {}). graph_sizes: the buckets
+    the rows ran at (the profile's fit_graph_sizes; empty: fit on the rows' own token counts);
+    None: those of engine_config (a new measurement). The serving rows' own server may have had other
     buckets: extra's serving_setup["graph_max_tokens"] says so, where recorded."""
     from .cost_profile import CostProfile
     sizes = (mixed_sizes(graph_max_tokens(engine_config)) if graph_sizes is None
