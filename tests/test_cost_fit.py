@@ -877,3 +877,11 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
                              **kw)
     dev = device_time_profile(p)
     assert dev.samples["serving_api"] == rows and dev.api_cost_ms == p.api_cost_ms
+    # a term set by hand (no rows to refit it from) survives a refit and the device-time view
+    hand = CostProfile.from_json({**base.to_dict(), "api_cost_ms": dict(API_TRUE)})
+    assert refit(hand).api_cost_ms == API_TRUE
+    assert refit(hand).fit["serving_api"]["source"] == "carried over"
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, **kw)
+    hand = CostProfile.from_json({**p.to_dict(), "api_cost_ms": dict(API_TRUE)})
+    dev = device_time_profile(hand)
+    assert dev.api_cost_ms == API_TRUE and dev.fit["serving_api"]["source"] == "carried over"

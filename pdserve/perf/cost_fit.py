@@ -650,7 +650,8 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
 def refit(profile, graph_sizes: Sequence[int] | None = None):
     """The profile's terms fitted afresh from its own samples (e.g. after a fit change), at the
     step shapes it was fitted at (its fit_graph_sizes), or at graph_sizes when given
-    (scripts/refit_profile.py: an older file refitted per CUDA-graph shape)."""
+    (scripts/refit_profile.py: an older file refitted per CUDA-graph shape). An api_cost_ms
+    without serving_api rows to refit it from (set by hand) is carried over as it is."""
     tr = profile.fit.get("transfer", {})
     est = None
     if not profile.samples.get("transfer"):
@@ -658,14 +659,26 @@ def refit(profile, graph_sizes: Sequence[int] | None = None):
                "transfer_gb_per_s": profile.transfer_gb_per_s,
                "kv_bytes_per_token": profile.kv_bytes_per_token,
                "note": tr.get("note") or "carried over from the profile refitted"}
-    return profile_from_samples(profile.samples, model=profile.model, hardware=profile.hardware,
-                                engine_config=profile.engine_config, commit=profile.commit,
-                                transfer_estimate=est, extra=profile.extra,
-                                serving_note=_serving_note(profile),
-                                serving_batch_note=_serving_batch_note(profile),
-                                serving_api_note=_serving_api_note(profile),
-                                graph_sizes=profile.fit_graph_sizes if graph_sizes is None
-                                else graph_sizes)
+    return _carry_api_cost(profile, profile_from_samples(
+        profile.samples, model=profile.model, hardware=profile.hardware,
+        engine_config=profile.engine_config, commit=profile.commit, transfer_estimate=est,
+        extra=profile.extra, serving_note=_serving_note(profile),
+        serving_batch_note=_serving_batch_note(profile),
+        serving_api_note=_serving_api_note(profile),
+        graph_sizes=profile.fit_graph_sizes if graph_sizes is None else graph_sizes))
+
+
+def _carry_api_cost(old, new):
+    """new with old's api_cost_ms where old has the term but no serving_api rows to fit it
+    from (a term set by hand, or measured elsewhere), which a refit would otherwise drop."""
+    import dataclasses
+    if old.samples.get("serving_api") or not old.api_cost_ms:
+        return new
+    entry = {"n_samples": 0, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None,
+             "source": "carried over", "note": "no serving_api rows: the profile's api_cost_ms "
+                                               "(set by hand or measured elsewhere) as it was"}
+    return dataclasses.replace(new, api_cost_ms=dict(old.api_cost_ms),
+                               fit={**new.fit, "serving_api": entry})
 
 
 def _serving_note(profile) -> str:
@@ -698,7 +711,7 @@ def device_time_profile(profile):
     floor (serving_host_ms) is refitted against the device-time decode terms the same way:
     the served TPOTs stay what was measured, and a step the device no longer explains is the
     host's. The API process's CPU (api_cost_ms) is no step time: its rows are refitted as
-    they are. ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile:
+    they are (a term without rows is carried over). ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile:
     nothing runs beside the host there)."""
     samples: dict[str, list[dict]] = {}
     for term in ("prefill", "decode", "mixed"):
@@ -723,10 +736,9 @@ def device_time_profile(profile):
         "note": tr.get("note") or "carried over from the profile"}
     extra = dict(profile.extra)
     extra["step_time"] = "device (gpu_ms rows)"
-    return profile_from_samples(samples, model=profile.model, hardware=profile.hardware,
-                                engine_config=profile.engine_config, commit=profile.commit,
-                                transfer_estimate=est, extra=extra,
-                                serving_note=_serving_note(profile),
-                                serving_batch_note=_serving_batch_note(profile),
-                                serving_api_note=_serving_api_note(profile),
-                                graph_sizes=profile.fit_graph_sizes)
+    return _carry_api_cost(profile, profile_from_samples(
+        samples, model=profile.model, hardware=profile.hardware,
+        engine_config=profile.engine_config, commit=profile.commit, transfer_estimate=est,
+        extra=extra, serving_note=_serving_note(profile),
+        serving_batch_note=_serving_batch_note(profile),
+        serving_api_note=_serving_api_note(profile), graph_sizes=profile.fit_graph_sizes))
