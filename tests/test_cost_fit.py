@@ -13,8 +13,8 @@ import pytest
 
 from pdserve.perf import cost_fit
 from pdserve.perf.cost_fit import (device_time_profile, fit_decode, fit_mixed, fit_prefill,
-                                   fit_serving, fit_serving_batch, fit_transfer, nnls,
-                                   profile_from_samples, refit)
+                                   fit_serving, fit_serving_api, fit_serving_batch, fit_transfer,
+                                   nnls, profile_from_samples, refit)
 from pdserve.perf.cost_profile import CostProfile, hardware_label
 
 SIGMA = 0.02
@@ -277,6 +277,7 @@ def test_profile_round_trips_through_a_file(tmp_path):
     assert json.loads((tmp_path / "p.json").read_text()) == {**_profile_dict(),
                                                               "serving_overhead_ms": 0.0,
                                                               "serving_host_ms": {},
+                                                              "api_cost_ms": {},
                                                               "fit_graph_sizes": []}
 
 
@@ -337,6 +338,25 @@ BAD = [
     ("serving_host_ms", {"fixed_ms": 1.0, "per_seq_ms": 0.1, "per_token_ms": 0.2},
      "serving_host_ms has unknown keys ['per_token_ms']"),
     ("fit.serving_batch", [], "fit.serving_batch must be an object"),
+    ("api_cost_ms", [], "api_cost_ms must be an object"),
+    ("api_cost_ms", None, "api_cost_ms must be an object"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_output_token_ms": 0.08},
+     "api_cost_ms.per_prompt_token_ms is missing"),
+    ("api_cost_ms", {"per_request_ms": -1.0, "per_prompt_token_ms": 0.0,
+                     "per_output_token_ms": 0.08}, "api_cost_ms.per_request_ms must be >= 0"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": float("nan"),
+                     "per_output_token_ms": 0.08},
+     "api_cost_ms.per_prompt_token_ms must be finite"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0,
+                     "per_output_token_ms": float("inf")},
+     "api_cost_ms.per_output_token_ms must be finite"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0,
+                     "per_output_token_ms": "0.08"},
+     "api_cost_ms.per_output_token_ms must be a number"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0,
+                     "per_output_token_ms": 0.08, "per_byte_ms": 1e-6},
+     "api_cost_ms has unknown keys ['per_byte_ms']"),
+    ("fit.serving_api", [], "fit.serving_api must be an object"),
 ]
 
 
@@ -731,3 +751,137 @@ def test_the_device_time_profile_refits_the_floor_on_device_time_decode():
     assert dev.samples["serving_batch"] == rows
     assert all(x["host_bound"] for x in dev.fit["serving_batch"]["rows"])
     assert dev.serving_host_ms["per_seq_ms"] > 0 or dev.serving_host_ms["fixed_ms"] > 0
+
+
+# ---- the API process's CPU ----------------------------------------------------------------------
+API_TRUE = {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4, "per_output_token_ms": 0.08}
+
+
+def _api_rows(cost=API_TRUE, seed=None, lengths=(256, 1024, 2048, 4096), batches=(1, 16, 64)):
+    """The serving path's phases (perf/serving_path.py's GPU preset): 10 requests of n prompt
+    tokens and 16 output tokens each per length, then b requests of 16 prompt tokens and 64
+    output tokens at once; their CPU from `cost` (2% noise with a seed)."""
+    rows = [{"phase": "sequential", "n": n, "requests": 10, "prompt_tokens": 10 * n,
+             "output_tokens": 160} for n in lengths]
+    rows += [{"phase": "batch", "b": b, "requests": b, "prompt_tokens": 16 * b,
+              "output_tokens": 64 * b} for b in batches]
+    A = np.array([[r["requests"], r["prompt_tokens"], r["output_tokens"]] for r in rows], float)
+    mu = A @ np.array([cost["per_request_ms"], cost["per_prompt_token_ms"],
+                       cost["per_output_token_ms"]])
+    y = mu if seed is None else _noisy(mu, seed)
+    for r, ms in zip(rows, y):
+        r["api_cpu_s"], r["wall_s"] = float(ms) / 1e3, 1.0
+    return rows, A, mu
+
+
+def test_the_api_costs_come_back_from_the_phases_cpu():
+    """Noise-free rows: the three costs exactly, every row predicted exactly held out (by
+    hand: the first row is 10 * 1.2 + 2560 * 4e-4 + 160 * 0.08 = 12 + 1.024 + 12.8 = 25.824 ms).
+    With 2% noise, each cost within TOL_SE standard errors of the truth."""
+    rows, A, mu = _api_rows()
+    assert mu[0] == pytest.approx(25.824)
+    r = fit_serving_api(rows)
+    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
+    f = r["fit"]
+    assert f["n_samples"] == 7 and f["source"] == "measured" and "note" not in f
+    assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 7, abs=1e-9)
+    assert [x["predicted_ms"] for x in f["rows"]] == pytest.approx(mu.tolist(), abs=1e-4)
+    se = _std_errors(A, mu)
+    for seed in (1, 2, 3):
+        rows, _, _ = _api_rows(seed=seed)
+        got = fit_serving_api(rows)["api_cost_ms"]
+        for k, s_e in zip(API_TRUE, se):
+            assert abs(got[k] - API_TRUE[k]) <= TOL_SE * s_e, (seed, k, got[k], s_e)
+
+
+def test_api_costs_stay_non_negative():
+    """A truth with no per-prompt-token cost and rows 10% cheaper where prompts are long (an
+    unconstrained fit would give that column a negative coefficient): it comes out 0."""
+    rows, _, _ = _api_rows({**API_TRUE, "per_prompt_token_ms": 0.0})
+    for r in rows:
+        if r["prompt_tokens"] >= 10 * 2048:
+            r["api_cpu_s"] *= 0.9
+    c = fit_serving_api(rows)["api_cost_ms"]
+    assert c["per_prompt_token_ms"] == 0.0 and c["per_request_ms"] > 0
+    assert c["per_output_token_ms"] > 0
+
+
+def test_rows_that_cannot_separate_the_costs_give_no_term_and_say_why():
+    """Two rows: too few. Every phase with the same mix (k requests of 100 prompt and 10 output
+    tokens): the columns are proportional, no term. Rows without a reading (None) or with none
+    seen (0) are left out and counted; left with too few, no term."""
+    rows, _, _ = _api_rows()
+    r = fit_serving_api(rows[:2])
+    assert r["api_cost_ms"] == {} and r["fit"]["n_samples"] == 2
+    assert r["fit"]["heldout_mean_abs_rel_err"] is None
+    assert "no term: 2 usable row(s)" in r["fit"]["note"]
+    same = [{"requests": k, "prompt_tokens": 100 * k, "output_tokens": 10 * k,
+             "api_cpu_s": 0.002 * k} for k in (1, 2, 4, 8)]
+    r = fit_serving_api(same)
+    assert r["api_cost_ms"] == {} and "not independent" in r["fit"]["note"]
+    unread = [{**x, "api_cpu_s": None} for x in rows]
+    r = fit_serving_api(unread)
+    assert r["api_cost_ms"] == {} and r["fit"]["n_samples"] == 0
+    assert "7 row(s) without a CPU reading" in r["fit"]["note"]
+    mixed = rows[:4] + [{**x, "api_cpu_s": None} for x in rows[4:6]] + [{**rows[6],
+                                                                         "api_cpu_s": 0.0}]
+    r = fit_serving_api(mixed)     # (the four sequential rows alone: 10 requests each)
+    assert r["api_cost_ms"] == {} and "not independent" in r["fit"]["note"]
+    assert "2 row(s) without a CPU reading" in r["fit"]["note"]
+    assert "1 row(s) with no CPU seen" in r["fit"]["note"]
+    r = fit_serving_api(rows[:6] + [{**rows[6], "api_cpu_s": None}])
+    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
+    assert r["fit"]["n_samples"] == 6 and "1 row(s) without" in r["fit"]["note"]
+
+
+def test_api_rows_are_checked():
+    rows, _, _ = _api_rows()
+    for bad, said in (({"requests": -1}, "integer 'requests' >= 0"),
+                      ({"output_tokens": 1.5}, "integer 'output_tokens' >= 0"),
+                      ({"api_cpu_s": float("nan")}, "api_cpu_s a finite number >= 0"),
+                      ({"api_cpu_s": -0.1}, "api_cpu_s a finite number >= 0")):
+        with pytest.raises(ValueError, match=said):
+            fit_serving_api([{**rows[0], **bad}, *rows[1:]])
+
+
+def test_the_api_cost_is_optional_and_older_files_load_without_it():
+    """No api_cost_ms (every committed profile so far): {}, no API model; with the term it
+    survives a file. profile_from_samples fits it from serving_api rows (a refit and a device-
+    time profile keep the rows and the term); without rows it is {} and its fit says why."""
+    import glob
+    import os
+    d = _profile_dict()
+    assert CostProfile.from_json(d).api_cost_ms == {}
+    q = CostProfile.from_json({**d, "api_cost_ms": dict(API_TRUE)})
+    assert q.api_cost_ms == API_TRUE and CostProfile.from_json(q.to_dict()) == q
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "bench", "results")
+    for path in sorted(glob.glob(os.path.join(root, "profile-*.json"))):
+        assert CostProfile.from_json(path).api_cost_ms == {}, path
+    pre, dec, mix, est = _small_samples()
+    kw = dict(model="m", hardware="NVIDIA H200", engine_config={}, commit="c",
+              transfer_estimate=est)
+    base = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, **kw,
+                                serving_note="not measured (--no-serving-overhead)")
+    assert base.api_cost_ms == {} and base.fit["serving_api"]["source"] == "not measured"
+    assert base.fit["serving_api"]["note"] == "not measured (--no-serving-overhead)"
+    assert refit(CostProfile.from_json(base.to_dict())) == base
+    rows, _, _ = _api_rows()
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix, "serving_api": rows},
+                             **kw)
+    assert p.api_cost_ms == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
+    assert p.fit["serving_api"]["n_samples"] == 7
+    assert refit(CostProfile.from_json(p.to_dict())) == p
+    pre, dec, mix = ([{**r, "gpu_ms": r["wall_ms"] / 2} for r in x] for x in (pre, dec, mix))
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix, "serving_api": rows},
+                             **kw)
+    dev = device_time_profile(p)
+    assert dev.samples["serving_api"] == rows and dev.api_cost_ms == p.api_cost_ms
+    # a term set by hand (no rows to refit it from) survives a refit and the device-time view
+    hand = CostProfile.from_json({**base.to_dict(), "api_cost_ms": dict(API_TRUE)})
+    assert refit(hand).api_cost_ms == API_TRUE
+    assert refit(hand).fit["serving_api"]["source"] == "carried over"
+    p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, **kw)
+    hand = CostProfile.from_json({**p.to_dict(), "api_cost_ms": dict(API_TRUE)})
+    dev = device_time_profile(hand)
+    assert dev.api_cost_ms == API_TRUE and dev.fit["serving_api"]["source"] == "carried over"

@@ -150,6 +150,34 @@ def test_the_served_batches_were_measured_on_the_same_server(quick):
     assert p.extra["row_set"]["serving_batches"] == QUICK["serving_batches"]
 
 
+def test_the_api_processs_cpu_was_measured_per_phase(quick):
+    """A row per serving prompt length (its 3 timed requests of max_tokens 4: 3 n prompt and
+    12 output tokens) and one per served batch (b requests of 16 prompt and 6 output tokens),
+    each with the `pdserve serve` process's CPU seconds during it (> 0 on Linux: the API did
+    parse, route and stream them) and its wall time; the fit took them all, its term empty
+    only with a note saying why."""
+    _, _, out = quick
+    p = CostProfile.from_json(out)
+    rows = p.samples["serving_api"]
+    reps, k = QUICK["serving_reps"], QUICK["serving_max_tokens"]
+    want = [("sequential", reps, reps * n, reps * k) for n in QUICK["serving_tokens"]]
+    want += [("batch", b, b * QUICK["serving_batch_prompt_tokens"],
+              b * QUICK["serving_batch_max_tokens"]) for b in QUICK["serving_batches"]]
+    assert [(r["phase"], r["requests"], r["prompt_tokens"], r["output_tokens"])
+            for r in rows] == want
+    assert all(r["wall_s"] > 0 for r in rows)
+    if sys.platform.startswith("linux"):
+        assert all(r["api_cpu_s"] > 0 for r in rows), rows
+        assert p.extra["serving_setup"]["api_cpu_source"].startswith("process CPU-time clock")
+    f = p.fit["serving_api"]
+    assert f["source"] == "measured" and f["n_samples"] == len(rows)
+    if p.api_cost_ms:
+        assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
+        assert all(v >= 0 for v in p.api_cost_ms.values())
+    else:
+        assert f["note"].startswith("no term")
+
+
 def test_served_batch_sizes_must_fit_the_measured_server():
     """Each b within the server's max_num_seqs, and b prompts prefilled within
     MAX_BATCH_PREFILL_STEPS (4) steps of its budget: a preset size beyond is left out, a given
@@ -233,6 +261,9 @@ def test_transfer_and_server_failures_fall_back_to_stated_values(tmp_path, monke
     f = p.fit["serving_batch"]
     assert p.serving_host_ms == {} and "serving_batch" not in p.samples
     assert f["source"] == "not measured" and "no room for a server" in f["note"]
+    f = p.fit["serving_api"]
+    assert p.api_cost_ms == {} and "serving_api" not in p.samples
+    assert f["source"] == "not measured" and "no room for a server" in f["note"]
     assert "no room for a server" in p.extra["serving_setup"]["error"]
 
 
@@ -270,3 +301,41 @@ def test_bad_arguments_are_refused_before_any_engine(capsys, monkeypatch):
     assert main(["profile", "--device", "cpu", "--serving-batches", "64",
                  "--serving-args", "--max-num-seqs 32"]) == 2
     assert "max_num_seqs 32" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and Linux's "
+                    "process CPU clock")
+def test_the_api_cpu_reading_counts_the_process_and_its_threads_not_its_children():
+    """A process that spins 0.2 s of CPU in a second thread while a child process of its own
+    spins 0.3 s: process_cpu_s counts the thread (>= 0.2 s, plus its start-up) and not the
+    child (< 0.5 s); the ns clock and /proc/<pid>/stat's ticks agree within two ticks."""
+    import os
+    import subprocess
+    import textwrap
+
+    from pdserve.perf import serving_path as sp
+    code = textwrap.dedent("""
+        import subprocess, sys, threading, time
+        def spin(s):
+            t = time.thread_time()
+            while time.thread_time() - t < s:
+                pass
+        kid = subprocess.Popen([sys.executable, "-c", "import time\\nt = time.process_time()\\n"
+                                "while time.process_time() - t < 0.3: pass"])
+        th = threading.Thread(target=spin, args=(0.2,))
+        th.start(); th.join(); kid.wait()
+        print("done", flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "done"
+        clock, ticks = sp.process_cpu_s(p.pid), sp._proc_stat_cpu_s(p.pid)
+        assert 0.2 <= clock < 0.45
+        assert abs(clock - ticks) <= 2 / os.sysconf("SC_CLK_TCK") + 1e-3
+        assert sp.process_cpu_source(p.pid).startswith("process CPU-time clock")
+    finally:
+        p.stdin.close()
+        p.wait()
+    assert sp.process_cpu_s(p.pid) is None      # (gone: nothing to read)

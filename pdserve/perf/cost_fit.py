@@ -11,6 +11,9 @@ Rows (one per measured point; a row's time is the median of its reps):
                                                       the same server: their median TPOT,
                                                       ctx_sum their mean context sum while
                                                       they decode
+    serving_api {"requests", "prompt_tokens",         the `pdserve serve` process's own CPU
+                 "output_tokens", "api_cpu_s"}        over one phase of the serving path
+                                                      (perf/serving_path.py)
 Extra keys are ignored (kept in the profile's samples).
 
 Every fit is least squares with non-negative coefficients, each row weighted by 1 / its
@@ -44,6 +47,13 @@ matters from 3 ms steps to 60 ms ones alike):
               (one row: per_seq_ms = tpot / b); with none, both 0 (the server kept up with the
               device). Rows within the margin say nothing about host_ms but that it is below
               them, so they are left out of its fit.
+    serving_api  api_cpu_s * 1e3 ~ [requests, prompt_tokens, output_tokens] (no intercept:
+              an idle API costs nothing), the coefficients per_request_ms,
+              per_prompt_token_ms and per_output_token_ms. Rows without a CPU reading (None:
+              the platform does not say) or with none seen (0) are left out and counted in
+              the note. Fewer than 3 rows left, or rows whose three columns are not independent
+              (e.g. every row with the same tokens per request), cannot separate the costs:
+              then the term is empty ({}) and the note says why.
 
 Step shapes (step_shapes.py): on a GPU with CUDA graphs a step with prefill tokens runs at its
 graph bucket, padding included, so its cost follows the bucket's token count, not the step's.
@@ -61,7 +71,7 @@ point it is judged on. mixed's held-out rows use the decode model of all decode 
 separate measurements); so do serving's, with the prefill fit of all prefill rows and the
 median of the other requests' overheads (the term's TTFT model: prefill_ms(n) + overhead);
 serving_batch's, with the decode fit of all decode rows, the max model with host_ms fitted on
-the other rows.
+the other rows; serving_api's, the three costs fitted on the other rows.
 Reported per term as mean and max |predicted - measured| / measured.
 """
 from __future__ import annotations
@@ -77,7 +87,8 @@ from ..step_shapes import graph_max_tokens, mixed_sizes, padded_tokens
 QUADRATIC_GAIN = 0.05
 HOST_BOUND_MARGIN = 0.10
 MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2, "serving": 2,
-            "serving_batch": 1}
+            "serving_batch": 1, "serving_api": 3}
+API_COLUMNS = ("requests", "prompt_tokens", "output_tokens")
 
 
 # ---- least squares with non-negative coefficients ----------------------------------------------
@@ -430,6 +441,76 @@ def fit_serving_batch(rows: list[dict], decode: dict[str, Any]) -> dict[str, Any
     return {"serving_host_ms": {"fixed_ms": fixed, "per_seq_ms": per_seq}, "fit": info}
 
 
+# ---- the API process's CPU -----------------------------------------------------------------------
+def _api_design(rows: list[dict]) -> np.ndarray:
+    return np.array([[float(r[k]) for k in API_COLUMNS] for r in rows], dtype=float)
+
+
+def _api_coef(rows: list[dict]) -> np.ndarray:
+    y = np.array([r["api_cpu_s"] * 1e3 for r in rows], dtype=float)
+    return nnls(_api_design(rows), y, _rel_weights(y))
+
+
+def _independent(A: np.ndarray) -> bool:
+    """Whether A's columns are linearly independent (judged at unit column norms: tokens and
+    requests differ by orders of magnitude)."""
+    norms = np.linalg.norm(A, axis=0)
+    if np.any(norms == 0):
+        return False
+    return int(np.linalg.matrix_rank(A / norms)) == A.shape[1]
+
+
+def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
+    """api_cost_ms {per_request_ms, per_prompt_token_ms, per_output_token_ms} from the API
+    process's CPU per phase (the module docstring), or {} with a note where the rows cannot
+    separate the three costs."""
+    for r in rows:
+        for k in API_COLUMNS:
+            v = r.get(k)
+            if not _is_count(v) or v < 0:
+                raise ValueError(f"serving_api fit: row {r} needs an integer {k!r} >= 0")
+        c = r.get("api_cpu_s")
+        if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool)
+                              or not math.isfinite(c) or c < 0):
+            raise ValueError(f"serving_api fit: row {r} needs api_cpu_s a finite number >= 0 "
+                             "or None (not read)")
+    unread = sum(r.get("api_cpu_s") is None for r in rows)
+    unseen = sum(r.get("api_cpu_s") == 0 for r in rows)
+    used = [r for r in rows if r.get("api_cpu_s")]
+    model = ("api_cpu_ms = per_request_ms * requests + per_prompt_token_ms * prompt_tokens + "
+             "per_output_token_ms * output_tokens")
+    info: dict[str, Any] = {"n_samples": len(used), "source": "measured", "model": model}
+    left_out = []
+    if unread:
+        left_out.append(f"{unread} row(s) without a CPU reading (the platform does not report "
+                        "the API process's CPU)")
+    if unseen:
+        left_out.append(f"{unseen} row(s) with no CPU seen (below the reading's resolution)")
+    why = None
+    if len(used) < MIN_ROWS["serving_api"]:
+        why = (f"{len(used)} usable row(s): the three costs need >= {MIN_ROWS['serving_api']}")
+    elif not _independent(_api_design(used)):
+        why = ("the rows' requests, prompt tokens and output tokens are not independent (each "
+               "phase with the same mix): the three costs cannot be told apart")
+    if why is not None:
+        info.update(heldout_mean_abs_rel_err=None, heldout_max_abs_rel_err=None,
+                    note="; ".join([f"no term: {why}", *left_out]))
+        return {"api_cost_ms": {}, "fit": info}
+    c = _api_coef(used)
+
+    def fit(train):
+        cc = _api_coef(train)
+        return lambda r: float(_api_design([r])[0] @ cc)
+    info.update(_heldout(used, fit, lambda r: r["api_cpu_s"] * 1e3))
+    info["rows"] = [{"phase": r.get("phase"), **{k: r[k] for k in API_COLUMNS},
+                     "api_cpu_ms": round(r["api_cpu_s"] * 1e3, 4),
+                     "predicted_ms": round(float(_api_design([r])[0] @ c), 4)} for r in used]
+    if left_out:
+        info["note"] = "; ".join(left_out)
+    return {"api_cost_ms": {k: float(v) for k, v in zip(
+        ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms"), c)}, "fit": info}
+
+
 # ---- all terms ----------------------------------------------------------------------------------
 def shaped_rows(samples: dict[str, list[dict]], graph_sizes: Sequence[int]
                 ) -> dict[str, list[dict]]:
@@ -465,10 +546,11 @@ def _tokens(term: str, v: float) -> int:
 def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = (),
             serving_graph_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """Every term from samples {"prefill": rows, "decode": rows, "mixed": rows, "transfer":
-    rows, "serving": rows, "serving_batch": rows}: the profile's terms at top level and "fit"
-    per term. Without transfer rows the caller supplies the transfer terms (and says where they
-    came from); without serving rows there is no serving_overhead_ms (profile_from_samples: 0),
-    without serving_batch rows no serving_host_ms (profile_from_samples: {}).
+    rows, "serving": rows, "serving_batch": rows, "serving_api": rows}: the profile's terms at
+    top level and "fit" per term. Without transfer rows the caller supplies the transfer terms
+    (and says where they came from); without serving rows there is no serving_overhead_ms
+    (profile_from_samples: 0), without serving_batch rows no serving_host_ms, without
+    serving_api rows no api_cost_ms (profile_from_samples: {} for both).
     graph_sizes: the measuring engine's graph buckets (step_shapes.mixed_sizes; empty: none),
     the shapes its prefill and mixed rows ran at (module docstring); serving_graph_sizes: those
     of the server the serving rows were measured on (None: graph_sizes)."""
@@ -497,6 +579,10 @@ def fit_all(samples: dict[str, list[dict]], graph_sizes: Sequence[int] = (),
         sb = fit_serving_batch(samples["serving_batch"], out)
         fit["serving_batch"] = sb.pop("fit")
         out.update(sb)
+    if samples.get("serving_api"):
+        sa = fit_serving_api(samples["serving_api"])
+        fit["serving_api"] = sa.pop("fit")
+        out.update(sa)
     out["fit"] = fit
     return out
 
@@ -507,15 +593,17 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
                          extra: dict[str, Any] | None = None,
                          serving_note: str = "no serving-path rows",
                          graph_sizes: Sequence[int] | None = None,
-                         serving_batch_note: str | None = None):
+                         serving_batch_note: str | None = None,
+                         serving_api_note: str | None = None):
     """A CostProfile fitted from samples. transfer_estimate: the transfer terms to use when
     samples hold no transfer rows ({"transfer_fixed_ms", "transfer_gb_per_s",
     "kv_bytes_per_token", "note": where they come from}); the profile's fit says "estimate".
     serving_note: why there are no serving rows, when there are none (serving_overhead_ms is
     then 0 and its fit says "not measured"); serving_batch_note: the same for the served-batch
-    rows (None: serving_note; serving_host_ms is then {}). graph_sizes: the buckets the rows ran at (the
-    profile's fit_graph_sizes; empty: fit on the rows' own token counts); None: those of
-    engine_config (a new measurement). The serving rows' own server may have had other
+    rows (None: serving_note; serving_host_ms is then {}), serving_api_note for the API
+    process's CPU rows (None: serving_note; api_cost_ms is then {}). graph_sizes: the buckets
+    the rows ran at (the profile's fit_graph_sizes; empty: fit on the rows' own token counts);
+    None: those of engine_config (a new measurement). The serving rows' own server may have had other
     buckets: extra's serving_setup["graph_max_tokens"] says so, where recorded."""
     from .cost_profile import CostProfile
     sizes = (mixed_sizes(graph_max_tokens(engine_config)) if graph_sizes is None
@@ -536,6 +624,12 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
             "n_samples": 0, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None,
             "source": "not measured",
             "note": serving_note if serving_batch_note is None else serving_batch_note}
+    if "api_cost_ms" not in terms:
+        terms["api_cost_ms"] = {}
+        terms["fit"]["serving_api"] = {
+            "n_samples": 0, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None,
+            "source": "not measured",
+            "note": serving_note if serving_api_note is None else serving_api_note}
     if "transfer_gb_per_s" not in terms:
         if transfer_estimate is None:
             raise ValueError("no transfer rows and no transfer estimate")
@@ -556,7 +650,8 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
 def refit(profile, graph_sizes: Sequence[int] | None = None):
     """The profile's terms fitted afresh from its own samples (e.g. after a fit change), at the
     step shapes it was fitted at (its fit_graph_sizes), or at graph_sizes when given
-    (scripts/refit_profile.py: an older file refitted per CUDA-graph shape)."""
+    (scripts/refit_profile.py: an older file refitted per CUDA-graph shape). An api_cost_ms
+    without serving_api rows to refit it from (set by hand) is carried over as it is."""
     tr = profile.fit.get("transfer", {})
     est = None
     if not profile.samples.get("transfer"):
@@ -564,13 +659,26 @@ def refit(profile, graph_sizes: Sequence[int] | None = None):
                "transfer_gb_per_s": profile.transfer_gb_per_s,
                "kv_bytes_per_token": profile.kv_bytes_per_token,
                "note": tr.get("note") or "carried over from the profile refitted"}
-    return profile_from_samples(profile.samples, model=profile.model, hardware=profile.hardware,
-                                engine_config=profile.engine_config, commit=profile.commit,
-                                transfer_estimate=est, extra=profile.extra,
-                                serving_note=_serving_note(profile),
-                                serving_batch_note=_serving_batch_note(profile),
-                                graph_sizes=profile.fit_graph_sizes if graph_sizes is None
-                                else graph_sizes)
+    return _carry_api_cost(profile, profile_from_samples(
+        profile.samples, model=profile.model, hardware=profile.hardware,
+        engine_config=profile.engine_config, commit=profile.commit, transfer_estimate=est,
+        extra=profile.extra, serving_note=_serving_note(profile),
+        serving_batch_note=_serving_batch_note(profile),
+        serving_api_note=_serving_api_note(profile),
+        graph_sizes=profile.fit_graph_sizes if graph_sizes is None else graph_sizes))
+
+
+def _carry_api_cost(old, new):
+    """new with old's api_cost_ms where old has the term but no serving_api rows to fit it
+    from (a term set by hand, or measured elsewhere), which a refit would otherwise drop."""
+    import dataclasses
+    if old.samples.get("serving_api") or not old.api_cost_ms:
+        return new
+    entry = {"n_samples": 0, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None,
+             "source": "carried over", "note": "no serving_api rows: the profile's api_cost_ms "
+                                               "(set by hand or measured elsewhere) as it was"}
+    return dataclasses.replace(new, api_cost_ms=dict(old.api_cost_ms),
+                               fit={**new.fit, "serving_api": entry})
 
 
 def _serving_note(profile) -> str:
@@ -582,6 +690,12 @@ def _serving_batch_note(profile) -> str:
     return (profile.fit.get("serving_batch", {}).get("note")
             or "the profile has no served-batch measurement (made before pdserve profile had "
                "one)")
+
+
+def _serving_api_note(profile) -> str:
+    return (profile.fit.get("serving_api", {}).get("note")
+            or "the profile has no measurement of the API process's CPU (made before pdserve "
+               "profile had one)")
 
 
 def device_time_profile(profile):
@@ -596,7 +710,8 @@ def device_time_profile(profile):
     hides for a request that finds the worker idle, moves into the overhead. The served-batch
     floor (serving_host_ms) is refitted against the device-time decode terms the same way:
     the served TPOTs stay what was measured, and a step the device no longer explains is the
-    host's. ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile:
+    host's. The API process's CPU (api_cost_ms) is no step time: its rows are refitted as
+    they are (a term without rows is carried over). ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile:
     nothing runs beside the host there)."""
     samples: dict[str, list[dict]] = {}
     for term in ("prefill", "decode", "mixed"):
@@ -610,7 +725,7 @@ def device_time_profile(profile):
             row["wall_ms"], row["synced_wall_ms"] = float(g), r["wall_ms"]
             rows.append(row)
         samples[term] = rows
-    for term in ("transfer", "serving", "serving_batch"):
+    for term in ("transfer", "serving", "serving_batch", "serving_api"):
         if profile.samples.get(term):
             samples[term] = list(profile.samples[term])
     tr = profile.fit.get("transfer", {})
@@ -621,9 +736,9 @@ def device_time_profile(profile):
         "note": tr.get("note") or "carried over from the profile"}
     extra = dict(profile.extra)
     extra["step_time"] = "device (gpu_ms rows)"
-    return profile_from_samples(samples, model=profile.model, hardware=profile.hardware,
-                                engine_config=profile.engine_config, commit=profile.commit,
-                                transfer_estimate=est, extra=extra,
-                                serving_note=_serving_note(profile),
-                                serving_batch_note=_serving_batch_note(profile),
-                                graph_sizes=profile.fit_graph_sizes)
+    return _carry_api_cost(profile, profile_from_samples(
+        samples, model=profile.model, hardware=profile.hardware,
+        engine_config=profile.engine_config, commit=profile.commit, transfer_estimate=est,
+        extra=extra, serving_note=_serving_note(profile),
+        serving_batch_note=_serving_batch_note(profile),
+        serving_api_note=_serving_api_note(profile), graph_sizes=profile.fit_graph_sizes))

@@ -33,11 +33,25 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
                             (cost_fit.fit_serving_batch). Optional: serving_host_ms {} (files
                             made before it, or no served-batch rows) is 0; measured with no
                             host-bound row, both terms are 0.
+    api_cost_ms             the serving front's own CPU: `pdserve serve`'s process (uvicorn,
+                            the API, the router, the engine client's I/O thread: one Python
+                            process, one GIL, in front of every worker), which admits each
+                            request and streams each token:
+                              admitting a request   per_request_ms
+                                                    + per_prompt_token_ms * prompt tokens
+                              streaming a token     per_output_token_ms
+                            Its work is serial (one process), so at load it queues: the
+                            simulator runs it as one FIFO server (sim/api_process.py). Fitted
+                            on the API's CPU seconds over the serving path's phases
+                            (cost_fit.fit_serving_api). Optional: {} (files made before it, a
+                            platform that does not report the process's CPU, or rows that
+                            cannot separate the three costs) is no API model.
 
 The JSON file holds these terms at top level, with `version` (1), `model`, `hardware` (the
 measuring machine: bench.common.hardware_info's dict, or a plain label), `engine_config`,
 `commit`, `fit` (per term "prefill" / "decode" / "mixed" / "transfer", "serving" where
-the file has serving_overhead_ms and "serving_batch" where it has serving_host_ms: n_samples,
+the file has serving_overhead_ms, "serving_batch" where it has serving_host_ms and
+"serving_api" where it has api_cost_ms: n_samples,
 heldout_mean_abs_rel_err, heldout_max_abs_rel_err, and whatever else the fit reports) and
 `samples` (the measured rows, so a profile can be refit). Other top-level keys are kept in
 `extra`. CostProfile.from_json checks every term (ValueError naming the field and the file).
@@ -56,8 +70,9 @@ from .files import read_json_object, write_json
 VERSION = 1
 BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_token_ms")
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
-OPTIONAL_FIT_TERMS = ("serving", "serving_batch")
+OPTIONAL_FIT_TERMS = ("serving", "serving_batch", "serving_api")
 SERVING_HOST_KEYS = ("fixed_ms", "per_seq_ms")
+API_COST_KEYS = ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms")
 FIT_KEYS = ("n_samples", "heldout_mean_abs_rel_err", "heldout_max_abs_rel_err")
 # coefficients that may be 0 but not negative
 _NONNEG = ("alpha_ms_per_token", "prefill_fixed_ms", "prefill_quadratic_ms", "gamma_ms_per_token",
@@ -110,6 +125,7 @@ class CostProfile:
     kv_bytes_per_token: int
     serving_overhead_ms: float = 0.0
     serving_host_ms: dict = field(default_factory=dict)   # {} or the two SERVING_HOST_KEYS
+    api_cost_ms: dict = field(default_factory=dict)       # {} or the three API_COST_KEYS
     fit_graph_sizes: list = field(default_factory=list)
     fit: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
@@ -255,6 +271,18 @@ def _validate(d: Mapping, where: str) -> None:
         if unknown:
             raise bad("serving_host_ms", f"has unknown keys {unknown} (it takes "
                       f"{', '.join(SERVING_HOST_KEYS)})")
+    if "api_cost_ms" in d:              # (optional: files older than it load with {})
+        api = d["api_cost_ms"]
+        if not isinstance(api, dict):
+            raise bad("api_cost_ms", f"must be an object ({{}}: no term), got {api!r}")
+        unknown = sorted(set(api) - set(API_COST_KEYS))
+        if unknown:
+            raise bad("api_cost_ms", f"has unknown keys {unknown} (it takes "
+                      f"{', '.join(API_COST_KEYS)})")
+        for k in API_COST_KEYS if api else ():
+            if k not in api:
+                raise bad(f"api_cost_ms.{k}", "is missing")
+            number(f"api_cost_ms.{k}", api[k])
     if "fit_graph_sizes" in d:          # (optional too: files older than it load with [])
         sizes = d["fit_graph_sizes"]
         if (not isinstance(sizes, list) or any(not isinstance(x, int) or isinstance(x, bool)

@@ -30,8 +30,13 @@ What runs, in order:
      whose TPOT the profile's decode_ms does not explain (cost_fit.fit_serving_batch). Each b
      within the server's max_num_seqs, its prompts within MAX_BATCH_PREFILL_STEPS steps of its
      token budget (preset sizes that are not are left out, and said; given ones are an error).
-     If the server cannot start, or a request fails, the file says why and both terms are 0
-     ("not measured").
+     Around each timed request and each served batch, the API process's CPU seconds (the
+     `pdserve serve` process itself, not its worker): a row per prompt length and one per
+     batch (samples["serving_api"]); the term api_cost_ms (per request, per prompt token, per
+     streamed token: what the simulator queues on its one API process) is fitted on them
+     (cost_fit.fit_serving_api; {} with a note where they cannot separate the three costs).
+     If the server cannot start, or a request fails, the file says why and the three terms
+     are 0 / {} ("not measured").
   4. the fits, a table of term / value / held-out error, and the JSON (--output).
 
 Row sets (prefill lengths, batches, contexts, ...) default to one of three presets, by device
@@ -412,9 +417,9 @@ def serving_config(cfg, serving_args: str):
     return engine_config(ns)
 
 
-def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], list[dict], dict[str, Any]]:
+def _serving_rows(a, cfg, facts: dict):
     """Requests one at a time, then the served batches, through a `pdserve serve` of this
-    engine config."""
+    engine config: serving_path.ServingRows."""
     from .serving_path import ServedBatches, measure_serving
     print(f"serving path: starting pdserve serve ({len(a.serving_tokens)} prompt lengths x "
           f"{a.serving_reps} requests, max_tokens {a.serving_max_tokens}; then batches of "
@@ -422,10 +427,11 @@ def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], list[dict], dict[str
           f"{a.serving_batch_prompt_tokens} prompt tokens, max_tokens "
           f"{a.serving_batch_max_tokens}"
           + (f"; {a.serving_args}" if a.serving_args else "") + ")", flush=True)
-    rows, batch_rows, info = measure_serving(
+    got = measure_serving(
         cfg, a.serving_tokens, a.serving_reps, a.serving_max_tokens, facts["vocab_size"], a.seed,
         a.threads, ServedBatches(a.serving_batches, a.serving_batch_prompt_tokens,
                                  a.serving_batch_max_tokens))
+    rows, batch_rows, info = got.rows, got.batch_rows, got.info
     info["serving_args"] = a.serving_args
     info["async_scheduling"] = bool(cfg.async_scheduling)
     # (the server's own step shapes: --serving-args may change its budget or its graphs)
@@ -438,10 +444,15 @@ def _serving_rows(a, cfg, facts: dict) -> tuple[list[dict], list[dict], dict[str
         print(f"served batch {r['b']:>4}: TPOT median {r['tpot_ms']:9.3f} ms (p10 "
               f"{r['tpot_ms_p10']:.3f}, p90 {r['tpot_ms_p90']:.3f}) over {r['b']} streams, "
               f"{r['wall_s']:.2f} s", flush=True)
+    for r in got.api_rows:
+        what = f"{r['n']:>6} tokens" if r["phase"] == "sequential" else f"batch {r['b']:>5}"
+        cpu = "not readable" if r["api_cpu_s"] is None else f"{r['api_cpu_s'] * 1e3:9.2f} ms"
+        print(f"API CPU, {what}: {cpu} over {r['requests']} requests ({r['prompt_tokens']} "
+              f"prompt, {r['output_tokens']} output tokens), {r['wall_s']:.2f} s", flush=True)
     print(f"serving path: server up in {info['startup_s']} s, {info['wall_s']} s in all, "
           f"stopped {'cleanly' if info['stopped_cleanly'] else 'NOT cleanly'} "
           f"(exit code {info['exit_code']})", flush=True)
-    return rows, batch_rows, info
+    return got
 
 
 def _transfer_estimate(device, why: str, kvb: int) -> dict[str, Any]:
@@ -506,7 +517,12 @@ def table(p: CostProfile) -> str:
             ("transfer", "kv_bytes_per_token", p.kv_bytes_per_token),
             ("serving", "serving_overhead_ms", p.serving_overhead_ms),
             ("serving_batch", "serving_host_ms.fixed_ms", p.serving_host_ms.get("fixed_ms")),
-            ("serving_batch", "serving_host_ms.per_seq_ms", p.serving_host_ms.get("per_seq_ms"))):
+            ("serving_batch", "serving_host_ms.per_seq_ms", p.serving_host_ms.get("per_seq_ms")),
+            ("serving_api", "api_cost_ms.per_request_ms", p.api_cost_ms.get("per_request_ms")),
+            ("serving_api", "api_cost_ms.per_prompt_token_ms",
+             p.api_cost_ms.get("per_prompt_token_ms")),
+            ("serving_api", "api_cost_ms.per_output_token_ms",
+             p.api_cost_ms.get("per_output_token_ms"))):
         if term in p.fit and value is not None:
             lines.append(f"{name:<34} {value:>14.6g}  {err(term)}")
     itl = p.fit.get("serving", {}).get("batch1_itl_overhead_ms")
@@ -523,6 +539,16 @@ def table(p: CostProfile) -> str:
                      + ("  host-bound" if r["host_bound"] else ""))
     if sb.get("note"):
         lines.append(f"  ({sb['note']})")
+    sa = p.fit.get("serving_api", {})
+    if "serving_api" in p.fit and not p.api_cost_ms:
+        lines.append(f"{'api_cost_ms':<34} {'(none)':>14}  {err('serving_api')}")
+    for r in sa.get("rows") or ():
+        # each phase's API CPU beside what the three costs say for it
+        lines.append(f"API CPU, {r['phase'] or '?':<10} {r['requests']:>4} req "
+                     f"{r['prompt_tokens']:>7} prompt {r['output_tokens']:>6} output tokens: "
+                     f"{r['api_cpu_ms']:9.2f} ms, fit {r['predicted_ms']:9.2f} ms")
+    if sa.get("note"):
+        lines.append(f"  ({sa['note']})")
     return "\n".join(lines)
 
 
@@ -597,10 +623,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             serving_note = "not measured (--no-serving-overhead)"
         else:
             try:
-                samples["serving"], batch_rows, serving_info = _serving_rows(a, serving_cfg,
-                                                                             facts)
-                if batch_rows:
-                    samples["serving_batch"] = batch_rows
+                got = _serving_rows(a, serving_cfg, facts)
+                samples["serving"], serving_info = got.rows, got.info
+                if got.batch_rows:
+                    samples["serving_batch"] = got.batch_rows
+                if got.api_rows:
+                    samples["serving_api"] = got.api_rows
                 serving_note = ""
             except Exception as e:  # noqa: BLE001 - recorded in the file and printed, not hidden
                 serving_info["error"] = f"{type(e).__name__}: {e}"

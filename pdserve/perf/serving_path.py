@@ -25,9 +25,20 @@ not what a step costs, while the time from the first token to the last over the 
 is. A row per b: the median TPOT over its b requests (p10 and p90 beside it) and the mean
 context sum while they decode, b * (prompt_len + max_tokens / 2).
 
+The API process's CPU (the `pdserve serve` process itself: uvicorn, the API, the router and the
+engine client's I/O thread, one Python process; not its worker processes): its user + system
+seconds are read before and after each timed request and each served batch (process_cpu_s),
+so each phase's row says what the API spent on it. A row per prompt length (the sum over its
+requests: lengths differ, max_tokens is small) and a row per served batch (short prompts, more
+output tokens each): {"phase", "requests", "prompt_tokens", "output_tokens" (usage's),
+"api_cpu_s", "wall_s"}; api_cpu_s None where the platform does not say. The two phases mix
+requests, prompt tokens and output tokens in different proportions, which is what lets
+cost_fit.fit_serving_api separate the three costs.
+
 cost_fit.fit_serving turns the single requests into the serving_overhead_ms term (TTFT less the
 profile's own lone-prefill time), cost_fit.fit_serving_batch the batches into serving_host_ms
-(the server's host work per step). The module imports no torch.
+(the server's host work per step), cost_fit.fit_serving_api the API rows into api_cost_ms. The
+module imports no torch.
 """
 from __future__ import annotations
 
@@ -41,13 +52,57 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 STARTUP_TIMEOUT_S = 900.0   # CUDA: weights, then CUDA graphs captured up to the token budget
 STOP_TIMEOUT_S = 60.0
 PAUSE_S = 0.05              # between requests: the worker is idle when the next one arrives
 REQUEST_TIMEOUT_S = 600.0
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Linux's encoding of clock_getcpuclockid(pid) (CPUCLOCK_SCHED of the whole thread group): a
+# clock of the process's CPU time at ns resolution, user + system, every thread, children not
+# included: the quantity /proc/<pid>/stat's utime + stime counts in clock ticks (10 ms), too
+# coarse for a few requests' worth of a fast API
+_CPUCLOCK_SCHED = 2
+
+
+def _cpu_clock_s(pid: int) -> float | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return time.clock_gettime_ns(((~pid) << 3) | _CPUCLOCK_SCHED) / 1e9
+    except (OSError, OverflowError):   # (no such process, or a kernel without the clock)
+        return None
+
+
+def _proc_stat_cpu_s(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # (after the command, which may hold spaces and parentheses)
+            rest = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # fields counted from 1: state is the 3rd, utime the 14th, stime the 15th
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """The CPU seconds (user + system, all its threads, none of its child processes) process
+    `pid` has used so far: its CPU-time clock where Linux has one (ns), else /proc/<pid>/stat
+    (clock ticks); None where neither can be read (another platform, or the process is gone)."""
+    t = _cpu_clock_s(pid)
+    return _proc_stat_cpu_s(pid) if t is None else t
+
+
+def process_cpu_source(pid: int) -> str | None:
+    """Which reading process_cpu_s(pid) gives (what the file records beside the rows)."""
+    if _cpu_clock_s(pid) is not None:
+        return "process CPU-time clock (clock_gettime, ns)"
+    if _proc_stat_cpu_s(pid) is not None:
+        return f"/proc/<pid>/stat utime + stime (1/{os.sysconf('SC_CLK_TCK')} s ticks)"
+    return None
 
 
 def _free_port() -> int:
@@ -121,16 +176,27 @@ class ServerProcess:
                 "stopped_cleanly": not killed and code in (0, -signal.SIGTERM)}
 
 
+CpuReader = Callable[[], "float | None"]
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
 async def _send_sequential(base_url: str, prompts: Sequence[list[int]], max_tokens: int,
-                           pause_s: float) -> list:
+                           pause_s: float, cpu: CpuReader) -> list[tuple[Any, float | None, float]]:
+    """Each request's result, the API's CPU seconds during it (cpu(): the server's CPU so
+    far) and its wall seconds; the pauses between requests are in neither."""
     from ..bench.serve import Target, _client, send_request   # bench serve's client
     from .workload import SampleRequest
     target = Target(base_url, "/v1/completions", timeout_s=REQUEST_TIMEOUT_S)
     out = []
     async with _client(target, 1) as session:
         for ids in prompts:
-            out.append(await send_request(session, target, SampleRequest(ids, len(ids),
-                                                                          max_tokens)))
+            c0, t0 = cpu(), time.perf_counter()
+            res = await send_request(session, target, SampleRequest(ids, len(ids), max_tokens))
+            wall = time.perf_counter() - t0
+            out.append((res, _delta(c0, cpu()), wall))
             await asyncio.sleep(pause_s)
     return out
 
@@ -145,16 +211,20 @@ class ServedBatches(NamedTuple):
 
 class ServingRows(NamedTuple):
     """What measure_serving measured: the single requests' rows, the served batches' rows
-    (empty without batches) and the setup's facts."""
+    (empty without batches), the setup's facts, and the API process's CPU per phase (a row
+    per prompt length of the single requests, then one per served batch)."""
     rows: list[dict]
     batch_rows: list[dict]
     info: dict[str, Any]
+    api_rows: list[dict]
 
 
 async def _send_batches(base_url: str, batches: Sequence[Sequence[list[int]]], max_tokens: int,
-                        pause_s: float) -> list[tuple[list, float]]:
+                        pause_s: float, cpu: CpuReader
+                        ) -> list[tuple[list, float, float | None]]:
     """Each batch's requests sent at once (the next batch after the last has ended): their
-    results and the batch's wall time (s); up to the first batch with a failed request."""
+    results, the batch's wall time (s) and the API's CPU seconds during it; up to the first
+    batch with a failed request."""
     from ..bench.serve import Target, _client, send_request   # bench serve's client
     from .workload import SampleRequest
     target = Target(base_url, "/v1/completions", timeout_s=REQUEST_TIMEOUT_S)
@@ -162,11 +232,11 @@ async def _send_batches(base_url: str, batches: Sequence[Sequence[list[int]]], m
     # (a connection per stream: a smaller pool would queue requests in the client)
     async with _client(target, max((len(b) for b in batches), default=1)) as session:
         for prompts in batches:
-            t0 = time.perf_counter()
+            c0, t0 = cpu(), time.perf_counter()
             res = await asyncio.gather(*(send_request(session, target,
                                                       SampleRequest(ids, len(ids), max_tokens))
                                          for ids in prompts))
-            out.append((list(res), time.perf_counter() - t0))
+            out.append((list(res), time.perf_counter() - t0, _delta(c0, cpu())))
             if not all(r.success for r in res):
                 break       # (the caller raises: no point loading the server further)
             await asyncio.sleep(pause_s)
@@ -189,12 +259,24 @@ def _batch_row(b: int, spec: ServedBatches, results: list, wall_s: float) -> dic
             "tpot_ms_samples": [round(x, 4) for x in tpot]}
 
 
+def _api_row(phase: str, results: list, cpu_s: list[float | None], wall_s: list[float],
+             **keys) -> dict[str, Any]:
+    """The API's CPU over some requests (one phase): their counts and summed CPU and wall
+    time (api_cpu_s None when any reading was missing)."""
+    total = None if any(c is None for c in cpu_s) else sum(cpu_s)
+    return {"phase": phase, **keys, "requests": len(results),
+            "prompt_tokens": sum(r.prompt_len for r in results),
+            "output_tokens": sum(r.output_len for r in results),
+            "api_cpu_s": None if total is None else round(total, 6),
+            "wall_s": round(sum(wall_s), 6)}
+
+
 def measure(config, lengths: Sequence[int], reps: int, max_tokens: int, vocab_size: int,
             seed: int, threads: int | None = None) -> tuple[list[dict], dict[str, Any]]:
     """Rows {"n", "ttft_ms", "itl_ms", "e2e_ms", "output_tokens"} (one per timed request) and
     the setup's facts: measure_serving without batches."""
-    rows, _, info = measure_serving(config, lengths, reps, max_tokens, vocab_size, seed, threads)
-    return rows, info
+    got = measure_serving(config, lengths, reps, max_tokens, vocab_size, seed, threads)
+    return got.rows, got.info
 
 
 def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
@@ -203,7 +285,8 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     """The single requests' rows {"n", "ttft_ms", "itl_ms", "e2e_ms", "output_tokens"} (one per
     timed request), then, with batches, one row per batch size {"b", "prompt_len",
     "max_tokens", "tpot_ms", "tpot_ms_p10", "tpot_ms_p90", "ctx_sum", "wall_s", ...}, from
-    one server; and the setup's facts. RuntimeError when the server cannot start or a request
+    one server; the setup's facts; the API process's CPU rows (module docstring: one per
+    prompt length, then one per batch). RuntimeError when the server cannot start or a request
     fails (the server is stopped either way)."""
     import gc
 
@@ -232,16 +315,22 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     t0 = time.perf_counter()
     try:
         info["startup_s"] = round(server.start(), 2)
+        pid = server.proc.pid   # (the API process: Popen runs it directly, no shell between)
+        info["api_cpu_source"] = process_cpu_source(pid)
+
+        def cpu() -> float | None:
+            return process_cpu_s(pid)
         gc.collect()
         gc.freeze()     # (as bench serve: no full collection lands in a request's TTFT)
         try:
-            results = asyncio.run(_send_sequential(server.base_url, warm + timed, max_tokens,
-                                                   PAUSE_S))
+            sent = asyncio.run(_send_sequential(server.base_url, warm + timed, max_tokens,
+                                                PAUSE_S, cpu))
+            results = [r for r, _, _ in sent]
             bad = [r for r in results if not r.success]
             batch_results = []
             if sizes and not bad:
                 batch_results = asyncio.run(_send_batches(server.base_url, batch_prompts,
-                                                          batches.max_tokens, PAUSE_S))
+                                                          batches.max_tokens, PAUSE_S, cpu))
         finally:
             gc.unfreeze()
     finally:
@@ -250,7 +339,7 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(results)} requests through the server failed: "
                            f"{bad[0].error}")
-    for b, (res, _) in zip(sizes, batch_results):
+    for b, (res, _, _) in zip(sizes, batch_results):
         failed = [r for r in res if not r.success]
         if failed:
             raise RuntimeError(f"{len(failed)} of the {b} requests sent at once through the "
@@ -262,5 +351,13 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
                      "output_tokens": r.output_len})
     info["warmup_requests"] = len(warm)
     batch_rows = [_batch_row(b, batches, res, wall)
-                  for b, (res, wall) in zip(sizes, batch_results)]
-    return ServingRows(rows, batch_rows, info)
+                  for b, (res, wall, _) in zip(sizes, batch_results)]
+    timed_sent = sent[len(warm):]
+    api_rows = []
+    for i, n in enumerate(lengths):
+        mine = timed_sent[i::len(lengths)]      # (timed interleaves the lengths)
+        api_rows.append(_api_row("sequential", [r for r, _, _ in mine], [c for _, c, _ in mine],
+                                 [w for _, _, w in mine], n=n))
+    for b, (res, wall, c) in zip(sizes, batch_results):
+        api_rows.append(_api_row("batch", res, [c], [wall], b=b))
+    return ServingRows(rows, batch_rows, info, api_rows)

@@ -11,8 +11,12 @@ timing (steps at the device's time, requests joining the step after the next). A
 reaches the router the profile's serving_overhead_ms after it arrives (the serving path `pdserve
 profile` measured: HTTP, the router, IPC, SSE, the client), and every step takes at least the
 profile's served-step floor (serving_host_ms: the same server's host work per step, fixed +
-per sequence, measured on batches of streams at once); --no-serving-overhead turns both off
-(requests reach the router at once, steps take their costs alone).
+per sequence, measured on batches of streams at once), and the serving front's own CPU
+(api_cost_ms: the `pdserve serve` process's per request, per prompt token and per streamed
+token) runs on one simulated API process for the whole deployment, a FIFO queue that admits
+every request and delivers every token (sim/api_process.py: at overload it delays first
+tokens and completions); --no-serving-overhead turns all three off (requests reach the router
+at once, steps take their costs alone, a token reaches the client when its step ends).
 Per-role profiles (--prefill-profile ...)
 stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.
 
@@ -80,9 +84,12 @@ def add_serving_overhead_arg(g) -> None:
                         "router the profile's serving_overhead_ms after it arrives (HTTP, "
                         "router, IPC and SSE), and a step of s sequences takes at least the "
                         "profile's served-step floor, fixed_ms + per_seq_ms * s of its "
-                        "serving_host_ms (the server's host work per step); each is 0 in "
-                        "profiles made before it was measured. --no-serving-overhead turns "
-                        "both off (default on)")
+                        "serving_host_ms (the server's host work per step), and the API "
+                        "process's CPU (its api_cost_ms: per request, per prompt token, per "
+                        "streamed token) is one FIFO queue in front of every worker that "
+                        "admits requests and delivers tokens; each is off in profiles made "
+                        "before it was measured. --no-serving-overhead turns all three off "
+                        "(default on)")
 
 
 def serving_overhead_ms(a: argparse.Namespace, profile: CostProfile) -> float:
@@ -94,6 +101,21 @@ def serving_host_ms(a: argparse.Namespace, profile: CostProfile) -> dict:
     """The served-step floor's terms a run uses: the profile's serving_host_ms, or {} (none)
     with --no-serving-overhead."""
     return dict(profile.serving_host_ms) if a.serving_overhead else {}
+
+
+def api_cost_ms(a: argparse.Namespace, profile: CostProfile) -> dict:
+    """The API process's costs a run uses: the profile's api_cost_ms, or {} (no API model)
+    with --no-serving-overhead."""
+    return dict(profile.api_cost_ms) if a.serving_overhead else {}
+
+
+def api_model_line(api: dict) -> str:
+    """How a run models the API process, for the printed header."""
+    if not api:
+        return "no API process model (tokens reach the client when their step ends)"
+    return (f"one API process: {api['per_request_ms']:.3f} ms + {api['per_prompt_token_ms']:.5f}"
+            f" ms per prompt token to admit a request, {api['per_output_token_ms']:.4f} ms per "
+            "streamed token (FIFO)")
 
 
 def serving_path_async(profile: CostProfile) -> bool | None:
@@ -326,7 +348,9 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
     host = serving_host_ms(a, profile)
     floor = (f"served-step floor {host['fixed_ms']:.3f} ms + {host['per_seq_ms']:.4f} ms per "
              "sequence" if host else "no served-step floor")
-    print(f"serving overhead {overhead:.3f} ms per request before the router, {floor}"
+    api = api_cost_ms(a, profile)
+    print(f"serving overhead {overhead:.3f} ms per request before the router, {floor}; "
+          f"{api_model_line(api)}"
           + ("" if a.serving_overhead else " (--no-serving-overhead)"), flush=True)
     note = serving_path_note(a, profile, overhead)
     if note:
@@ -337,7 +361,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
                         a.vocab_size, pipelined_pickup=a.async_scheduling,
                         serving_overhead_ms=overhead, num_host_blocks=a.num_host_blocks,
                         retokenized_answers=a.multi_turn_retokenized_answers,
-                        host_copy_gb_per_s=a.host_copy_gbps, serving_floor=a.serving_overhead)
+                        host_copy_gb_per_s=a.host_copy_gbps, serving_floor=a.serving_overhead,
+                        api_cost_ms=api)
         if a.dataset_name == "multi-turn":
             offsets = arrival_times(len(convs), rate, a.burstiness, a.seed)
             res = sim.run_conversations([SimConversation(float(t), s, u, o)
@@ -359,7 +384,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
         "profile": {"model": profile.model, "hardware": profile.hardware_label,
                     "file": a.profile, "step_time": a.step_time,
                     "serving_overhead_ms": overhead, "serving_host_ms": host,
-                    "serving_path_async": serving_path_async(profile)},
+                    "api_cost_ms": api, "serving_path_async": serving_path_async(profile)},
         "async_scheduling": a.async_scheduling,
         "dataset_name": a.dataset_name, "percentiles": percentiles, "runs": runs}
     if len(runs) == 1:
@@ -406,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
         s = run["simulation"]
         print(f"rate {w['request_rate']}: simulated {s['simulated_s']:.2f} s, {s['events']} events, "
               f"{s['transfers']} KV transfers, wall {w['wall_s']:.2f} s (CPU {w['cpu_s']:.2f} s)")
+        if s.get("api"):
+            api = s["api"]
+            util = "-" if api["utilization"] is None else f"{api['utilization']:.0%}"
+            lag = api["delivery_lag_ms_mean"]
+            print(f"  API process: busy {api['busy_s']:.3f} s ({util} of the run), token "
+                  f"delivery lag mean {'-' if lag is None else f'{lag:.3f}'} ms, max "
+                  f"{api['delivery_lag_ms_max']:.3f} ms; admission wait max "
+                  f"{api['admission_wait_ms_max']:.3f} ms")
     if "comparison" in payload:
         from .compare import format_comparison, plot_comparison
         print(f"against {a.compare} (measured / simulated, relative error):")

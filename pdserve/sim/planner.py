@@ -44,9 +44,12 @@ measured TP-2 profile (its engine_config.tensor_parallel_size, when recorded, mu
 scaling flags apply to every profile. No TP size without a profile is modelled.
 
 Serving path: every simulated request reaches the router the TP-1 profile's
-serving_overhead_ms after it arrives, and every worker's steps take at least its profile's
-served-step floor (serving_host_ms), as in `pdserve simulate` (--no-serving-overhead: neither);
-no scaling flag changes them (host work: HTTP, the router, IPC, SSE, output processing).
+serving_overhead_ms after it arrives, every worker's steps take at least its profile's
+served-step floor (serving_host_ms), and one API process per simulated unit (the TP-1
+profile's api_cost_ms) admits its requests and delivers its tokens, as in `pdserve simulate`
+(--no-serving-overhead: none of them); no scaling flag changes them (host work: HTTP, the
+router, IPC, SSE, output processing). A deployment of several copies of a unit is planned as
+copies each with its own `pdserve serve` front.
 """
 from __future__ import annotations
 
@@ -286,7 +289,8 @@ class Planner:
     min_rate: float = 2.0 ** -6
     max_rate: float = 2.0 ** 14
     serving_overhead: bool = True   # requests reach the router the profile's overhead late,
-    #                                 and steps take at least its served-step floor
+    #                                 steps take at least its served-step floor, and one API
+    #                                 process admits requests and delivers tokens
     # (candidate, k) -> that run's RequestResults (token gaps dropped); share one dict only
     # among planners of the same profiles, requests, engine options and serving overhead
     # (e.g. other SLOs)
@@ -324,6 +328,11 @@ class Planner:
         """What a request spends before the router in every run (simulate's rule)."""
         return self.profiles[1].serving_overhead_ms if self.serving_overhead else 0.0
 
+    @property
+    def api_cost_ms(self) -> dict:
+        """The API process's costs in every run (simulate's rule; {}: none)."""
+        return dict(self.profiles[1].api_cost_ms) if self.serving_overhead else {}
+
     def rate(self, k: int) -> float:
         return 2.0 ** (k / self.steps_per_doubling)
 
@@ -350,7 +359,7 @@ class Planner:
         sim = Simulator(u.deployment, profiles, config, self.num_kv_blocks, max_len,
                         self._policy(cand, profiles),
                         serving_overhead_ms=self.serving_overhead_ms,
-                        serving_floor=self.serving_overhead)
+                        serving_floor=self.serving_overhead, api_cost_ms=self.api_cost_ms)
         offsets = arrival_times(len(reqs), rate, self.burstiness, self.seed)
         res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])
         self.num_simulations += 1
@@ -558,7 +567,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
                         "source": a.profile, "tp_sizes": sorted(profs), **scale,
                         "serving_overhead_ms": planner.serving_overhead_ms,
                         "serving_host_ms": (dict(base.serving_host_ms)
-                                            if a.serving_overhead else {})},
+                                            if a.serving_overhead else {}),
+                        "api_cost_ms": planner.api_cost_ms},
             "workload": {k: getattr(a, k) for k in _WORKLOAD},
             "best": rows[0], "candidates": rows,
             "search": {"simulations": planner.num_simulations,

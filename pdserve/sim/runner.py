@@ -122,6 +122,9 @@ class CostModelRunner:
         self.last_moves = 0        # blocks the last step moved (a step of moves only progressed)
         # per sequence: when each of its tokens was sampled (the end of its step), in order
         self.token_times: dict[str, list[float]] = {}
+        # the sequences the last step sampled a token for, in the step's chunk order (forks
+        # last): what the simulator's API process streams when the step ends
+        self.last_sampled: list[str] = []
 
     def step_ms(self, sched: SchedulerOutput) -> float:
         """The simulated duration of `sched` (ms): its cost (device_ms), or the served-step
@@ -168,6 +171,7 @@ class CostModelRunner:
         for nr in sched.new_requests:
             self._prompt_len[nr.request_id] = len(nr.prompt_token_ids)
         now = self.clock.t
+        self.last_sampled = []
         work = sched.kv_work
         if work is not None and work.loads:
             self._start_loads(work.loads, now)
@@ -201,10 +205,12 @@ class CostModelRunner:
         self._gpu_times[sched.step_id] = dev
         tok = self.token
         times = self.token_times
+        sampled = self.last_sampled
         out = {}
         for c in sched.chunks:
             if c.sample:
                 out[c.request_id] = tok
+                sampled.append(c.request_id)
                 t = times.get(c.request_id)
                 if t is None:
                     times[c.request_id] = [end]
@@ -212,6 +218,7 @@ class CostModelRunner:
                     t.append(end)
         for f in sched.forks:
             out[f.request_id] = tok
+            sampled.append(f.request_id)
             times.setdefault(f.request_id, []).append(end)
         return out
 

@@ -11,9 +11,10 @@ placing each request; time is simulated.
         loads_done (KV pulls that ended), flush_handoffs ─> Send to decode workers
     Release ─> release_kv on the producer; Abort ─> abort_request
 
-Token times: every token reaches the client when its step ends; the runners record those times
-per sequence (P/D: the first on the prefill worker, the rest on the decode worker), so the
-requests go to the router core final-only (a load-aware policy still follows every token).
+Token times: every token reaches the client when its step ends (with an API model: when the API
+process has delivered it, below); the runners record the step ends per sequence (P/D: the
+first on the prefill worker, the rest on the decode worker), so the requests go to the router
+core final-only (a load-aware policy still follows every token).
 Streaming every token through the router core gives the same runs, slower.
 
 The serving path (HTTP, the API, IPC to and from the worker, SSE, the client: the profile's
@@ -25,6 +26,17 @@ again.) The same serving path spends host work on every step of the served engin
 processing, streaming each sequence's token: the profile's serving_host_ms, measured on b
 requests at once): with serving_floor on, a step of s sequences takes at least
 served_step_floor_ms(s) (runner.py).
+
+The serving front's own CPU (api_cost_ms given: the profile's, measured on the `pdserve serve`
+process): one API process for the whole deployment, a FIFO server of CPU work on the simulated
+clock (api_process.py). Then a request's arrival is an event of its own: at its arrival time it
+queues its admission on the API, and reaches the router when that is done plus what the
+overhead holds beyond it (ApiProcess.admit). When a step ends, each token it sampled queues
+its delivery on the API at the step's end, before the step's outputs reach the router core
+(so a conversation's next turn leaves when its answer's last token is delivered); the client's
+token times (TTFT, ITL, e2e, a request's completion) are the deliveries. Since every event is
+handled at its time and in time order, the API sees its work in time order: admissions and
+deliveries delay each other as in one Python process. The engine is not held back by it.
 
 Events are ordered by time, then by the order they were made (a heap; deterministic). A worker
 runs one step at a time; between steps it takes what the router sent it meanwhile (as a
@@ -60,12 +72,19 @@ from ..protocol import AddRequest, WorkerStats
 from ..routing import actions as act
 from ..routing.router_core import RouterCore
 from ..sampling_params import SamplingParams
+from .api_process import ApiProcess
 from .runner import SIM_TOKEN_ID, CostModelRunner, SimClock
 
 # multi-turn with retokenized answers: an answer comes back in the next turn's history as one
 # token more than it had, all of this id (any id but the engine's own, SIM_TOKEN_ID): a text
 # tokenized again rarely keeps its ids, its count, or the block alignment of what follows
 RETOKENIZED_ID = SIM_TOKEN_ID + 1
+
+# the loop's events, in the heap as (time, order made, kind, arg)
+_ADD = 0            # requests reach the router core
+_STEP_END = 1       # a worker's step ended
+_WAKE = 2           # a worker wakes for its KV loads
+_ADMIT = 3          # a request reaches the API process (with an API model)
 
 _PART = re.compile(r"(\d+)([PDC])", re.IGNORECASE)
 _ROLE = {"P": "prefill", "D": "decode", "C": "collocated"}
@@ -196,7 +215,9 @@ class Simulator:
     serving_overhead_ms: the time from a request's arrival to the router (the module docstring;
     a profile's serving_overhead_ms; 0: arrivals reach the router at once). serving_floor: every
     worker's steps take at least its profile's served-step floor (runner.py; off: the steps'
-    costs alone).
+    costs alone). api_cost_ms: the serving front's CPU costs (a profile's api_cost_ms), one API
+    process for the whole deployment that admits requests and delivers tokens (the module
+    docstring; {} or None: none, tokens reach the client when their step ends).
 
     num_host_blocks: each worker's KV host tier (0: none), as a served worker's --swap-space
     gives it: the real engine offloads, loads back and swaps as it would, and its stats carry
@@ -210,7 +231,8 @@ class Simulator:
                  num_kv_blocks: int, max_model_len: int, policy, vocab_size: int = 32000,
                  *, pipelined_pickup: bool = False, serving_overhead_ms: float = 0.0,
                  num_host_blocks: int = 0, retokenized_answers: bool = False,
-                 host_copy_gb_per_s: float = 0.0, serving_floor: bool = False):
+                 host_copy_gb_per_s: float = 0.0, serving_floor: bool = False,
+                 api_cost_ms: Mapping[str, float] | None = None):
         if "default" not in profiles and any(r not in profiles for _, r in deployment.workers()):
             raise ValueError("profiles: give a 'default' profile or one per role")
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
@@ -224,6 +246,8 @@ class Simulator:
         if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
             raise ValueError(f"serving_overhead_ms must be a finite number >= 0, got {o!r}")
         self.serving_overhead_s = float(o) / 1e3
+        self.api = ApiProcess(api_cost_ms) if api_cost_ms else None
+        self._delivered: dict[str, list[float]] = {}   # per sequence: its tokens' deliveries
         # multi-turn: the next turn carries each answer as RETOKENIZED_ID tokens, not the
         # engine's (SIM_TOKEN_ID): what a served run sends when the answer's text tokenizes
         # back to other ids (and another count)
@@ -312,15 +336,23 @@ class Simulator:
     def _arrive(self, rid: str, prompt: Sequence[int], output_len: int, at: float,
                 turn: tuple[int, int, list[int]] | None = None) -> None:
         p = dataclasses.replace(self._base, max_tokens=int(output_len))
+        self._tracks[rid] = _Track(at, turn=turn)
+        if self.api is None:
+            reach = at + self.serving_overhead_s
+            self._push(reach, _ADD, self._add_request(rid, prompt, p, reach))
+        else:   # (its admission queues on the API at its arrival, in time order)
+            self._push(at, _ADMIT, (rid, prompt, p))
+
+    @staticmethod
+    def _add_request(rid: str, prompt: Sequence[int], p: SamplingParams,
+                     reach: float) -> AddRequest:
         # final-only: the user's outputs come when a request ends (a load-aware policy still
         # follows every token: the router core streams them to itself); each token's time is
-        # its step's end, which the runners record (what a streaming client sees)
+        # its step's end, which the runners record (what a streaming client sees), or its
+        # delivery by the API process
         # (the router stamps a request when it gets it, as the server's does)
-        reach = at + self.serving_overhead_s
-        req = AddRequest(rid, {"prompt_token_ids": list(prompt)}, p, final_only=True,
-                         arrival_time=reach)
-        self._tracks[rid] = _Track(at, turn=turn)
-        self._push(reach, 0, req)
+        return AddRequest(rid, {"prompt_token_ids": list(prompt)}, p, final_only=True,
+                          arrival_time=reach)
 
     def _send_turn(self, i: int, k: int, history: list[int], at: float) -> None:
         c = self._convs[i]
@@ -332,6 +364,7 @@ class Simulator:
         ends = [x.latency + x.start for x in results if x.success]
         duration = max(ends) - first_arrival if ends else 0.0
         facts = self._facts(time.perf_counter() - wall0)
+        facts["api"] = self.api.facts(duration) if self.api is not None else None
         facts["cpu_s"] = time.process_time() - cpu0
         return SimResult(results, duration, facts)
 
@@ -341,14 +374,18 @@ class Simulator:
             t, _, kind, arg = heapq.heappop(heap)
             self.now = t
             self.num_events += 1
-            if kind == 0:           # arrival(s): every request of this instant in one add
+            if kind == _ADD:        # every request reaching the router now, in one add
                 batch = [(arg, None)]
-                while heap and heap[0][0] == t and heap[0][2] == 0:
+                while heap and heap[0][0] == t and heap[0][2] == _ADD:
                     batch.append((heapq.heappop(heap)[3], None))
                     self.num_events += 1
                 self._do(self.router.add(batch))
-            elif kind == 1:         # a worker's step ended
-                self._step_ended(arg[0], arg[1])
+            elif kind == _STEP_END:
+                self._step_ended(*arg)
+            elif kind == _ADMIT:
+                rid, prompt, p = arg
+                reach = self.api.admit(t, len(prompt), self.serving_overhead_s)
+                self._push(reach, _ADD, self._add_request(rid, prompt, p, reach))
             else:                   # a worker wakes for its KV loads
                 w = arg
                 if w.wake_at == t:
@@ -374,7 +411,7 @@ class Simulator:
         outs = w.core.step()
         if w.core.last_step_ran:
             w.busy = True
-            self._push(w.clock.t, 1, (w, outs))
+            self._push(w.clock.t, _STEP_END, (w, outs, w.runner.last_sampled))
             if w.deferred:              # scheduled after this step's launch: the next one
                 self._flush_deferred(w)
             return
@@ -388,15 +425,18 @@ class Simulator:
         nxt = w.runner.next_load_done()
         if nxt is not None and w.wake_at != nxt:
             w.wake_at = max(nxt, self.now)
-            self._push(w.wake_at, 2, w)
+            self._push(w.wake_at, _WAKE, w)
 
     def _flush_deferred(self, w: SimWorker) -> None:
         sends, w.deferred = w.deferred, []
         for a in sends:
             self._do(self.router.accepted(a.batch, w.core.add_requests(a.requests)))
 
-    def _step_ended(self, w: SimWorker, outs: list[RequestOutput]) -> None:
+    def _step_ended(self, w: SimWorker, outs: list[RequestOutput], sampled: list[str]) -> None:
         w.busy = False
+        if self.api is not None:    # (before the outputs: a finished answer's last token too)
+            for seq in sampled:
+                self._delivered.setdefault(seq, []).append(self.api.deliver(self.now))
         self._collect(w, outs)
         self._dirty[w.name] = w
 
@@ -463,20 +503,26 @@ class Simulator:
             tr.cached = out.num_cached_tokens
             if out.error or o.finish_reason == "abort":
                 tr.error = out.error or "aborted"
-            elif tr.turn is not None:   # the next turn goes now, when this answer has ended
+            elif tr.turn is not None:   # the next turn goes when the client has the answer
                 i, k, prompt = tr.turn
                 if k + 1 < len(self._convs[i].user_messages):
                     answer = [RETOKENIZED_ID] * (len(o.token_ids) + 1) \
                         if self.retokenized_answers else list(o.token_ids)
-                    self._send_turn(i, k + 1, prompt + answer, self.now)
+                    seen = self._delivered.get(f"{out.request_id}#0")
+                    self._send_turn(i, k + 1, prompt + answer,
+                                    seen[-1] if self.api is not None and seen else self.now)
 
     def _token_times(self) -> None:
-        """Each finished request's token times from the runners (P/D: its first token from the
-        prefill worker, the rest from the decode worker; in order)."""
+        """Each finished request's token times: their deliveries by the API process, or without
+        one the runners' (P/D: its first token from the prefill worker, the rest from the
+        decode worker; in order)."""
         times: dict[str, list[float]] = {}
-        for w in self.workers.values():
-            for seq, ts in w.runner.token_times.items():
-                times.setdefault(seq, []).extend(ts)
+        if self.api is not None:
+            times = self._delivered
+        else:
+            for w in self.workers.values():
+                for seq, ts in w.runner.token_times.items():
+                    times.setdefault(seq, []).extend(ts)
         for rid, tr in self._tracks.items():
             ts = sorted(times.get(f"{rid}#0", ()))
             if not tr.done or tr.error or not ts:

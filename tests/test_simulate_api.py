@@ -1,0 +1,204 @@
+"""The simulated API process (pdserve/sim/api_process.py): one FIFO server of CPU work in front
+of every worker, admitting each request and delivering each token. Every expectation is worked
+by hand from the profile's formulas (test_simulate.profile: prefill 2 + 0.01 n ms, decode
+5 + 0.1 min(b, 8) + 0.05 max(0, b - 8) + 0.001 S ms) and the API's costs: admission a =
+per_request_ms + per_prompt_token_ms * prompt tokens, delivery c = per_output_token_ms per
+token, a step's tokens delivered in its chunk order (here: the order the requests arrived)."""
+import json
+
+import numpy as np
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.sim import SimConversation, SimRequest, Simulator, parse_deployment
+from pdserve.sim.api_process import ApiProcess
+from pdserve.sim.cli import main as simulate_main
+
+from .test_simulate import profile, prompts
+
+
+def api(per_request=0.0, per_prompt_token=0.0, per_output_token=0.0):
+    return {"per_request_ms": per_request, "per_prompt_token_ms": per_prompt_token,
+            "per_output_token_ms": per_output_token}
+
+
+def sim(cost, dep="1C", overhead_ms=0.0, policy=None):
+    dep = parse_deployment(dep)
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, block_size=16,
+                       enable_prefix_caching=False)
+    return Simulator(dep, {"default": profile()}, cfg, 4096, 8192,
+                     policy or ("disagg" if dep.prefill else "collocated"),
+                     serving_overhead_ms=overhead_ms, api_cost_ms=cost)
+
+
+def watch_router(s):
+    """(simulated time, arrival_time stamped) of each request as the router core gets it."""
+    seen = []
+    add = s.router.add
+
+    def spy(batch):
+        seen.extend((s.now, req.arrival_time) for req, _ in batch)
+        return add(batch)
+    s.router.add = spy
+    return seen
+
+
+def ms(xs):
+    return [x * 1e3 for x in xs]
+
+
+def test_a_burst_of_admissions_queues_on_the_one_api():
+    """4 requests of 100 prompt tokens at t = 0, a = 1 + 0.01 * 100 = 2 ms each: the k-th
+    (from 1) reaches the router at 2k ms, having waited 2 (k - 1) ms for the API. With a 5 ms
+    serving overhead the router also waits for what the overhead holds beyond a + c (c = 0.5):
+    2k + 2.5 ms. Busy 8 ms of admissions plus 4 x 2 token deliveries (2 output tokens each)."""
+    for o, extra in ((0.0, 0.0), (5.0, 2.5)):
+        s = sim(api(1.0, 0.01, 0.5), overhead_ms=o)
+        seen = watch_router(s)
+        res = s.run([SimRequest(p, 2, 0.0) for p in prompts(4, 100)])
+        assert all(r.success for r in res.results)
+        want = [2.0 * k + extra for k in (1, 2, 3, 4)]
+        assert [t * 1e3 for t, _ in seen] == pytest.approx(want, abs=1e-9)
+        assert [t * 1e3 for _, t in seen] == pytest.approx(want, abs=1e-9)   # (stamped then)
+        f = res.facts["api"]
+        assert f["admissions"] == 4 and f["tokens"] == 8
+        assert f["admission_wait_ms_mean"] == pytest.approx(3.0)
+        assert f["admission_wait_ms_max"] == pytest.approx(6.0)
+        assert f["busy_s"] * 1e3 == pytest.approx(8.0 + 8 * 0.5)
+        assert f["cost_ms"] == api(1.0, 0.01, 0.5)
+
+
+def test_one_steps_tokens_are_delivered_one_after_another():
+    """4 requests of 10 tokens at t = 0, free admission, c = 0.5 ms: one prefill step of 40
+    tokens (2.4 ms) samples 4 first tokens, delivered 0.5, 1.0, 1.5, 2.0 ms after it; the API
+    is idle again (4.4 ms) before the first decode step ends (2.4 + 5 + 0.4 + 0.001 * 4 * 11 =
+    7.844 ms), so each ITL is that step's 5.444 ms, as without the API."""
+    s = sim(api(per_output_token=0.5))
+    res = s.run([SimRequest(p, 2, 0.0) for p in prompts(4, 10, seed=1)])
+    assert ms(r.ttft for r in res.results) == pytest.approx([2.9, 3.4, 3.9, 4.4], abs=1e-9)
+    assert ms(r.latency for r in res.results) == pytest.approx(
+        [7.844 + 0.5 * k for k in (1, 2, 3, 4)], abs=1e-9)
+    for r in res.results:
+        assert ms(r.itl) == pytest.approx([5.444], abs=1e-9)
+    f = res.facts["api"]
+    assert f["delivery_lag_ms_mean"] == pytest.approx(1.25)
+    assert f["delivery_lag_ms_max"] == pytest.approx(2.0)
+
+
+def test_a_lagging_api_delays_tokens_but_not_the_engine():
+    """The same 4 requests, 3 tokens each, c = 2 ms: 8 ms of deliveries per step, longer than
+    a step. Steps end at 2.4, 7.844 and 7.844 + 5 + 0.4 + 0.048 = 13.292 ms (the engine's own
+    times: the worker is busy 13.292 ms); the API delivers step 1 at 4.4, 6.4, 8.4, 10.4, then
+    step 2 from 10.4 (12.4 .. 18.4), step 3 from 18.4 (20.4 .. 26.4). The run ends at 26.4 ms,
+    the API busy 24 of them."""
+    s = sim(api(per_output_token=2.0))
+    res = s.run([SimRequest(p, 3, 0.0) for p in prompts(4, 10, seed=1)])
+    steps = [2.4, 7.844, 13.292]
+    seen = [[steps[0] + 2 + 2 * j, 10.4 + 2 + 2 * j, 18.4 + 2 + 2 * j] for j in range(4)]
+    for r, times in zip(res.results, seen):
+        assert r.ttft * 1e3 == pytest.approx(times[0], abs=1e-9)
+        assert ms(r.itl) == pytest.approx(np.diff(times).tolist(), abs=1e-9)
+        assert r.latency * 1e3 == pytest.approx(times[-1], abs=1e-9)
+    assert res.facts["workers"]["c0"]["busy_s"] * 1e3 == pytest.approx(13.292, abs=1e-9)
+    assert res.duration * 1e3 == pytest.approx(26.4, abs=1e-9)
+    lags = [t - steps[k] for times in seen for k, t in enumerate(times)]
+    f = res.facts["api"]
+    assert f["delivery_lag_ms_mean"] == pytest.approx(np.mean(lags), abs=1e-9)
+    assert f["delivery_lag_ms_max"] == pytest.approx(26.4 - 13.292, abs=1e-9)
+    assert f["busy_s"] * 1e3 == pytest.approx(24.0) and f["utilization"] == pytest.approx(
+        24.0 / 26.4)
+
+
+def test_an_admission_after_a_step_waits_for_that_steps_deliveries():
+    """a = 1 ms, c = 3 ms, 100-token prompts, 2 output tokens. A at 0: admitted 0-1 ms,
+    prefill 1-4 ms, its first token delivered 4-7 ms. B arrives at 5 ms, while the API still
+    delivers A's token: admitted 7-8 ms, so it reaches the router at 8 ms (not 6). A's decode
+    step (4 to 4 + 5.201 = 9.201 ms) is delivered 9.201-12.201; B's prefill runs after it,
+    9.201-12.201, its token delivered 12.201-15.201 and its decode (12.201-17.402) at 20.402."""
+    s = sim(api(1.0, 0.0, 3.0))
+    seen = watch_router(s)
+    a, b = s.run([SimRequest(p, 2, t) for p, t in zip(prompts(2, 100, seed=2),
+                                                       (0.0, 0.005))]).results
+    assert [t * 1e3 for t, _ in seen] == pytest.approx([1.0, 8.0], abs=1e-9)
+    assert (a.ttft * 1e3, a.latency * 1e3) == pytest.approx((7.0, 12.201), abs=1e-9)
+    assert (b.ttft * 1e3, b.latency * 1e3) == pytest.approx((15.201 - 5, 20.402 - 5), abs=1e-9)
+
+
+@pytest.mark.parametrize("o,ttft", [(7.5, 7.5 + 3.0), (1.0, 2.0 + 0.5 + 3.0)])
+def test_a_lone_request_keeps_the_measured_ttft(o, ttft):
+    """The overhead o was measured on a lone request and holds its admission (a = 1 + 0.01 *
+    100 = 2 ms) and its first token's delivery (c = 0.5 ms): TTFT = max(o, a + c) + the 3 ms
+    prefill. ITLs are the decode steps (the API keeps up). A conversation's next turn leaves
+    when its answer's last token is delivered."""
+    cost = api(1.0, 0.01, 0.5)
+    r = sim(cost, overhead_ms=o).run([SimRequest(prompts(1, 100)[0], 4, 0.3)]).results[0]
+    assert r.ttft * 1e3 == pytest.approx(ttft, abs=1e-9)
+    assert ms(r.itl) == pytest.approx([profile().decode_ms(1, 100 + k) for k in (1, 2, 3)],
+                                      abs=1e-9)
+    p = prompts(2, 50)
+    r1, r2 = sim(cost, overhead_ms=o).run_conversations(
+        [SimConversation(0.0, [], [p[0], p[1]], [3, 3])]).results
+    assert r2.start == pytest.approx(r1.start + r1.latency, abs=1e-12)
+
+
+@pytest.mark.parametrize("dep,policy", [("2C", "round-robin"), ("1P1D", "disagg")])
+def test_several_workers_share_one_api(dep, policy):
+    """2C: two 100-token requests at 0 go to the two workers, whose prefills (3 ms) end
+    together; one API delivers their first tokens c = 0.5 and 1.0 ms after. 1P1D: one request,
+    its first token from the prefill worker and the rest from the decode worker all through
+    the same API (3 tokens delivered, each 0.5 ms after its step: the API keeps up)."""
+    s = sim(api(per_output_token=0.5), dep, policy=policy)
+    if dep == "2C":
+        res = s.run([SimRequest(p, 2, 0.0) for p in prompts(2, 100, seed=3)])
+        assert {w["steps"] for w in res.facts["workers"].values()} == {2}
+        assert sorted(ms(r.ttft for r in res.results)) == pytest.approx([3.5, 4.0], abs=1e-9)
+        assert res.facts["api"]["tokens"] == 4
+    else:
+        res = s.run([SimRequest(prompts(1, 100)[0], 3, 0.0)])
+        (r,) = res.results
+        assert r.success and res.facts["api"]["tokens"] == 3
+        assert res.facts["api"]["delivery_lag_ms_max"] == pytest.approx(0.5)
+        plain = sim(None, dep, policy=policy).run([SimRequest(prompts(1, 100)[0], 3, 0.0)])
+        assert r.ttft == pytest.approx(plain.results[0].ttft + 0.5e-3, abs=1e-12)
+        assert r.itl == pytest.approx(plain.results[0].itl, abs=1e-12)
+
+
+def test_the_api_queue_refuses_work_out_of_time_order_and_bad_costs():
+    q = ApiProcess(api(1.0, 0.0, 0.5))
+    assert q.admit(1.0, 10, 0.0) == pytest.approx(1.001)
+    with pytest.raises(RuntimeError, match="time order"):
+        q.deliver(0.5)
+    with pytest.raises(ValueError, match="needs exactly"):
+        ApiProcess({"per_request_ms": 1.0})
+    with pytest.raises(ValueError, match="per_output_token_ms must be a finite number >= 0"):
+        ApiProcess(api(1.0, 0.0, -0.5))
+
+
+def test_no_serving_overhead_turns_the_api_off_too(tmp_path, capsys):
+    """A profile with an overhead (7.5 ms), a floor and API costs (a = 2 ms for 100 tokens, c
+    = 0.5 ms): 5 requests of 100 prompt and 4 output tokens at once. Without the serving path
+    they run as the bare steps: TTFT 2 + 0.01 * 500 = 7 ms (one prefill step of 500 tokens);
+    with it, the first admissions queue (2 ms each: the k-th reaches the router at 2k + 5 ms)
+    and the file says which API model ran and what it did; off, none ("api": null)."""
+    prof = profile(serving_overhead_ms=7.5, serving_host_ms={"fixed_ms": 0.0, "per_seq_ms": 0.0},
+                   api_cost_ms=api(1.0, 0.01, 0.5))
+    path = str(prof.save(tmp_path / "p.json"))
+    runs = {}
+    for flag in ("--serving-overhead", "--no-serving-overhead"):
+        out = str(tmp_path / f"{flag}.json")
+        assert simulate_main(["--profile", path, "--num-prompts", "5", "--request-rate", "inf",
+                              "--random-input-len", "100", "--random-output-len", "4",
+                              "--no-enable-prefix-caching", flag, "--result-file", out]) == 0
+        runs[flag] = json.load(open(out))
+    on, off = runs["--serving-overhead"], runs["--no-serving-overhead"]
+    assert on["profile"]["api_cost_ms"] == api(1.0, 0.01, 0.5)
+    assert off["profile"]["api_cost_ms"] == {} and off["simulation"]["api"] is None
+    assert off["ttfts"] == pytest.approx([7e-3] * 5, abs=1e-12)
+    a = on["simulation"]["api"]
+    assert a["admissions"] == 5 and a["tokens"] == 20 and a["busy_s"] == pytest.approx(0.02)
+    assert a["admission_wait_ms_max"] == pytest.approx(8.0)
+    assert min(on["ttfts"]) > 7.5e-3 + 3e-3
+    out = capsys.readouterr().out
+    assert "one API process: 1.000 ms + 0.01000 ms per prompt token" in out
+    assert "API process: busy 0.020 s" in out
+    assert "no API process model" in out
