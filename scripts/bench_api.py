@@ -10,7 +10,9 @@ serve's client (rate inf) and reads the child's CPU from /proc (Linux).
 What it leaves out: the worker process and the ZMQ channel (the real client's I/O thread
 receives and decodes each step's outputs: a part of the API process's CPU that this does not
 count). --profile FILE: py-spy (if installed) records the child during the last rep, raw
-stacks to FILE.
+stacks to FILE. The child's loop and HTTP implementation: BENCH_API_LOOP=uvloop (else
+asyncio's), BENCH_API_HTTP=httptools (else h11; `pdserve serve`'s --loop / --http);
+BENCH_API_CPROFILE=FILE: cProfile of the child (the event loop's thread) to FILE.
 """
 from __future__ import annotations
 
@@ -115,9 +117,13 @@ def child(port: int, step_ms: float) -> None:
     async def serve():
         engine = AsyncEngine(FakeEngine(step_ms / 1e3), asyncio.get_running_loop())
         app = build_app(engine, "fake", ServeOptions(log_stats_interval_s=None), {})
-        await uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                            log_level="warning")).serve()
-    asyncio.run(serve())
+        await uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                            http=os.environ.get("BENCH_API_HTTP", "h11"))).serve()
+    if os.environ.get("BENCH_API_LOOP") == "uvloop":
+        import uvloop
+        uvloop.run(serve())
+    else:
+        asyncio.run(serve())
 
 
 # ---- the parent -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -117,6 +117,29 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
            rm -f "$OUT/metrics-before.txt" "$OUT/cpu-before.json"
            python3 scripts/bundle_results.py "$OUT/serve-steps.json" "$OUT"/serve-steps-*.json
            kill -TERM %1; wait;;
+    serve-loops) # the API process on asyncio's loop + h11 against uvloop + httptools (--loop /
+           # --http; the default, auto, takes the second where installed: .whl carries them),
+           # one server after the other: the serve stage's workload at LOOP_RATES, the API
+           # process's CPU around each run (proc_cpu)
+           for side in ${LOOP_SIDES:-asyncio:h11 auto:auto}; do
+             IFS=: read lp hp <<< "$side"
+             python3 -m pdserve serve ${API_SERVER_ARGS:---model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
+               --device cuda --gpu-memory-utilization 0.8} --port 8000 --no-enable-prefix-caching \
+               --loop $lp --http $hp > "$OUT/serve-loops-$lp.log" 2>&1 &
+             spid=$!
+             wait_up $spid || { tail -5 "$OUT/serve-loops-$lp.log"; continue; }
+             for rate in ${LOOP_RATES:-32 inf}; do
+               python3 scripts/proc_cpu.py $spid > "$OUT/cpu-before.json"
+               python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 \
+                 ${API_WORKLOAD:---random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 --vocab-size 151936} \
+                 --num-prompts ${SERVE_PROMPTS:-150} --request-rate $rate --goodput ttft:500 tpot:50 --disable-tqdm \
+                 --result-file "$OUT/loops-$lp-$rate.json" 2>&1 | tail -2
+               python3 scripts/proc_cpu.py $spid --since "$OUT/cpu-before.json" --attach "$OUT/loops-$lp-$rate.json"
+             done
+             kill -TERM $spid; wait $spid
+           done
+           rm -f "$OUT/cpu-before.json"
+           python3 scripts/bundle_results.py "$OUT/serve-loops.json" "$OUT"/loops-*.json;;
     profile-api) # issue 18: where the API process's CPU (93% of a core at rate inf on the H100,
            # 3832858) and the worker's go at overload: py-spy (carried in .whl: the wheels stage
            # installs it to /tmp/site/bin) samples both during the serve stage's rate-inf run

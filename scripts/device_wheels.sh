@@ -15,5 +15,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   aiohappyeyeballs aiosignal frozenlist multidict yarl propcache attrs pydantic \
   "pydantic_core==${PYDANTIC_CORE:-2.50.5}" annotated-types typing-inspection anyio sniffio pytest pytest-timeout pluggy iniconfig \
   hypothesis sortedcontainers idna typing_extensions annotated-doc opentelemetry-api llguidance \
-  py-spy
+  py-spy uvloop httptools
 du -sh .whl

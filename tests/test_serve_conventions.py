@@ -280,3 +280,25 @@ def test_request_phases_from_the_engines_times():
         assert metric_value(text, f"pdserve:request_{name}_time_seconds_sum") == total
     # a request that ended before it was scheduled (no "scheduled") observes no phases
     assert request_phases({"arrival": 1.0, "first_token": 2.0, "finished": 3.0}) is None
+
+
+def test_the_event_loop_flag_picks_the_loop(monkeypatch):
+    """--loop: asyncio runs asyncio's own loop; auto and uvloop run uvloop's (a dependency on
+    this platform); uvloop when it cannot be imported is a ValueError, auto falls back."""
+    import sys
+
+    from pdserve.server.main import parse_args, run_loop
+
+    async def kind():
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+    assert run_loop(kind(), "asyncio") == "asyncio"
+    assert run_loop(kind(), "auto") == "uvloop"
+    assert run_loop(kind(), "uvloop") == "uvloop"
+    monkeypatch.setitem(sys.modules, "uvloop", None)       # (import uvloop raises ImportError)
+    assert run_loop(kind(), "auto") == "asyncio"
+    coro = kind()
+    with pytest.raises(ValueError, match="uvloop is not installed"):
+        run_loop(coro, "uvloop")
+    coro.close()
+    a = parse_args(["--loop", "asyncio", "--http", "h11"])
+    assert (a.loop, a.http) == ("asyncio", "h11")
