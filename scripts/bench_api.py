@@ -29,13 +29,7 @@ import sys
 import time
 import urllib.request
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / TICK
+from pdserve.perf.serving_path import process_cpu_s as cpu_s   # (the profiler's reading)
 
 
 # ---- the child: the app over a fake engine ----------------------------------------------------
