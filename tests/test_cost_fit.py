@@ -356,6 +356,8 @@ BAD = [
     ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0,
                      "per_output_token_ms": 0.08, "per_byte_ms": 1e-6},
      "api_cost_ms has unknown keys ['per_byte_ms']"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0, "per_write_ms": -0.1,
+                     "per_output_token_ms": 0.08}, "api_cost_ms.per_write_ms must be >= 0"),
     ("fit.serving_api", [], "fit.serving_api must be an object"),
 ]
 
@@ -755,6 +757,7 @@ def test_the_device_time_profile_refits_the_floor_on_device_time_decode():
 
 # ---- the API process's CPU ----------------------------------------------------------------------
 API_TRUE = {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4, "per_output_token_ms": 0.08}
+API_FIT = {**API_TRUE, "per_write_ms": 0.0}     # (rows without write counts: per token only)
 
 
 def _api_rows(cost=API_TRUE, seed=None, lengths=(256, 1024, 2048, 4096), batches=(1, 16, 64)):
@@ -781,7 +784,7 @@ def test_the_api_costs_come_back_from_the_phases_cpu():
     rows, A, mu = _api_rows()
     assert mu[0] == pytest.approx(25.824)
     r = fit_serving_api(rows)
-    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
+    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_FIT.items()}
     f = r["fit"]
     assert f["n_samples"] == 7 and f["source"] == "measured" and "note" not in f
     assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 7, abs=1e-9)
@@ -830,7 +833,7 @@ def test_rows_that_cannot_separate_the_costs_give_no_term_and_say_why():
     assert "2 row(s) without a CPU reading" in r["fit"]["note"]
     assert "1 row(s) with no CPU seen" in r["fit"]["note"]
     r = fit_serving_api(rows[:6] + [{**rows[6], "api_cpu_s": None}])
-    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
+    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_FIT.items()}
     assert r["fit"]["n_samples"] == 6 and "1 row(s) without" in r["fit"]["note"]
 
 
@@ -852,8 +855,8 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
     import os
     d = _profile_dict()
     assert CostProfile.from_json(d).api_cost_ms == {}
-    q = CostProfile.from_json({**d, "api_cost_ms": dict(API_TRUE)})
-    assert q.api_cost_ms == API_TRUE and CostProfile.from_json(q.to_dict()) == q
+    q = CostProfile.from_json({**d, "api_cost_ms": dict(API_FIT)})
+    assert q.api_cost_ms == API_FIT and CostProfile.from_json(q.to_dict()) == q
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "bench", "results")
     for path in sorted(glob.glob(os.path.join(root, "profile-*.json"))):
@@ -869,7 +872,7 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
     rows, _, _ = _api_rows()
     p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix, "serving_api": rows},
                              **kw)
-    assert p.api_cost_ms == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
+    assert p.api_cost_ms == {k: pytest.approx(v, rel=1e-9) for k, v in API_FIT.items()}
     assert p.fit["serving_api"]["n_samples"] == 7
     assert refit(CostProfile.from_json(p.to_dict())) == p
     pre, dec, mix = ([{**r, "gpu_ms": r["wall_ms"] / 2} for r in x] for x in (pre, dec, mix))
@@ -878,10 +881,29 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
     dev = device_time_profile(p)
     assert dev.samples["serving_api"] == rows and dev.api_cost_ms == p.api_cost_ms
     # a term set by hand (no rows to refit it from) survives a refit and the device-time view
-    hand = CostProfile.from_json({**base.to_dict(), "api_cost_ms": dict(API_TRUE)})
-    assert refit(hand).api_cost_ms == API_TRUE
+    hand = CostProfile.from_json({**base.to_dict(), "api_cost_ms": dict(API_FIT)})
+    assert refit(hand).api_cost_ms == API_FIT
     assert refit(hand).fit["serving_api"]["source"] == "carried over"
     p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix}, **kw)
-    hand = CostProfile.from_json({**p.to_dict(), "api_cost_ms": dict(API_TRUE)})
+    hand = CostProfile.from_json({**p.to_dict(), "api_cost_ms": dict(API_FIT)})
     dev = device_time_profile(hand)
-    assert dev.api_cost_ms == API_TRUE and dev.fit["serving_api"]["source"] == "carried over"
+    assert dev.api_cost_ms == API_FIT and dev.fit["serving_api"]["source"] == "carried over"
+
+
+def test_a_file_from_before_per_write_loads_with_per_write_0(tmp_path):
+    """api_cost_ms as files wrote it before per_write_ms (three keys: every token costed
+    alone) loads with per_write_ms 0, which means the same (a write of k tokens: 0 + 0.08 k
+    ms); saved again it has the four keys. Two keys, or the four less another, are refused."""
+    d = _profile_dict()
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**d, "api_cost_ms": dict(API_TRUE)}))
+    p = CostProfile.from_json(path)
+    assert p.api_cost_ms == {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4,
+                             "per_write_ms": 0.0, "per_output_token_ms": 0.08}
+    assert CostProfile.from_json(p.to_dict()) == p
+    assert json.loads(open(p.save(tmp_path / "new.json")).read())["api_cost_ms"] == p.api_cost_ms
+    no_prompt = {k: v for k, v in API_FIT.items() if k != "per_prompt_token_ms"}
+    with pytest.raises(ValueError, match="api_cost_ms.per_prompt_token_ms is missing"):
+        CostProfile.from_json({**d, "api_cost_ms": no_prompt})
+    with pytest.raises(ValueError, match="api_cost_ms.per_write_ms is missing"):
+        CostProfile(**{**CostProfile.from_json(d).__dict__, "api_cost_ms": dict(API_TRUE)})

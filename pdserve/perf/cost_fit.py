@@ -507,8 +507,9 @@ def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
                      "predicted_ms": round(float(_api_design([r])[0] @ c), 4)} for r in used]
     if left_out:
         info["note"] = "; ".join(left_out)
-    return {"api_cost_ms": {k: float(v) for k, v in zip(
-        ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms"), c)}, "fit": info}
+    # (no write counts in these rows: every token costed alone, as before per_write_ms)
+    return {"api_cost_ms": {"per_write_ms": 0.0, **{k: float(v) for k, v in zip(
+        ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms"), c)}}, "fit": info}
 
 
 # ---- all terms ----------------------------------------------------------------------------------

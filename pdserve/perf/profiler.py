@@ -521,6 +521,7 @@ def table(p: CostProfile) -> str:
             ("serving_api", "api_cost_ms.per_request_ms", p.api_cost_ms.get("per_request_ms")),
             ("serving_api", "api_cost_ms.per_prompt_token_ms",
              p.api_cost_ms.get("per_prompt_token_ms")),
+            ("serving_api", "api_cost_ms.per_write_ms", p.api_cost_ms.get("per_write_ms")),
             ("serving_api", "api_cost_ms.per_output_token_ms",
              p.api_cost_ms.get("per_output_token_ms"))):
         if term in p.fit and value is not None:
