@@ -140,6 +140,7 @@ def test_a_lagging_api_joins_a_streams_next_token_into_its_pending_write():
     assert f["busy_s"] * 1e3 == pytest.approx(21.0, abs=1e-9)
     assert (f["tokens"], f["writes"]) == (12, 10)
     assert f["delivery_lag_ms_max"] == pytest.approx(23.4 - 13.292, abs=1e-9)
+    assert f["queue_end_after_last_delivery_ms"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_a_token_joins_only_its_own_streams_write_and_only_before_it_starts():
@@ -156,6 +157,8 @@ def test_a_token_joins_only_its_own_streams_write_and_only_before_it_starts():
     assert q.free_at * 1e3 == pytest.approx(7.0, abs=1e-9)
     assert (q.writes, q.tokens, q.open_streams) == (4, 6, 2)
     assert q.busy_s * 1e3 == pytest.approx(4 * 1.5 + 2 * 0.5, abs=1e-9)
+    # (the two joined tokens' 0.5 ms each, charged after the last delivery at 6.0 ms)
+    assert q.facts(7e-3)["queue_end_after_last_delivery_ms"] == pytest.approx(1.0, abs=1e-9)
     q.close("a")
     assert q.deliver(3.0e-3, "a") * 1e3 == pytest.approx(8.5, abs=1e-9)
     assert q.writes == 5

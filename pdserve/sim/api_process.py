@@ -29,13 +29,19 @@ for the API. A token of stream s sampled at t:
                                  write; s2's has not: its token joins it (delivered at its
                                  end) and charges c at the end of the queue
 
-A request's first token has no write to join: it is a write of its own, as in the server. The
-charge for a joined token lands at the end of the queue, not in its write: an approximation.
-In the server the write would grow by c_t and push back what was queued after it; here that
-write and the items queued between it and the end are not shifted, so each ends up to c_t
-early per token joined at or before it (small while c_t is small beside w; the API's busy
-time and when its queue empties are exact). A stream's state (its last write) is dropped when
-its request ends (close).
+A request's first token has no write to join: it is a write of its own, as in the server.
+
+The charge for a joined token lands at the end of the queue, not in its write: an
+approximation. In the server the write would grow by c_t and push back what was queued after
+it; here that write and the items queued between it and the end are not shifted. So the queue's
+end (when it empties, and so when a new write or an admission queued next starts: a first
+token's time) is exact for the same joins, and the API's busy time is; a joined token's write,
+and the items behind it, end early by up to c_t per token joined ahead of them. That is small
+while few tokens wait, but it adds up under a long overload (with the API far behind, most
+tokens join writes queued long before): facts() says how long the queue runs past the last
+delivery. (The unshifted writes also start a little earlier than in the server, so slightly
+fewer tokens join.) A stream's state (its last write) is dropped when its request ends
+(close).
 
 Work must be queued in time order (the simulator's event loop pops events in time order and
 queues at the event's time); queueing earlier than the last work queued is an error.
@@ -90,6 +96,7 @@ class ApiProcess:
         self.writes = 0
         self.lag_s = 0.0                # summed: a token's delivery less its sampling
         self.lag_max_s = 0.0
+        self.last_seen = 0.0            # s: the latest delivery
         self._last_write: dict[Hashable, _Write] = {}   # per open stream
 
     @property
@@ -145,6 +152,7 @@ class ApiProcess:
         self.tokens += 1
         self.lag_s += seen - t
         self.lag_max_s = max(self.lag_max_s, seen - t)
+        self.last_seen = max(self.last_seen, seen)
         return seen
 
     def close(self, stream: Hashable) -> None:
@@ -153,7 +161,11 @@ class ApiProcess:
         self._last_write.pop(stream, None)
 
     def facts(self, span_s: float) -> dict[str, Any]:
-        """What the API did over a run of span_s seconds (utilization: busy / span)."""
+        """What the API did over a run of span_s seconds (utilization: busy / span).
+        queue_end_after_last_delivery_ms: how long the API still works after the run's last
+        delivery, which is the joined tokens' charges left at the end of the queue (the module
+        docstring's approximation; in the server that work would have come before some of the
+        deliveries): its visible size in a run."""
         return {"cost_ms": dict(self.cost), "busy_s": self.busy_s,
                 "utilization": self.busy_s / span_s if span_s > 0 else None,
                 "admissions": self.admissions,
@@ -163,4 +175,6 @@ class ApiProcess:
                 "tokens": self.tokens, "writes": self.writes,
                 "tokens_per_write": self.tokens / self.writes if self.writes else None,
                 "delivery_lag_ms_mean": self.lag_s / self.tokens * 1e3 if self.tokens else None,
-                "delivery_lag_ms_max": self.lag_max_s * 1e3}
+                "delivery_lag_ms_max": self.lag_max_s * 1e3,
+                "queue_end_after_last_delivery_ms": (
+                    max(0.0, self.free_at - self.last_seen) * 1e3 if self.tokens else None)}

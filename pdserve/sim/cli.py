@@ -443,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"delivery lag mean {'-' if lag is None else f'{lag:.3f}'} ms, max "
                   f"{api['delivery_lag_ms_max']:.3f} ms; admission wait max "
                   f"{api['admission_wait_ms_max']:.3f} ms")
+            tail = api["queue_end_after_last_delivery_ms"]
+            if tail:    # (the joined tokens' charges: sim/api_process.py's approximation)
+                print(f"  (its queue ran {tail:.1f} ms past the last delivery: work of tokens "
+                      "that joined earlier writes, charged at the queue's end)")
     if "comparison" in payload:
         from .compare import format_comparison, plot_comparison
         print(f"against {a.compare} (measured / simulated, relative error):")
