@@ -356,6 +356,8 @@ BAD = [
     ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0,
                      "per_output_token_ms": 0.08, "per_byte_ms": 1e-6},
      "api_cost_ms has unknown keys ['per_byte_ms']"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0, "per_write_ms": -0.1,
+                     "per_output_token_ms": 0.08}, "api_cost_ms.per_write_ms must be >= 0"),
     ("fit.serving_api", [], "fit.serving_api must be an object"),
 ]
 
@@ -754,38 +756,54 @@ def test_the_device_time_profile_refits_the_floor_on_device_time_decode():
 
 
 # ---- the API process's CPU ----------------------------------------------------------------------
-API_TRUE = {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4, "per_output_token_ms": 0.08}
+API_TRUE = {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4, "per_write_ms": 0.12,
+            "per_output_token_ms": 0.02}
+API_PER_TOKEN = {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4,
+                 "per_output_token_ms": 0.08}   # (api_cost_ms as files had it before writes)
+API_FIT = {**API_PER_TOKEN, "per_write_ms": 0.0}
+# tokens per write in the served batches of b = 1, 16, 64 streams (a lagging API joins them)
+BATCH_TOKENS_PER_WRITE = {1: 1, 16: 2, 64: 4}
 
 
-def _api_rows(cost=API_TRUE, seed=None, lengths=(256, 1024, 2048, 4096), batches=(1, 16, 64)):
+def _api_rows(cost=API_TRUE, seed=None, lengths=(256, 1024, 2048, 4096), batches=(1, 16, 64),
+              per_write=BATCH_TOKENS_PER_WRITE):
     """The serving path's phases (perf/serving_path.py's GPU preset): 10 requests of n prompt
-    tokens and 16 output tokens each per length, then b requests of 16 prompt tokens and 64
-    output tokens at once; their CPU from `cost` (2% noise with a seed)."""
+    tokens and 16 output tokens each per length, a write per token; then b requests of 16
+    prompt tokens and 64 output tokens at once, per_write[b] tokens a write; their CPU from
+    `cost` (2% noise with a seed)."""
     rows = [{"phase": "sequential", "n": n, "requests": 10, "prompt_tokens": 10 * n,
-             "output_tokens": 160} for n in lengths]
+             "writes": 160, "output_tokens": 160} for n in lengths]
     rows += [{"phase": "batch", "b": b, "requests": b, "prompt_tokens": 16 * b,
-              "output_tokens": 64 * b} for b in batches]
-    A = np.array([[r["requests"], r["prompt_tokens"], r["output_tokens"]] for r in rows], float)
-    mu = A @ np.array([cost["per_request_ms"], cost["per_prompt_token_ms"],
-                       cost["per_output_token_ms"]])
+              "writes": round(64 * b / per_write[b]), "output_tokens": 64 * b} for b in batches]
+    keys = [k for k in ("per_request_ms", "per_prompt_token_ms", "per_write_ms",
+                        "per_output_token_ms") if k in cost]
+    cols = {"per_request_ms": "requests", "per_prompt_token_ms": "prompt_tokens",
+            "per_write_ms": "writes", "per_output_token_ms": "output_tokens"}
+    A = np.array([[r[cols[k]] for k in keys] for r in rows], float)
+    mu = A @ np.array([cost[k] for k in keys])
     y = mu if seed is None else _noisy(mu, seed)
     for r, ms in zip(rows, y):
         r["api_cpu_s"], r["wall_s"] = float(ms) / 1e3, 1.0
     return rows, A, mu
 
 
-def test_the_api_costs_come_back_from_the_phases_cpu():
-    """Noise-free rows: the three costs exactly, every row predicted exactly held out (by
-    hand: the first row is 10 * 1.2 + 2560 * 4e-4 + 160 * 0.08 = 12 + 1.024 + 12.8 = 25.824 ms).
+def test_the_four_api_costs_come_back_from_the_phases_cpu():
+    """Noise-free rows: the four costs exactly, every row predicted exactly held out (by hand:
+    the first row is 10 x 1.2 + 2560 x 4e-4 + 160 writes x 0.12 + 160 tokens x 0.02 = 12 +
+    1.024 + 19.2 + 3.2 = 35.424 ms; the 64-stream batch 64 x 1.2 + 1024 x 4e-4 + 1024 x 0.12 +
+    4096 x 0.02 = 76.8 + 0.4096 + 122.88 + 81.92 = 282.0096 ms). The sequential rows alone
+    have writes == tokens; the batches, whose writes carry 2 and 4 tokens, tell them apart.
     With 2% noise, each cost within TOL_SE standard errors of the truth."""
     rows, A, mu = _api_rows()
-    assert mu[0] == pytest.approx(25.824)
+    assert mu[0] == pytest.approx(35.424) and mu[-1] == pytest.approx(282.0096)
     r = fit_serving_api(rows)
     assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
     f = r["fit"]
     assert f["n_samples"] == 7 and f["source"] == "measured" and "note" not in f
+    assert f["columns"] == ["requests", "prompt_tokens", "writes", "output_tokens"]
     assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 7, abs=1e-9)
     assert [x["predicted_ms"] for x in f["rows"]] == pytest.approx(mu.tolist(), abs=1e-4)
+    assert [x["writes"] for x in f["rows"]] == [160] * 4 + [64, 512, 1024]
     se = _std_errors(A, mu)
     for seed in (1, 2, 3):
         rows, _, _ = _api_rows(seed=seed)
@@ -803,19 +821,49 @@ def test_api_costs_stay_non_negative():
             r["api_cpu_s"] *= 0.9
     c = fit_serving_api(rows)["api_cost_ms"]
     assert c["per_prompt_token_ms"] == 0.0 and c["per_request_ms"] > 0
-    assert c["per_output_token_ms"] > 0
+    assert c["per_write_ms"] > 0
+
+
+def test_writes_that_all_carry_one_token_fit_with_no_per_token_cost_and_say_so():
+    """Every write one token (the batches too: the API kept up), so writes == output tokens
+    in every row: the two columns are one. The fit is on [requests, prompt tokens, writes]
+    with per_output_token_ms 0, a write of one token costing what a write and a token cost
+    together (0.12 + 0.02 = 0.14 ms, exactly, on noise-free rows), and its note says so. The
+    same with batch writes of 1.2 tokens (< 25% more than the sequential rows' 1: too little
+    to split on), and with 3 rows (four costs need 4)."""
+    ones = {1: 1, 16: 1, 64: 1}
+    rows, _, mu = _api_rows(per_write=ones)
+    r = fit_serving_api(rows)
+    assert r["api_cost_ms"] == {"per_request_ms": pytest.approx(1.2, rel=1e-9),
+                                "per_prompt_token_ms": pytest.approx(4e-4, rel=1e-9),
+                                "per_write_ms": pytest.approx(0.14, rel=1e-9),
+                                "per_output_token_ms": 0.0}
+    f = r["fit"]
+    assert f["columns"] == ["requests", "prompt_tokens", "writes"]
+    assert f["note"].startswith("per_output_token_ms 0: the rows' tokens per write differ by "
+                                "less than 25%")
+    assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 7, abs=1e-9)
+    rows, _, _ = _api_rows(batches=(20, 60), per_write={20: 1, 60: 1.2})   # 64 * 60 / 1.2 = 3200
+    assert rows[-1]["writes"] == 3200
+    r = fit_serving_api(rows)
+    assert r["api_cost_ms"]["per_output_token_ms"] == 0.0
+    assert "differ by less than 25%" in r["fit"]["note"]
+    rows, _, _ = _api_rows(lengths=(256, 4096), batches=(16,))
+    r = fit_serving_api(rows)
+    assert r["api_cost_ms"]["per_output_token_ms"] == 0.0 and r["api_cost_ms"]["per_write_ms"] > 0
+    assert r["fit"]["note"].startswith("per_output_token_ms 0: 3 usable row(s), four costs need")
 
 
 def test_rows_that_cannot_separate_the_costs_give_no_term_and_say_why():
     """Two rows: too few. Every phase with the same mix (k requests of 100 prompt and 10 output
-    tokens): the columns are proportional, no term. Rows without a reading (None) or with none
-    seen (0) are left out and counted; left with too few, no term."""
+    tokens in 10 writes): the columns are proportional, no term. Rows without a reading (None)
+    or with none seen (0) are left out and counted; left with too few, no term."""
     rows, _, _ = _api_rows()
     r = fit_serving_api(rows[:2])
     assert r["api_cost_ms"] == {} and r["fit"]["n_samples"] == 2
     assert r["fit"]["heldout_mean_abs_rel_err"] is None
     assert "no term: 2 usable row(s)" in r["fit"]["note"]
-    same = [{"requests": k, "prompt_tokens": 100 * k, "output_tokens": 10 * k,
+    same = [{"requests": k, "prompt_tokens": 100 * k, "writes": 10 * k, "output_tokens": 10 * k,
              "api_cpu_s": 0.002 * k} for k in (1, 2, 4, 8)]
     r = fit_serving_api(same)
     assert r["api_cost_ms"] == {} and "not independent" in r["fit"]["note"]
@@ -831,13 +879,29 @@ def test_rows_that_cannot_separate_the_costs_give_no_term_and_say_why():
     assert "1 row(s) with no CPU seen" in r["fit"]["note"]
     r = fit_serving_api(rows[:6] + [{**rows[6], "api_cpu_s": None}])
     assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
-    assert r["fit"]["n_samples"] == 6 and "1 row(s) without" in r["fit"]["note"]
+    assert r["fit"]["n_samples"] == 6 and r["fit"]["note"] == ("1 row(s) without a CPU reading "
+                                                               "(the platform does not report "
+                                                               "the API process's CPU)")
+
+
+def test_rows_measured_before_writes_were_counted_fit_the_per_token_model():
+    """Rows without "writes" (a profile measured before): the three costs of then, exactly,
+    with per_write_ms 0 and a note; rows with and without writes together are refused."""
+    rows, _, _ = _api_rows(API_PER_TOKEN)
+    old = [{k: v for k, v in r.items() if k != "writes"} for r in rows]
+    r = fit_serving_api(old)
+    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_FIT.items()}
+    assert r["fit"]["columns"] == ["requests", "prompt_tokens", "output_tokens"]
+    assert r["fit"]["note"].startswith("rows without write counts")
+    with pytest.raises(ValueError, match="rows with and without 'writes'"):
+        fit_serving_api(old[:3] + rows[3:])
 
 
 def test_api_rows_are_checked():
     rows, _, _ = _api_rows()
     for bad, said in (({"requests": -1}, "integer 'requests' >= 0"),
                       ({"output_tokens": 1.5}, "integer 'output_tokens' >= 0"),
+                      ({"writes": None}, "integer 'writes' >= 0"),
                       ({"api_cpu_s": float("nan")}, "api_cpu_s a finite number >= 0"),
                       ({"api_cpu_s": -0.1}, "api_cpu_s a finite number >= 0")):
         with pytest.raises(ValueError, match=said):
@@ -885,3 +949,22 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
     hand = CostProfile.from_json({**p.to_dict(), "api_cost_ms": dict(API_TRUE)})
     dev = device_time_profile(hand)
     assert dev.api_cost_ms == API_TRUE and dev.fit["serving_api"]["source"] == "carried over"
+
+
+def test_a_file_from_before_per_write_loads_with_per_write_0(tmp_path):
+    """api_cost_ms as files wrote it before per_write_ms (three keys: every token costed
+    alone) loads with per_write_ms 0, which means the same (a write of k tokens: 0 + 0.08 k
+    ms); saved again it has the four keys. Two keys, or the four less another, are refused."""
+    d = _profile_dict()
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**d, "api_cost_ms": dict(API_PER_TOKEN)}))
+    p = CostProfile.from_json(path)
+    assert p.api_cost_ms == {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4,
+                             "per_write_ms": 0.0, "per_output_token_ms": 0.08}
+    assert CostProfile.from_json(p.to_dict()) == p
+    assert json.loads(open(p.save(tmp_path / "new.json")).read())["api_cost_ms"] == p.api_cost_ms
+    no_prompt = {k: v for k, v in API_TRUE.items() if k != "per_prompt_token_ms"}
+    with pytest.raises(ValueError, match="api_cost_ms.per_prompt_token_ms is missing"):
+        CostProfile.from_json({**d, "api_cost_ms": no_prompt})
+    with pytest.raises(ValueError, match="api_cost_ms.per_write_ms is missing"):
+        CostProfile(**{**CostProfile.from_json(d).__dict__, "api_cost_ms": dict(API_PER_TOKEN)})

@@ -154,8 +154,8 @@ def test_the_api_processs_cpu_was_measured_per_phase(quick):
     """A row per serving prompt length (its 3 timed requests of max_tokens 4: 3 n prompt and
     12 output tokens) and one per served batch (b requests of 16 prompt and 6 output tokens),
     each with the `pdserve serve` process's CPU seconds during it (> 0 on Linux: the API did
-    parse, route and stream them) and its wall time; the fit took them all, its term empty
-    only with a note saying why."""
+    parse, route and stream them), the writes its tokens came in and its wall time; the fit
+    took them all, its term empty, or per_output_token_ms 0, only with a note saying why."""
     _, _, out = quick
     p = CostProfile.from_json(out)
     rows = p.samples["serving_api"]
@@ -166,6 +166,8 @@ def test_the_api_processs_cpu_was_measured_per_phase(quick):
     assert [(r["phase"], r["requests"], r["prompt_tokens"], r["output_tokens"])
             for r in rows] == want
     assert all(r["wall_s"] > 0 for r in rows)
+    # (the client's count of writes: at least one a request, at most one a token)
+    assert all(r["requests"] <= r["writes"] <= r["output_tokens"] for r in rows), rows
     if sys.platform.startswith("linux"):
         assert all(r["api_cpu_s"] > 0 for r in rows), rows
         assert p.extra["serving_setup"]["api_cpu_source"].startswith("process CPU-time clock")
@@ -174,6 +176,9 @@ def test_the_api_processs_cpu_was_measured_per_phase(quick):
     if p.api_cost_ms:
         assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
         assert all(v >= 0 for v in p.api_cost_ms.values())
+        if f["columns"] != ["requests", "prompt_tokens", "writes", "output_tokens"]:
+            assert p.api_cost_ms["per_output_token_ms"] == 0.0
+            assert f["note"].startswith("per_output_token_ms 0")
     else:
         assert f["note"].startswith("no term")
 
@@ -339,3 +344,19 @@ def test_the_api_cpu_reading_counts_the_process_and_its_threads_not_its_children
         p.stdin.close()
         p.wait()
     assert sp.process_cpu_s(p.pid) is None      # (gone: nothing to read)
+
+
+def test_the_client_counts_a_write_per_distinct_arrival_time():
+    """bench serve stamps every chunk of one read with the read's time, so a gap of exactly 0
+    is a token of the same write: gaps [0.01, 0, 0, 0.02, 0] are 5 + 1 tokens in 3 writes (1;
+    2, 3, 4; 5, 6). A lone token is one write; a failed request none. The phase's row sums
+    them (its "writes")."""
+    from pdserve.perf import serving_path as sp
+    from pdserve.perf.metrics import RequestResult
+
+    def res(itl, ok=True):
+        return RequestResult(8, len(itl) + 1, success=ok, output_len=len(itl) + 1, itl=itl)
+    got = [res([0.01, 0.0, 0.0, 0.02, 0.0]), res([]), res([0.01], ok=False)]
+    assert [sp.client_writes(r) for r in got] == [3, 1, 0]
+    row = sp._api_row("batch", got[:2], [0.001], [0.5], b=2)
+    assert (row["requests"], row["writes"], row["output_tokens"]) == (2, 4, 7)

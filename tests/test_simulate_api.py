@@ -1,9 +1,11 @@
 """The simulated API process (pdserve/sim/api_process.py): one FIFO server of CPU work in front
-of every worker, admitting each request and delivering each token. Every expectation is worked
-by hand from the profile's formulas (test_simulate.profile: prefill 2 + 0.01 n ms, decode
-5 + 0.1 min(b, 8) + 0.05 max(0, b - 8) + 0.001 S ms) and the API's costs: admission a =
-per_request_ms + per_prompt_token_ms * prompt tokens, delivery c = per_output_token_ms per
-token, a step's tokens delivered in its chunk order (here: the order the requests arrived)."""
+of every worker, admitting each request and writing each stream's tokens. Every expectation is
+worked by hand from the profile's formulas (test_simulate.profile: prefill 2 + 0.01 n ms,
+decode 5 + 0.1 min(b, 8) + 0.05 max(0, b - 8) + 0.001 S ms) and the API's costs: admission a =
+per_request_ms + per_prompt_token_ms * prompt tokens, a write w + c (w = per_write_ms, c =
+per_output_token_ms), a token joining its stream's write that has not started c more at the
+end of the queue; a step's tokens go to the API in its chunk order (here: the order the
+requests arrived)."""
 import json
 
 import numpy as np
@@ -17,9 +19,10 @@ from pdserve.sim.cli import main as simulate_main
 from .test_simulate import profile, prompts
 
 
-def api(per_request=0.0, per_prompt_token=0.0, per_output_token=0.0):
+def api(per_request=0.0, per_prompt_token=0.0, per_output_token=0.0, per_write=0.0):
+    """api_cost_ms; per_write 0 is the per-token model files had before per_write_ms."""
     return {"per_request_ms": per_request, "per_prompt_token_ms": per_prompt_token,
-            "per_output_token_ms": per_output_token}
+            "per_write_ms": per_write, "per_output_token_ms": per_output_token}
 
 
 def sim(cost, dep="1C", overhead_ms=0.0, policy=None):
@@ -83,18 +86,24 @@ def test_one_steps_tokens_are_delivered_one_after_another():
     f = res.facts["api"]
     assert f["delivery_lag_ms_mean"] == pytest.approx(1.25)
     assert f["delivery_lag_ms_max"] == pytest.approx(2.0)
+    assert f["writes"] == f["tokens"] == 8 and f["tokens_per_write"] == 1.0
 
 
 def test_a_lagging_api_delays_tokens_but_not_the_engine():
-    """The same 4 requests, 3 tokens each, c = 2 ms: 8 ms of deliveries per step, longer than
-    a step. Steps end at 2.4, 7.844 and 7.844 + 5 + 0.4 + 0.048 = 13.292 ms (the engine's own
-    times: the worker is busy 13.292 ms); the API delivers step 1 at 4.4, 6.4, 8.4, 10.4, then
-    step 2 from 10.4 (12.4 .. 18.4), step 3 from 18.4 (20.4 .. 26.4). The run ends at 26.4 ms,
-    the API busy 24 of them."""
+    """The same 4 requests (streams s1..s4), 3 tokens each, c = 2 ms a token, no per-write cost
+    (the per-token model): 8 ms of API work per step, longer than a step. Steps end at 2.4,
+    7.844 and 7.844 + 5 + 0.4 + 0.048 = 13.292 ms (the engine's own times: the worker is busy
+    13.292 ms). Step 1: a write each, 2.4-4.4, 4.4-6.4, 6.4-8.4, 8.4-10.4. Step 2 (7.844): s1's,
+    s2's and s3's writes have started: new ones, 10.4-12.4, 12.4-14.4, 14.4-16.4; s4's (8.4)
+    has not: its token joins it, seen at 10.4, and its 2 ms go to the end of the queue (16.4 ->
+    18.4). Step 3 (13.292): s1 and s2 new writes 18.4-20.4, 20.4-22.4; s3's (14.4) has not
+    started: joined, seen at 16.4 (queue end 24.4); s4's last write started at 8.4: a new one,
+    24.4-26.4. The run ends at 26.4 ms, the API busy 24 of them (12 tokens x 2 ms, as
+    without joins: the per-token model's cost does not fall), 10 writes."""
     s = sim(api(per_output_token=2.0))
     res = s.run([SimRequest(p, 3, 0.0) for p in prompts(4, 10, seed=1)])
     steps = [2.4, 7.844, 13.292]
-    seen = [[steps[0] + 2 + 2 * j, 10.4 + 2 + 2 * j, 18.4 + 2 + 2 * j] for j in range(4)]
+    seen = [[4.4, 12.4, 20.4], [6.4, 14.4, 22.4], [8.4, 16.4, 16.4], [10.4, 10.4, 26.4]]
     for r, times in zip(res.results, seen):
         assert r.ttft * 1e3 == pytest.approx(times[0], abs=1e-9)
         assert ms(r.itl) == pytest.approx(np.diff(times).tolist(), abs=1e-9)
@@ -107,6 +116,76 @@ def test_a_lagging_api_delays_tokens_but_not_the_engine():
     assert f["delivery_lag_ms_max"] == pytest.approx(26.4 - 13.292, abs=1e-9)
     assert f["busy_s"] * 1e3 == pytest.approx(24.0) and f["utilization"] == pytest.approx(
         24.0 / 26.4)
+    assert (f["tokens"], f["writes"]) == (12, 10) and f["tokens_per_write"] == pytest.approx(1.2)
+    assert s.api.open_streams == 0
+
+
+def test_a_lagging_api_joins_a_streams_next_token_into_its_pending_write():
+    """As above with w = 1.5 ms a write and c = 0.5 ms a token (2 ms for a write of one token,
+    as above). Step 1: writes 2.4-4.4, 4.4-6.4, 6.4-8.4, 8.4-10.4. Step 2 (7.844): s1..s3 new
+    writes 10.4-12.4, 12.4-14.4, 14.4-16.4; s4 joins its write (starts 8.4 > 7.844), seen at
+    10.4, adding only c: the queue ends at 16.9. Step 3 (13.292): s1 18.4 -> 16.9-18.9, s2
+    18.9-20.9 (its write started at 12.4), s3 joins (14.4 > 13.292): seen 16.4, queue end 21.4;
+    s4 a new write 21.4-23.4. The run ends at 23.4 ms (not 26.4: a joined token costs c, not w +
+    c), the API busy 10 x 2 + 2 x 0.5 = 21 ms."""
+    s = sim(api(per_write=1.5, per_output_token=0.5))
+    res = s.run([SimRequest(p, 3, 0.0) for p in prompts(4, 10, seed=1)])
+    seen = [[4.4, 12.4, 18.9], [6.4, 14.4, 20.9], [8.4, 16.4, 16.4], [10.4, 10.4, 23.4]]
+    for r, times in zip(res.results, seen):
+        assert ms([r.ttft, r.latency]) == pytest.approx([times[0], times[-1]], abs=1e-9)
+        assert ms(r.itl) == pytest.approx(np.diff(times).tolist(), abs=1e-9)
+    assert res.facts["workers"]["c0"]["busy_s"] * 1e3 == pytest.approx(13.292, abs=1e-9)
+    assert res.duration * 1e3 == pytest.approx(23.4, abs=1e-9)
+    f = res.facts["api"]
+    assert f["busy_s"] * 1e3 == pytest.approx(21.0, abs=1e-9)
+    assert (f["tokens"], f["writes"]) == (12, 10)
+    assert f["delivery_lag_ms_max"] == pytest.approx(23.4 - 13.292, abs=1e-9)
+    assert f["queue_end_after_last_delivery_ms"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_token_joins_only_its_own_streams_write_and_only_before_it_starts():
+    """w = 1 ms, c = 0.5 ms, on the queue alone. a at 0: a write 0-1.5; b at 0: 1.5-3.0. b at
+    1.5: b's write starts at 1.5, not after: started, so a new write 3.0-4.5. a at 2.0: a's
+    write has started (0), and b's pending one is not a's: a new write 4.5-6.0. b at 2.0: joins
+    b's 3.0-4.5 write, seen at 4.5, its 0.5 ms at the queue's end (6.5). a at 2.5: joins
+    4.5-6.0, seen 6.0 (queue end 7.0). Closed, a stream's pending write is forgotten: a's next
+    token (a new request of the same id) is a write of its own, 7.0-8.5."""
+    q = ApiProcess(api(per_write=1.0, per_output_token=0.5))
+    got = [q.deliver(t, st) for t, st in ((0.0, "a"), (0.0, "b"), (1.5e-3, "b"),
+                                          (2.0e-3, "a"), (2.0e-3, "b"), (2.5e-3, "a"))]
+    assert ms(got) == pytest.approx([1.5, 3.0, 4.5, 6.0, 4.5, 6.0], abs=1e-9)
+    assert q.free_at * 1e3 == pytest.approx(7.0, abs=1e-9)
+    assert (q.writes, q.tokens, q.open_streams) == (4, 6, 2)
+    assert q.busy_s * 1e3 == pytest.approx(4 * 1.5 + 2 * 0.5, abs=1e-9)
+    # (the two joined tokens' 0.5 ms each, charged after the last delivery at 6.0 ms)
+    assert q.facts(7e-3)["queue_end_after_last_delivery_ms"] == pytest.approx(1.0, abs=1e-9)
+    q.close("a")
+    assert q.deliver(3.0e-3, "a") * 1e3 == pytest.approx(8.5, abs=1e-9)
+    assert q.writes == 5
+    q.close("a"), q.close("b"), q.close("never written")
+    assert q.open_streams == 0
+
+
+def test_no_stream_state_outlives_its_request():
+    """10,000 requests of 3 tokens each on the queue, every one closed at its end: no stream
+    left. Through the simulator (one worker, and P/D where a stream's first token comes from
+    another worker than the rest), 200 requests at once (the API lags: tokens join writes):
+    every stream closed by the run's end, every token delivered."""
+    q = ApiProcess(api(per_write=0.1, per_output_token=0.05))
+    t = 0.0
+    for i in range(10_000):
+        for _ in range(3):
+            q.deliver(t, i)
+            t += 1e-5
+        q.close(i)
+    assert q.open_streams == 0 and q.tokens == 30_000
+    for dep, policy in (("1C", None), ("1P1D", "disagg")):
+        s = sim(api(per_write=0.2, per_output_token=0.05), dep, policy=policy)
+        res = s.run([SimRequest(p, 4, 0.0) for p in prompts(200, 16, seed=4)])
+        assert all(r.success for r in res.results)
+        f = res.facts["api"]
+        assert f["tokens"] == 800 and f["writes"] < 800
+        assert s.api.open_streams == 0
 
 
 def test_an_admission_after_a_step_waits_for_that_steps_deliveries():
@@ -124,13 +203,15 @@ def test_an_admission_after_a_step_waits_for_that_steps_deliveries():
     assert (b.ttft * 1e3, b.latency * 1e3) == pytest.approx((15.201 - 5, 20.402 - 5), abs=1e-9)
 
 
-@pytest.mark.parametrize("o,ttft", [(7.5, 7.5 + 3.0), (1.0, 2.0 + 0.5 + 3.0)])
-def test_a_lone_request_keeps_the_measured_ttft(o, ttft):
+@pytest.mark.parametrize("o,w,ttft", [(7.5, 0.0, 7.5 + 3.0), (1.0, 0.0, 2.0 + 0.5 + 3.0),
+                                      (7.5, 1.0, 7.5 + 3.0), (3.0, 1.0, 2.0 + 1.5 + 3.0)])
+def test_a_lone_request_keeps_the_measured_ttft(o, w, ttft):
     """The overhead o was measured on a lone request and holds its admission (a = 1 + 0.01 *
-    100 = 2 ms) and its first token's delivery (c = 0.5 ms): TTFT = max(o, a + c) + the 3 ms
-    prefill. ITLs are the decode steps (the API keeps up). A conversation's next turn leaves
-    when its answer's last token is delivered."""
-    cost = api(1.0, 0.01, 0.5)
+    100 = 2 ms) and its first token's write (one token: w + c, c = 0.5 ms): TTFT = max(o, a +
+    w + c) + the 3 ms prefill. ITLs are the decode steps (the API keeps up: a write of one
+    token each). A conversation's next turn leaves when its answer's last token is
+    delivered."""
+    cost = api(1.0, 0.01, 0.5, per_write=w)
     r = sim(cost, overhead_ms=o).run([SimRequest(prompts(1, 100)[0], 4, 0.3)]).results[0]
     assert r.ttft * 1e3 == pytest.approx(ttft, abs=1e-9)
     assert ms(r.itl) == pytest.approx([profile().decode_ms(1, 100 + k) for k in (1, 2, 3)],
@@ -167,9 +248,16 @@ def test_the_api_queue_refuses_work_out_of_time_order_and_bad_costs():
     q = ApiProcess(api(1.0, 0.0, 0.5))
     assert q.admit(1.0, 10, 0.0) == pytest.approx(1.001)
     with pytest.raises(RuntimeError, match="time order"):
-        q.deliver(0.5)
+        q.deliver(0.5, "s")
+    assert q.deliver(1.0, "s") == pytest.approx(1.0015)
+    with pytest.raises(RuntimeError, match="time order"):   # (joining a write, too)
+        q.deliver(0.9, "s")
     with pytest.raises(ValueError, match="needs exactly"):
         ApiProcess({"per_request_ms": 1.0})
+    with pytest.raises(ValueError, match="needs exactly"):   # (the file's loader adds it)
+        ApiProcess({k: v for k, v in api().items() if k != "per_write_ms"})
+    with pytest.raises(ValueError, match="per_write_ms must be a finite number >= 0"):
+        ApiProcess(api(per_write=float("nan")))
     with pytest.raises(ValueError, match="per_output_token_ms must be a finite number >= 0"):
         ApiProcess(api(1.0, 0.0, -0.5))
 

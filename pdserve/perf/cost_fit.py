@@ -12,8 +12,8 @@ Rows (one per measured point; a row's time is the median of its reps):
                                                       ctx_sum their mean context sum while
                                                       they decode
     serving_api {"requests", "prompt_tokens",         the `pdserve serve` process's own CPU
-                 "output_tokens", "api_cpu_s"}        over one phase of the serving path
-                                                      (perf/serving_path.py)
+                 "writes", "output_tokens",           over one phase of the serving path
+                 "api_cpu_s"}                         (perf/serving_path.py)
 Extra keys are ignored (kept in the profile's samples).
 
 Every fit is least squares with non-negative coefficients, each row weighted by 1 / its
@@ -47,13 +47,23 @@ matters from 3 ms steps to 60 ms ones alike):
               (one row: per_seq_ms = tpot / b); with none, both 0 (the server kept up with the
               device). Rows within the margin say nothing about host_ms but that it is below
               them, so they are left out of its fit.
-    serving_api  api_cpu_s * 1e3 ~ [requests, prompt_tokens, output_tokens] (no intercept:
-              an idle API costs nothing), the coefficients per_request_ms,
-              per_prompt_token_ms and per_output_token_ms. Rows without a CPU reading (None:
-              the platform does not say) or with none seen (0) are left out and counted in
-              the note. Fewer than 3 rows left, or rows whose three columns are not independent
-              (e.g. every row with the same tokens per request), cannot separate the costs:
-              then the term is empty ({}) and the note says why.
+    serving_api  api_cpu_s * 1e3 ~ [requests, prompt_tokens, writes, output_tokens] (no
+              intercept: an idle API costs nothing), the coefficients per_request_ms,
+              per_prompt_token_ms, per_write_ms and per_output_token_ms (writes: the client's
+              count of the SSE writes, a lower bound, perf/serving_path.py). Rows without a CPU
+              reading (None: the platform does not say) or with none seen (0) are left out and
+              counted in the note. A write's cost is told apart from its tokens' only where
+              the rows' tokens per write differ (a lone request's writes carry one token, a
+              batch's several when the API lags): by at least MIN_WRITE_SPREAD (25%) between
+              the rows, with >= 4 rows whose four columns are independent. Otherwise (e.g.
+              every write of every row one token: writes == output tokens) the fit is on
+              [requests, prompt_tokens, writes] with per_output_token_ms 0, and the note says
+              so: a token costs its write's, exact at one token a write (what was measured),
+              too little where a lagging API joins tokens. Fewer than 3 rows left, or rows
+              whose columns are still not independent (e.g. every row with the same tokens
+              per request), cannot separate the costs: then the term is empty ({}) and the
+              note says why. Rows measured before writes were counted (no "writes") are fitted
+              on [requests, prompt_tokens, output_tokens] with per_write_ms 0, as then.
 
 Step shapes (step_shapes.py): on a GPU with CUDA graphs a step with prefill tokens runs at its
 graph bucket, padding included, so its cost follows the bucket's token count, not the step's.
@@ -71,7 +81,8 @@ point it is judged on. mixed's held-out rows use the decode model of all decode 
 separate measurements); so do serving's, with the prefill fit of all prefill rows and the
 median of the other requests' overheads (the term's TTFT model: prefill_ms(n) + overhead);
 serving_batch's, with the decode fit of all decode rows, the max model with host_ms fitted on
-the other rows; serving_api's, the three costs fitted on the other rows.
+the other rows; serving_api's, the costs of the columns chosen on all rows fitted on the other
+rows.
 Reported per term as mean and max |predicted - measured| / measured.
 """
 from __future__ import annotations
@@ -83,12 +94,21 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..step_shapes import graph_max_tokens, mixed_sizes, padded_tokens
+from .cost_profile import API_COST_KEYS
 
 QUADRATIC_GAIN = 0.05
 HOST_BOUND_MARGIN = 0.10
 MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2, "serving": 2,
             "serving_batch": 1, "serving_api": 3}
-API_COLUMNS = ("requests", "prompt_tokens", "output_tokens")
+# serving_api's columns, in the order of their costs (cost_profile.API_COST_KEYS); rows measured
+# before writes were counted have the other three (their fit: per_write_ms 0)
+API_COLUMNS = ("requests", "prompt_tokens", "writes", "output_tokens")
+API_COLUMNS_BEFORE_WRITES = ("requests", "prompt_tokens", "output_tokens")
+# a write's cost is told apart from its tokens' only by rows whose tokens per write differ
+# (lone requests: 1; a lagging API's batch: several); the split rests on the tokens beyond one
+# a write, and below this spread (max / min - 1) of tokens per write it would be mostly the
+# rows' noise
+MIN_WRITE_SPREAD = 0.25
 
 
 # ---- least squares with non-negative coefficients ----------------------------------------------
@@ -442,13 +462,13 @@ def fit_serving_batch(rows: list[dict], decode: dict[str, Any]) -> dict[str, Any
 
 
 # ---- the API process's CPU -----------------------------------------------------------------------
-def _api_design(rows: list[dict]) -> np.ndarray:
-    return np.array([[float(r[k]) for k in API_COLUMNS] for r in rows], dtype=float)
+def _api_design(rows: list[dict], cols: Sequence[str]) -> np.ndarray:
+    return np.array([[float(r[k]) for k in cols] for r in rows], dtype=float)
 
 
-def _api_coef(rows: list[dict]) -> np.ndarray:
+def _api_coef(rows: list[dict], cols: Sequence[str]) -> np.ndarray:
     y = np.array([r["api_cpu_s"] * 1e3 for r in rows], dtype=float)
-    return nnls(_api_design(rows), y, _rel_weights(y))
+    return nnls(_api_design(rows, cols), y, _rel_weights(y))
 
 
 def _independent(A: np.ndarray) -> bool:
@@ -460,12 +480,47 @@ def _independent(A: np.ndarray) -> bool:
     return int(np.linalg.matrix_rank(A / norms)) == A.shape[1]
 
 
+def _api_model(used: list[dict], has_writes: bool) -> tuple[tuple[str, ...] | None, str | None]:
+    """The columns the rows can be fitted on (None: none) and what the fit must say about the
+    costs left out (None: nothing)."""
+    if not has_writes:
+        cols = API_COLUMNS_BEFORE_WRITES
+        said = ("rows without write counts (measured before pdserve profile counted writes): "
+                "per_write_ms 0, every token costed alone")
+        if len(used) < len(cols) or not _independent(_api_design(used, cols)):
+            return None, said
+        return cols, said
+    per_write = [r["output_tokens"] / r["writes"] for r in used if r["writes"]]
+    if len(used) < len(API_COLUMNS):
+        why = f"{len(used)} usable row(s), four costs need >= {len(API_COLUMNS)}"
+    elif not per_write or max(per_write) < (1 + MIN_WRITE_SPREAD) * min(per_write):
+        why = (f"the rows' tokens per write differ by less than {MIN_WRITE_SPREAD:.0%} (no "
+               "phase made the API write several tokens at once)")
+    elif not _independent(_api_design(used, API_COLUMNS)):
+        why = "the rows' four columns are not independent"
+    else:
+        return API_COLUMNS, None
+    # writes and output tokens cannot be told apart: a write's tokens cost it per write, which
+    # is exact where every write of the rows carried one token (what the rows measured)
+    cols = tuple(k for k in API_COLUMNS if k != "output_tokens")
+    said = (f"per_output_token_ms 0: {why}, so a token's cost is not told apart from its "
+            "write's (all of it per write)")
+    if len(used) < len(cols) or not _independent(_api_design(used, cols)):
+        return None, said
+    return cols, said
+
+
 def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
-    """api_cost_ms {per_request_ms, per_prompt_token_ms, per_output_token_ms} from the API
-    process's CPU per phase (the module docstring), or {} with a note where the rows cannot
-    separate the three costs."""
+    """api_cost_ms {per_request_ms, per_prompt_token_ms, per_write_ms, per_output_token_ms}
+    from the API process's CPU per phase (the module docstring): the four costs, or three with
+    per_output_token_ms 0 and a note where the rows cannot tell a token from its write, or {}
+    with a note where they cannot separate even those."""
+    has_writes = any("writes" in r for r in rows)
+    if has_writes and not all("writes" in r for r in rows):
+        raise ValueError("serving_api fit: rows with and without 'writes' (measured by "
+                         "different versions): refit them apart")
     for r in rows:
-        for k in API_COLUMNS:
+        for k in API_COLUMNS if has_writes else API_COLUMNS_BEFORE_WRITES:
             v = r.get(k)
             if not _is_count(v) or v < 0:
                 raise ValueError(f"serving_api fit: row {r} needs an integer {k!r} >= 0")
@@ -478,7 +533,7 @@ def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
     unseen = sum(r.get("api_cpu_s") == 0 for r in rows)
     used = [r for r in rows if r.get("api_cpu_s")]
     model = ("api_cpu_ms = per_request_ms * requests + per_prompt_token_ms * prompt_tokens + "
-             "per_output_token_ms * output_tokens")
+             "per_write_ms * writes + per_output_token_ms * output_tokens")
     info: dict[str, Any] = {"n_samples": len(used), "source": "measured", "model": model}
     left_out = []
     if unread:
@@ -486,29 +541,31 @@ def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
                         "the API process's CPU)")
     if unseen:
         left_out.append(f"{unseen} row(s) with no CPU seen (below the reading's resolution)")
-    why = None
-    if len(used) < MIN_ROWS["serving_api"]:
-        why = (f"{len(used)} usable row(s): the three costs need >= {MIN_ROWS['serving_api']}")
-    elif not _independent(_api_design(used)):
-        why = ("the rows' requests, prompt tokens and output tokens are not independent (each "
-               "phase with the same mix): the three costs cannot be told apart")
-    if why is not None:
+    cols, said = _api_model(used, has_writes)
+    if cols is None:
+        why = (f"{len(used)} usable row(s): the costs need >= {MIN_ROWS['serving_api']}"
+               if len(used) < MIN_ROWS["serving_api"] else
+               "the rows' requests, prompt tokens and writes (or output tokens) are not "
+               "independent (each phase with the same mix): the costs cannot be told apart")
         info.update(heldout_mean_abs_rel_err=None, heldout_max_abs_rel_err=None,
                     note="; ".join([f"no term: {why}", *left_out]))
         return {"api_cost_ms": {}, "fit": info}
-    c = _api_coef(used)
+    c = _api_coef(used, cols)
+    coef = dict(zip(cols, c.tolist()))
 
     def fit(train):
-        cc = _api_coef(train)
-        return lambda r: float(_api_design([r])[0] @ cc)
+        cc = _api_coef(train, cols)
+        return lambda r: float(_api_design([r], cols)[0] @ cc)
     info.update(_heldout(used, fit, lambda r: r["api_cpu_s"] * 1e3))
-    info["rows"] = [{"phase": r.get("phase"), **{k: r[k] for k in API_COLUMNS},
+    info["columns"] = list(cols)
+    info["rows"] = [{"phase": r.get("phase"), **{k: r[k] for k in API_COLUMNS if k in r},
                      "api_cpu_ms": round(r["api_cpu_s"] * 1e3, 4),
-                     "predicted_ms": round(float(_api_design([r])[0] @ c), 4)} for r in used]
-    if left_out:
-        info["note"] = "; ".join(left_out)
-    return {"api_cost_ms": {k: float(v) for k, v in zip(
-        ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms"), c)}, "fit": info}
+                     "predicted_ms": round(float(_api_design([r], cols)[0] @ c), 4)}
+                    for r in used]
+    if said or left_out:
+        info["note"] = "; ".join(([said] if said else []) + left_out)
+    cost = {key: float(coef.get(col, 0.0)) for key, col in zip(API_COST_KEYS, API_COLUMNS)}
+    return {"api_cost_ms": cost, "fit": info}
 
 
 # ---- all terms ----------------------------------------------------------------------------------

@@ -36,16 +36,24 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
     api_cost_ms             the serving front's own CPU: `pdserve serve`'s process (uvicorn,
                             the API, the router, the engine client's I/O thread: one Python
                             process, one GIL, in front of every worker), which admits each
-                            request and streams each token:
+                            request and streams its tokens in SSE writes:
                               admitting a request   per_request_ms
                                                     + per_prompt_token_ms * prompt tokens
-                              streaming a token     per_output_token_ms
-                            Its work is serial (one process), so at load it queues: the
-                            simulator runs it as one FIFO server (sim/api_process.py). Fitted
-                            on the API's CPU seconds over the serving path's phases
-                            (cost_fit.fit_serving_api). Optional: {} (files made before it, a
-                            platform that does not report the process's CPU, or rows that
-                            cannot separate the three costs) is no API model.
+                              one SSE write         per_write_ms
+                                                    + per_output_token_ms * its tokens
+                            A stream gets one write per wake-up of the API, holding every
+                            token that arrived since its last write (server/serving.py): when
+                            the API lags, a write carries several tokens and the cost per token
+                            falls, which no single per-token cost can follow. Its work is
+                            serial (one process), so at load it queues: the simulator runs it
+                            as one FIFO server that coalesces a stream's tokens into its
+                            pending write (sim/api_process.py). Fitted on the API's CPU
+                            seconds over the serving path's phases (cost_fit.fit_serving_api).
+                            Optional: {} (files made before it, a platform that does not report
+                            the process's CPU, or rows that cannot separate the costs) is no
+                            API model. Files made before per_write_ms (the other three keys
+                            only) load with per_write_ms 0: each token was costed alone, which
+                            is what they meant (api_cost_from_file).
 
 The JSON file holds these terms at top level, with `version` (1), `model`, `hardware` (the
 measuring machine: bench.common.hardware_info's dict, or a plain label), `engine_config`,
@@ -72,7 +80,9 @@ BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_to
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
 OPTIONAL_FIT_TERMS = ("serving", "serving_batch", "serving_api")
 SERVING_HOST_KEYS = ("fixed_ms", "per_seq_ms")
-API_COST_KEYS = ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms")
+API_COST_KEYS = ("per_request_ms", "per_prompt_token_ms", "per_write_ms", "per_output_token_ms")
+# api_cost_ms as files wrote it before per_write_ms (api_cost_from_file)
+API_COST_KEYS_BEFORE_WRITES = ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms")
 FIT_KEYS = ("n_samples", "heldout_mean_abs_rel_err", "heldout_max_abs_rel_err")
 # coefficients that may be 0 but not negative
 _NONNEG = ("alpha_ms_per_token", "prefill_fixed_ms", "prefill_quadratic_ms", "gamma_ms_per_token",
@@ -104,6 +114,16 @@ def hardware_label(hardware: Any) -> str:
                      f"{type(hardware).__name__}")
 
 
+def api_cost_from_file(api: Any) -> Any:
+    """A file's api_cost_ms in today's four keys: one written before per_write_ms (exactly
+    API_COST_KEYS_BEFORE_WRITES) gets per_write_ms 0, which keeps its meaning (every token
+    cost per_output_token_ms, written alone or not); anything else is returned as it is, for
+    _validate to judge."""
+    if isinstance(api, Mapping) and set(api) == set(API_COST_KEYS_BEFORE_WRITES):
+        return {k: (0.0 if k == "per_write_ms" else api[k]) for k in API_COST_KEYS}
+    return api
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -125,7 +145,7 @@ class CostProfile:
     kv_bytes_per_token: int
     serving_overhead_ms: float = 0.0
     serving_host_ms: dict = field(default_factory=dict)   # {} or the two SERVING_HOST_KEYS
-    api_cost_ms: dict = field(default_factory=dict)       # {} or the three API_COST_KEYS
+    api_cost_ms: dict = field(default_factory=dict)       # {} or the four API_COST_KEYS
     fit_graph_sizes: list = field(default_factory=list)
     fit: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
@@ -206,11 +226,15 @@ class CostProfile:
         """A profile from a JSON file (or an already-parsed dict), checked: every term present,
         of its type, finite and in range; when model / hardware are given (a label or a
         hardware_info dict), the profile must be of that model (model_name(config.model)) and
-        machine (hardware_label). ValueError naming the field and the file otherwise."""
+        machine (hardware_label). ValueError naming the field and the file otherwise. An
+        api_cost_ms of the three keys files had before per_write_ms loads with per_write_ms 0
+        (api_cost_from_file)."""
         if isinstance(source, Mapping):
             where, data = "<dict>", dict(source)
         else:
             where, data = os.fspath(source), read_json_object(source, "profile")
+        if "api_cost_ms" in data:
+            data["api_cost_ms"] = api_cost_from_file(data["api_cost_ms"])
         _validate(data, where)
         if model is not None and data["model"] != model:
             raise ValueError(f"{where}: model is {data['model']!r}, but this deployment runs "

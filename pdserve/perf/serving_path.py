@@ -30,10 +30,21 @@ engine client's I/O thread, one Python process; not its worker processes): its u
 seconds are read before and after each timed request and each served batch (process_cpu_s),
 so each phase's row says what the API spent on it. A row per prompt length (the sum over its
 requests: lengths differ, max_tokens is small) and a row per served batch (short prompts, more
-output tokens each): {"phase", "requests", "prompt_tokens", "output_tokens" (usage's),
+output tokens each): {"phase", "requests", "prompt_tokens", "writes", "output_tokens" (usage's),
 "api_cpu_s", "wall_s"}; api_cpu_s None where the platform does not say. The two phases mix
-requests, prompt tokens and output tokens in different proportions, which is what lets
-cost_fit.fit_serving_api separate the three costs.
+requests, prompt tokens, writes and output tokens in different proportions, which is what lets
+cost_fit.fit_serving_api separate the costs.
+
+"writes" is the client's count of the SSE writes that carried the phase's tokens (client_writes:
+per request, the distinct arrival times of its content chunks). The server writes a stream once
+per wake-up with every token that arrived since its last write; a lone request's writes carry
+one token each, a batch's several when the API lags, and that difference is what separates the
+cost of a write from the cost of a token in it. The client sees reads, not writes: the chunks of
+one write arrive in one read (the same arrival time, a gap of exactly 0 in bench serve's ITLs),
+but at overload one read may hold several writes, so the count is a lower bound on the writes
+(a write split over two reads would count twice; writes are a few hundred bytes, so that is
+rare). The admission's comment and the closing usage / [DONE] write carry no content: they
+are not counted (per request, they are in per_request_ms).
 
 cost_fit.fit_serving turns the single requests into the serving_overhead_ms term (TTFT less the
 profile's own lone-prefill time), cost_fit.fit_serving_batch the batches into serving_host_ms
@@ -259,13 +270,25 @@ def _batch_row(b: int, spec: ServedBatches, results: list, wall_s: float) -> dic
             "tpot_ms_samples": [round(x, 4) for x in tpot]}
 
 
+def client_writes(result) -> int:
+    """The SSE writes a streamed request's content reached its client in, as the client can
+    tell (the module docstring: a lower bound): its content chunks' distinct arrival times,
+    one more than its nonzero token gaps (bench serve stamps every chunk of one read with the
+    read's time). 0 for a request without content."""
+    if not result.success:
+        return 0
+    return 1 + sum(1 for g in result.itl if g > 0)
+
+
 def _api_row(phase: str, results: list, cpu_s: list[float | None], wall_s: list[float],
              **keys) -> dict[str, Any]:
-    """The API's CPU over some requests (one phase): their counts and summed CPU and wall
-    time (api_cpu_s None when any reading was missing)."""
+    """The API's CPU over some requests (one phase): their counts (writes: client_writes,
+    a lower bound) and summed CPU and wall time (api_cpu_s None when any reading was
+    missing)."""
     total = None if any(c is None for c in cpu_s) else sum(cpu_s)
     return {"phase": phase, **keys, "requests": len(results),
             "prompt_tokens": sum(r.prompt_len for r in results),
+            "writes": sum(client_writes(r) for r in results),
             "output_tokens": sum(r.output_len for r in results),
             "api_cpu_s": None if total is None else round(total, 6),
             "wall_s": round(sum(wall_s), 6)}

@@ -12,10 +12,10 @@ reaches the router the profile's serving_overhead_ms after it arrives (the servi
 profile` measured: HTTP, the router, IPC, SSE, the client), and every step takes at least the
 profile's served-step floor (serving_host_ms: the same server's host work per step, fixed +
 per sequence, measured on batches of streams at once), and the serving front's own CPU
-(api_cost_ms: the `pdserve serve` process's per request, per prompt token and per streamed
-token) runs on one simulated API process for the whole deployment, a FIFO queue that admits
-every request and delivers every token (sim/api_process.py: at overload it delays first
-tokens and completions); --no-serving-overhead turns all three off (requests reach the router
+(api_cost_ms: the `pdserve serve` process's per request, per prompt token, per SSE write and
+per streamed token) runs on one simulated API process for the whole deployment, a FIFO queue
+that admits every request and writes every stream's tokens, several to a write when it lags
+(sim/api_process.py: at overload it delays first tokens and completions); --no-serving-overhead turns all three off (requests reach the router
 at once, steps take their costs alone, a token reaches the client when its step ends).
 Per-role profiles (--prefill-profile ...)
 stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.
@@ -86,7 +86,7 @@ def add_serving_overhead_arg(g) -> None:
                         "profile's served-step floor, fixed_ms + per_seq_ms * s of its "
                         "serving_host_ms (the server's host work per step), and the API "
                         "process's CPU (its api_cost_ms: per request, per prompt token, per "
-                        "streamed token) is one FIFO queue in front of every worker that "
+                        "SSE write, per streamed token) is one FIFO queue in front of every worker that "
                         "admits requests and delivers tokens; each is off in profiles made "
                         "before it was measured. --no-serving-overhead turns all three off "
                         "(default on)")
@@ -114,8 +114,9 @@ def api_model_line(api: dict) -> str:
     if not api:
         return "no API process model (tokens reach the client when their step ends)"
     return (f"one API process: {api['per_request_ms']:.3f} ms + {api['per_prompt_token_ms']:.5f}"
-            f" ms per prompt token to admit a request, {api['per_output_token_ms']:.4f} ms per "
-            "streamed token (FIFO)")
+            f" ms per prompt token to admit a request, {api['per_write_ms']:.4f} ms per SSE "
+            f"write + {api['per_output_token_ms']:.4f} ms per token in it (FIFO; a lagging "
+            "API joins a stream's tokens into its pending write)")
 
 
 def serving_path_async(profile: CostProfile) -> bool | None:
@@ -435,10 +436,17 @@ def main(argv: list[str] | None = None) -> int:
             api = s["api"]
             util = "-" if api["utilization"] is None else f"{api['utilization']:.0%}"
             lag = api["delivery_lag_ms_mean"]
-            print(f"  API process: busy {api['busy_s']:.3f} s ({util} of the run), token "
+            tpw = api["tokens_per_write"]
+            print(f"  API process: busy {api['busy_s']:.3f} s ({util} of the run), "
+                  f"{api['writes']} writes ({'-' if tpw is None else f'{tpw:.2f}'} tokens "
+                  f"each), token "
                   f"delivery lag mean {'-' if lag is None else f'{lag:.3f}'} ms, max "
                   f"{api['delivery_lag_ms_max']:.3f} ms; admission wait max "
                   f"{api['admission_wait_ms_max']:.3f} ms")
+            tail = api["queue_end_after_last_delivery_ms"]
+            if tail:    # (the joined tokens' charges: sim/api_process.py's approximation)
+                print(f"  (its queue ran {tail:.1f} ms past the last delivery: work of tokens "
+                      "that joined earlier writes, charged at the queue's end)")
     if "comparison" in payload:
         from .compare import format_comparison, plot_comparison
         print(f"against {a.compare} (measured / simulated, relative error):")

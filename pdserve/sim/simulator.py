@@ -31,8 +31,9 @@ The serving front's own CPU (api_cost_ms given: the profile's, measured on the `
 process): one API process for the whole deployment, a FIFO server of CPU work on the simulated
 clock (api_process.py). Then a request's arrival is an event of its own: at its arrival time it
 queues its admission on the API, and reaches the router when that is done plus what the
-overhead holds beyond it (ApiProcess.admit). When a step ends, each token it sampled queues
-its delivery on the API at the step's end, before the step's outputs reach the router core
+overhead holds beyond it (ApiProcess.admit). When a step ends, each token it sampled goes to
+the API at the step's end (a write of its own, or joining its stream's write that has not
+started yet: ApiProcess.deliver), before the step's outputs reach the router core
 (so a conversation's next turn leaves when its answer's last token is delivered); the client's
 token times (TTFT, ITL, e2e, a request's completion) are the deliveries. Since every event is
 handled at its time and in time order, the API sees its work in time order: admissions and
@@ -65,6 +66,7 @@ from typing import Any, Mapping, Sequence
 
 from ..config import EngineConfig
 from ..engine.core import EngineCore
+from ..engine.request import sequence_id
 from ..outputs import RequestOutput
 from ..perf.cost_profile import deployment_graph_sizes
 from ..perf.metrics import RequestResult
@@ -435,8 +437,9 @@ class Simulator:
     def _step_ended(self, w: SimWorker, outs: list[RequestOutput], sampled: list[str]) -> None:
         w.busy = False
         if self.api is not None:    # (before the outputs: a finished answer's last token too)
+            # (a stream is a sequence: the simulator serves n = 1, one SSE stream a request)
             for seq in sampled:
-                self._delivered.setdefault(seq, []).append(self.api.deliver(self.now))
+                self._delivered.setdefault(seq, []).append(self.api.deliver(self.now, seq))
         self._collect(w, outs)
         self._dirty[w.name] = w
 
@@ -471,6 +474,8 @@ class Simulator:
             if isinstance(a, act.Deliver):
                 self._deliver(a.output)
             elif isinstance(a, act.Reject):
+                if self.api is not None:
+                    self.api.close(sequence_id(a.request_id, 0))
                 tr = self._tracks[a.request_id]
                 tr.done, tr.error = True, a.error
             else:
@@ -493,6 +498,8 @@ class Simulator:
             todo.extend(reversed(more))
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finished and self.api is not None:   # (its stream has had its last write)
+            self.api.close(sequence_id(out.request_id, 0))
         tr = self._tracks.get(out.request_id)
         if tr is None or tr.done:
             return
@@ -508,7 +515,7 @@ class Simulator:
                 if k + 1 < len(self._convs[i].user_messages):
                     answer = [RETOKENIZED_ID] * (len(o.token_ids) + 1) \
                         if self.retokenized_answers else list(o.token_ids)
-                    seen = self._delivered.get(f"{out.request_id}#0")
+                    seen = self._delivered.get(sequence_id(out.request_id, 0))
                     self._send_turn(i, k + 1, prompt + answer,
                                     seen[-1] if self.api is not None and seen else self.now)
 
@@ -524,7 +531,7 @@ class Simulator:
                 for seq, ts in w.runner.token_times.items():
                     times.setdefault(seq, []).extend(ts)
         for rid, tr in self._tracks.items():
-            ts = sorted(times.get(f"{rid}#0", ()))
+            ts = sorted(times.get(sequence_id(rid, 0), ()))
             if not tr.done or tr.error or not ts:
                 continue
             if len(ts) != tr.seen:
