@@ -152,7 +152,9 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
            wait_up $spid || { tail -5 "$OUT/profile-api-server.log"; continue; }
            args="--ignore-eos --base-url http://127.0.0.1:8000 ${API_WORKLOAD:---random-input-len 1280 --random-output-len 320 \
              --random-range-ratio 0.6 --vocab-size 151936} --request-rate inf --disable-tqdm"
-           python3 -m pdserve bench serve $args --num-prompts 50 > /dev/null 2>&1     # (first-use paths)
+           # (first-use paths; its result file is not kept)
+           python3 -m pdserve bench serve $args --num-prompts 50 --result-file "$OUT/warm.json" > /dev/null 2>&1
+           rm -f "$OUT/warm.json"
            wpid=$(pgrep -f "pdserve.worker.worker" | head -1)
            $pyspy record -p $spid -r 250 -f raw -o "$OUT/pyspy-api.txt" --nonblocking > "$OUT/pyspy-api.log" 2>&1 &
            p1=$!
