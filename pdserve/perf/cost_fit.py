@@ -670,23 +670,18 @@ def profile_from_samples(samples: dict[str, list[dict]], *, model: str, hardware
     if sizes and isinstance(setup, dict) and _is_count(setup.get("graph_max_tokens")):
         serving_sizes = mixed_sizes(setup["graph_max_tokens"])
     terms = fit_all(samples, sizes, serving_sizes)
-    if "serving_overhead_ms" not in terms:
-        terms["serving_overhead_ms"] = 0.0
-        terms["fit"]["serving"] = {"n_samples": 0, "heldout_mean_abs_rel_err": None,
-                                   "heldout_max_abs_rel_err": None, "source": "not measured",
-                                   "note": serving_note}
-    if "serving_host_ms" not in terms:
-        terms["serving_host_ms"] = {}
-        terms["fit"]["serving_batch"] = {
-            "n_samples": 0, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None,
-            "source": "not measured",
-            "note": serving_note if serving_batch_note is None else serving_batch_note}
-    if "api_cost_ms" not in terms:
-        terms["api_cost_ms"] = {}
-        terms["fit"]["serving_api"] = {
-            "n_samples": 0, "heldout_mean_abs_rel_err": None, "heldout_max_abs_rel_err": None,
-            "source": "not measured",
-            "note": serving_note if serving_api_note is None else serving_api_note}
+    # the serving path's terms without rows: each at its empty value, its fit saying why
+    for key, term, empty, note in (
+            ("serving_overhead_ms", "serving", 0.0, serving_note),
+            ("serving_host_ms", "serving_batch", {},
+             serving_note if serving_batch_note is None else serving_batch_note),
+            ("api_cost_ms", "serving_api", {},
+             serving_note if serving_api_note is None else serving_api_note)):
+        if key not in terms:
+            terms[key] = empty
+            terms["fit"][term] = {"n_samples": 0, "heldout_mean_abs_rel_err": None,
+                                  "heldout_max_abs_rel_err": None, "source": "not measured",
+                                  "note": note}
     if "transfer_gb_per_s" not in terms:
         if transfer_estimate is None:
             raise ValueError("no transfer rows and no transfer estimate")
