@@ -126,12 +126,6 @@ class CostModelRunner:
         # last): what the simulator's API process streams when the step ends
         self.last_sampled: list[str] = []
 
-    def step_ms(self, sched: SchedulerOutput) -> float:
-        """The simulated duration of `sched` (ms): its cost (device_ms), or the served-step
-        floor where that is on and longer; 0 for a step without chunks."""
-        ms = self.device_ms(sched)
-        return max(ms, self.floor_ms(sched))
-
     def floor_ms(self, sched: SchedulerOutput) -> float:
         """The served-step floor of `sched` (ms); 0 when off or for a step without chunks."""
         if not self.serving_floor or not sched.chunks:
