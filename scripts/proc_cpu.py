@@ -14,14 +14,14 @@ import json
 import os
 import sys
 
-TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pdserve.perf.serving_path import process_cpu_s  # noqa: E402 (the profiler's reading)
 
 
-def _stat(pid: int) -> tuple[float, int]:
+def _ppid(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         rest = f.read().rsplit(")", 1)[1].split()
-    # fields after the command: state(3) ppid(4) ... utime(14) stime(15), counted from 1
-    return (int(rest[11]) + int(rest[12])) / TICK, int(rest[1])
+    return int(rest[1])     # (after the command: state, then ppid)
 
 
 def _cmd(pid: int) -> str:
@@ -35,7 +35,7 @@ def tree(root: int) -> dict[str, dict]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                parents[int(name)] = _stat(int(name))[1]
+                parents[int(name)] = _ppid(int(name))
             except (OSError, IndexError, ValueError):
                 continue
     pids, frontier = {root}, [root]
@@ -47,9 +47,11 @@ def tree(root: int) -> dict[str, dict]:
     out = {}
     for p in sorted(pids):
         try:
-            out[str(p)] = {"cmd": _cmd(p), "cpu_s": _stat(p)[0]}
+            cmd, cpu = _cmd(p), process_cpu_s(p)
         except OSError:
             continue
+        if cpu is not None:     # (None: it ended meanwhile)
+            out[str(p)] = {"cmd": cmd, "cpu_s": cpu}
     return out
 
 
