@@ -283,30 +283,23 @@ def _validate(d: Mapping, where: str) -> None:
     number("transfer_gb_per_s", d["transfer_gb_per_s"], positive=True)
     if "serving_overhead_ms" in d:      # (optional: files older than the term load with 0)
         number("serving_overhead_ms", d["serving_overhead_ms"])
-    if "serving_host_ms" in d:          # (optional: files older than it load with {})
-        host = d["serving_host_ms"]
-        if not isinstance(host, dict):
-            raise bad("serving_host_ms", f"must be an object ({{}}: no term), got {host!r}")
-        for k in SERVING_HOST_KEYS if host else ():
-            if k not in host:
-                raise bad(f"serving_host_ms.{k}", "is missing")
-            number(f"serving_host_ms.{k}", host[k])
-        unknown = sorted(set(host) - set(SERVING_HOST_KEYS))
+    def costs(name: str, keys: tuple[str, ...]) -> None:
+        """An optional term of named costs: {} (no term) or exactly `keys`, each a cost."""
+        v = d[name]
+        if not isinstance(v, dict):
+            raise bad(name, f"must be an object ({{}}: no term), got {v!r}")
+        unknown = sorted(set(v) - set(keys))
         if unknown:
-            raise bad("serving_host_ms", f"has unknown keys {unknown} (it takes "
-                      f"{', '.join(SERVING_HOST_KEYS)})")
-    if "api_cost_ms" in d:              # (optional: files older than it load with {})
-        api = d["api_cost_ms"]
-        if not isinstance(api, dict):
-            raise bad("api_cost_ms", f"must be an object ({{}}: no term), got {api!r}")
-        unknown = sorted(set(api) - set(API_COST_KEYS))
-        if unknown:
-            raise bad("api_cost_ms", f"has unknown keys {unknown} (it takes "
-                      f"{', '.join(API_COST_KEYS)})")
-        for k in API_COST_KEYS if api else ():
-            if k not in api:
-                raise bad(f"api_cost_ms.{k}", "is missing")
-            number(f"api_cost_ms.{k}", api[k])
+            raise bad(name, f"has unknown keys {unknown} (it takes {', '.join(keys)})")
+        for k in keys if v else ():
+            if k not in v:
+                raise bad(f"{name}.{k}", "is missing")
+            number(f"{name}.{k}", v[k])
+
+    # (optional: files older than them load with {})
+    for name, keys in (("serving_host_ms", SERVING_HOST_KEYS), ("api_cost_ms", API_COST_KEYS)):
+        if name in d:
+            costs(name, keys)
     if "fit_graph_sizes" in d:          # (optional too: files older than it load with [])
         sizes = d["fit_graph_sizes"]
         if (not isinstance(sizes, list) or any(not isinstance(x, int) or isinstance(x, bool)
