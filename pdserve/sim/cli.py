@@ -40,7 +40,8 @@ from ..perf.slo import parse_goodput
 from ..perf.workload import (add_multi_turn_args, arrival_times, load_sharegpt,
                              mixed_requests, multi_turn_conversations,
                              prefix_repetition_requests, random_requests)
-from .simulator import Deployment, SimConversation, SimRequest, Simulator, parse_deployment
+from .simulator import (Deployment, SimConversation, SimRequest, Simulator, parse_deployment,
+                        serving_path)
 
 DEFAULT_NUM_KV_BLOCKS = 65536
 # The host tier's copy rate a run assumes (GB/s): the low end of what kv_host_tier.py moved on one
@@ -90,23 +91,6 @@ def add_serving_overhead_arg(g) -> None:
                         "admits requests and delivers tokens; each is off in profiles made "
                         "before it was measured. --no-serving-overhead turns all three off "
                         "(default on)")
-
-
-def serving_overhead_ms(a: argparse.Namespace, profile: CostProfile) -> float:
-    """The serving overhead a run uses: the profile's, or 0 with --no-serving-overhead."""
-    return profile.serving_overhead_ms if a.serving_overhead else 0.0
-
-
-def serving_host_ms(a: argparse.Namespace, profile: CostProfile) -> dict:
-    """The served-step floor's terms a run uses: the profile's serving_host_ms, or {} (none)
-    with --no-serving-overhead."""
-    return dict(profile.serving_host_ms) if a.serving_overhead else {}
-
-
-def api_cost_ms(a: argparse.Namespace, profile: CostProfile) -> dict:
-    """The API process's costs a run uses: the profile's api_cost_ms, or {} (no API model)
-    with --no-serving-overhead."""
-    return dict(profile.api_cost_ms) if a.serving_overhead else {}
 
 
 def api_model_line(api: dict) -> str:
@@ -331,7 +315,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
     max_len = a.max_model_len if a.max_model_len is not None else (
         ec.get("max_model_len") if isinstance(ec.get("max_model_len"), int) else blocks * a.block_size)
     policy_name, _ = _policy(a, dep, profile)   # (checks the flags once)
-    overhead = serving_overhead_ms(a, profile)
+    path = serving_path(profile, a.serving_overhead)
+    overhead = path.overhead_ms
     rates = ", ".join(rate_label(x) for x in a.request_rate)
     if a.dataset_name == "multi-turn":
         convs = build_conversations(a)
@@ -346,10 +331,10 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
               f"({sum(len(p) for p, _ in reqs)} prompt / {sum(o for _, o in reqs)} output "
               f"tokens) on {dep.label} ({policy_name}); rates {rates} req/s, burstiness "
               f"{a.burstiness:g}", flush=True)
-    host = serving_host_ms(a, profile)
+    host = path.host_ms
     floor = (f"served-step floor {host['fixed_ms']:.3f} ms + {host['per_seq_ms']:.4f} ms per "
              "sequence" if host else "no served-step floor")
-    api = api_cost_ms(a, profile)
+    api = path.api_cost_ms
     print(f"serving overhead {overhead:.3f} ms per request before the router, {floor}; "
           f"{api_model_line(api)}"
           + ("" if a.serving_overhead else " (--no-serving-overhead)"), flush=True)

@@ -68,7 +68,7 @@ from ..config import EngineConfig
 from ..perf.cost_profile import CostProfile
 from ..perf.slo import meets_slos, parse_goodput
 from ..perf.workload import arrival_times
-from .simulator import Deployment, SimRequest, Simulator
+from .simulator import Deployment, SimRequest, Simulator, serving_path
 
 MAX_GPUS = 64
 KINDS = ("collocated", "disagg", "mixed")
@@ -324,14 +324,19 @@ class Planner:
         self.simulated_requests = 0
 
     @property
+    def serving_path(self):
+        """The serving path's terms every run uses (simulate's rule: simulator.serving_path)."""
+        return serving_path(self.profiles[1], self.serving_overhead)
+
+    @property
     def serving_overhead_ms(self) -> float:
-        """What a request spends before the router in every run (simulate's rule)."""
-        return self.profiles[1].serving_overhead_ms if self.serving_overhead else 0.0
+        """What a request spends before the router in every run."""
+        return self.serving_path.overhead_ms
 
     @property
     def api_cost_ms(self) -> dict:
-        """The API process's costs in every run (simulate's rule; {}: none)."""
-        return dict(self.profiles[1].api_cost_ms) if self.serving_overhead else {}
+        """The API process's costs in every run ({}: none)."""
+        return self.serving_path.api_cost_ms
 
     def rate(self, k: int) -> float:
         return 2.0 ** (k / self.steps_per_doubling)
@@ -566,8 +571,7 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
             "profile": {"model": base.model, "hardware": base.hardware_label,
                         "source": a.profile, "tp_sizes": sorted(profs), **scale,
                         "serving_overhead_ms": planner.serving_overhead_ms,
-                        "serving_host_ms": (dict(base.serving_host_ms)
-                                            if a.serving_overhead else {}),
+                        "serving_host_ms": planner.serving_path.host_ms,
                         "api_cost_ms": planner.api_cost_ms},
             "workload": {k: getattr(a, k) for k in _WORKLOAD},
             "best": rows[0], "candidates": rows,

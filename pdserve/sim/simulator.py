@@ -62,7 +62,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from ..config import EngineConfig
 from ..engine.core import EngineCore
@@ -87,6 +87,24 @@ _ADD = 0            # requests reach the router core
 _STEP_END = 1       # a worker's step ended
 _WAKE = 2           # a worker wakes for its KV loads
 _ADMIT = 3          # a request reaches the API process (with an API model)
+
+class ServingPath(NamedTuple):
+    """The measured serving path's terms a run uses: the profile's serving overhead (ms before
+    the router), served-step floor (serving_host_ms) and API process costs (api_cost_ms); 0,
+    {} and {} for none."""
+    overhead_ms: float
+    host_ms: dict
+    api_cost_ms: dict
+
+
+def serving_path(profile, on: bool) -> ServingPath:
+    """What `profile`'s serving path gives a run: all of it (--serving-overhead, simulate's and
+    plan's default) or none of it (--no-serving-overhead)."""
+    if not on:
+        return ServingPath(0.0, {}, {})
+    return ServingPath(profile.serving_overhead_ms, dict(profile.serving_host_ms),
+                       dict(profile.api_cost_ms))
+
 
 _PART = re.compile(r"(\d+)([PDC])", re.IGNORECASE)
 _ROLE = {"P": "prefill", "D": "decode", "C": "collocated"}
