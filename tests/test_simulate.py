@@ -502,19 +502,26 @@ def test_bad_input_is_an_error_not_a_traceback(profile_file, tmp_path, capsys, a
     assert rc == 2 and msg in err and "Traceback" not in err
 
 
+def with_and_without_serving_path(tmp_path, path, *args):
+    """`pdserve simulate --profile path *args` run with --serving-overhead and with
+    --no-serving-overhead: the two result files, parsed (on, off)."""
+    runs = []
+    for flag in ("--serving-overhead", "--no-serving-overhead"):
+        out = str(tmp_path / f"{flag}.json")
+        assert simulate_main(["--profile", path, *args, flag, "--result-file", out]) == 0
+        with open(out) as f:
+            runs.append(json.load(f))
+    return tuple(runs)
+
+
 def test_simulate_takes_the_profiles_serving_overhead_unless_told_not_to(tmp_path):
     """A profile with serving_overhead_ms 7.5: every request's TTFT and e2e are 7.5 ms longer
     than with --no-serving-overhead (one request at a time: rate 0.01/s, 5 requests), its ITLs
     the same; the file says which overhead was used."""
     path = str(profile(serving_overhead_ms=7.5).save(tmp_path / "p.json"))
-    runs = {}
-    for flag in ("--serving-overhead", "--no-serving-overhead"):
-        out = str(tmp_path / f"{flag}.json")
-        assert simulate_main(["--profile", path, "--num-prompts", "5", "--request-rate", "0.01",
-                              "--random-input-len", "100", "--random-output-len", "4", flag,
-                              "--result-file", out]) == 0
-        runs[flag] = json.load(open(out))
-    on, off = runs["--serving-overhead"], runs["--no-serving-overhead"]
+    on, off = with_and_without_serving_path(tmp_path, path, "--num-prompts", "5",
+                                            "--request-rate", "0.01", "--random-input-len",
+                                            "100", "--random-output-len", "4")
     assert on["profile"]["serving_overhead_ms"] == 7.5
     assert off["profile"]["serving_overhead_ms"] == 0.0
     assert np.array(on["ttfts"]) - np.array(off["ttfts"]) == pytest.approx([7.5e-3] * 5,
@@ -532,14 +539,10 @@ def test_no_serving_overhead_turns_the_served_step_floor_off_too(tmp_path, capsy
     6.376, 6.392, 6.408 ms. The file says which floor was used, and the worker's facts how many
     steps it lengthened."""
     path = str(profile(serving_host_ms=FLOOR).save(tmp_path / "p.json"))
-    runs = {}
-    for flag in ("--serving-overhead", "--no-serving-overhead"):
-        out = str(tmp_path / f"{flag}.json")
-        assert simulate_main(["--profile", path, "--num-prompts", "16", "--request-rate", "inf",
-                              "--random-input-len", "10", "--random-output-len", "4",
-                              "--no-enable-prefix-caching", flag, "--result-file", out]) == 0
-        runs[flag] = json.load(open(out))
-    on, off = runs["--serving-overhead"], runs["--no-serving-overhead"]
+    on, off = with_and_without_serving_path(tmp_path, path, "--num-prompts", "16",
+                                            "--request-rate", "inf", "--random-input-len", "10",
+                                            "--random-output-len", "4",
+                                            "--no-enable-prefix-caching")
     assert on["profile"]["serving_host_ms"] == FLOOR and off["profile"]["serving_host_ms"] == {}
     assert on["ttfts"] == pytest.approx([10e-3] * 16, rel=1e-9)
     assert off["ttfts"] == pytest.approx([3.6e-3] * 16, rel=1e-9)

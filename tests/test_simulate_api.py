@@ -6,7 +6,6 @@ per_request_ms + per_prompt_token_ms * prompt tokens, a write w + c (w = per_wri
 per_output_token_ms), a token joining its stream's write that has not started c more at the
 end of the queue; a step's tokens go to the API in its chunk order (here: the order the
 requests arrived)."""
-import json
 
 import numpy as np
 import pytest
@@ -14,9 +13,8 @@ import pytest
 from pdserve.config import EngineConfig
 from pdserve.sim import SimConversation, SimRequest, Simulator, parse_deployment
 from pdserve.sim.api_process import ApiProcess
-from pdserve.sim.cli import main as simulate_main
 
-from .test_simulate import profile, prompts
+from .test_simulate import profile, prompts, with_and_without_serving_path
 
 
 def api(per_request=0.0, per_prompt_token=0.0, per_output_token=0.0, per_write=0.0):
@@ -271,14 +269,10 @@ def test_no_serving_overhead_turns_the_api_off_too(tmp_path, capsys):
     prof = profile(serving_overhead_ms=7.5, serving_host_ms={"fixed_ms": 0.0, "per_seq_ms": 0.0},
                    api_cost_ms=api(1.0, 0.01, 0.5))
     path = str(prof.save(tmp_path / "p.json"))
-    runs = {}
-    for flag in ("--serving-overhead", "--no-serving-overhead"):
-        out = str(tmp_path / f"{flag}.json")
-        assert simulate_main(["--profile", path, "--num-prompts", "5", "--request-rate", "inf",
-                              "--random-input-len", "100", "--random-output-len", "4",
-                              "--no-enable-prefix-caching", flag, "--result-file", out]) == 0
-        runs[flag] = json.load(open(out))
-    on, off = runs["--serving-overhead"], runs["--no-serving-overhead"]
+    on, off = with_and_without_serving_path(tmp_path, path, "--num-prompts", "5",
+                                            "--request-rate", "inf", "--random-input-len", "100",
+                                            "--random-output-len", "4",
+                                            "--no-enable-prefix-caching")
     assert on["profile"]["api_cost_ms"] == api(1.0, 0.01, 0.5)
     assert off["profile"]["api_cost_ms"] == {} and off["simulation"]["api"] is None
     assert off["ttfts"] == pytest.approx([7e-3] * 5, abs=1e-12)
