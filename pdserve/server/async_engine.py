@@ -66,6 +66,11 @@ class RequestStream:
                 break
         return batch
 
+    def ready(self) -> bool:
+        """Whether the next __anext__ returns (or raises) without waiting for the engine."""
+        return (self._error is not None or self.finished or self._closed
+                or not self._queue.empty())
+
     def _end(self) -> None:
         self._engine._streams.pop(self.request_id, None)
 

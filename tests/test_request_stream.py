@@ -1,0 +1,87 @@
+"""RequestStream.ready(): true exactly when the next read returns or raises without waiting
+(the streamed body reads such a stream in place, without a task and a keepalive timer)."""
+import asyncio
+
+import pytest
+
+from pdserve.outputs import RequestOutput
+from pdserve.server.async_engine import RequestStream
+from pdserve.worker.client import EngineDeadError
+
+
+class _Engine:
+    def __init__(self):
+        self._streams = {}
+        self.commands = []
+
+    def _command(self, cmd):
+        self.commands.append(cmd)
+
+
+def _out(finished=False, error=None):
+    return RequestOutput("r", None, [1], [], finished, error=error)
+
+
+def _stream():
+    eng = _Engine()
+    st = RequestStream(eng, "r", asyncio.Queue())
+    eng._streams["r"] = st
+    return eng, st
+
+
+async def _returns_at_once(st):
+    """The next read, and whether it finished without yielding to the loop."""
+    task = asyncio.ensure_future(st.__anext__())
+    await asyncio.sleep(0)   # one pass of the loop: a read that waits is still pending
+    done = task.done()
+    if not done:
+        task.cancel()
+        return False, None
+    try:
+        return True, task.result()
+    except BaseException as e:  # noqa: BLE001
+        return True, e
+
+
+def test_ready_matches_whether_a_read_waits():
+    async def main():
+        eng, st = _stream()
+        assert not st.ready()
+        assert (await _returns_at_once(st))[0] is False      # nothing queued: it waits
+        a, b = _out(), _out()
+        st._queue.put_nowait(a)
+        st._queue.put_nowait(b)
+        assert st.ready()
+        done, batch = await _returns_at_once(st)
+        assert done and batch == [a, b]                       # both, in order, in one read
+        assert not st.ready()
+        fin = _out(finished=True)
+        st._queue.put_nowait(fin)
+        assert st.ready()
+        assert (await _returns_at_once(st)) == (True, [fin])
+        assert st.ready() and st.finished                     # the end is known at once
+        done, e = await _returns_at_once(st)
+        assert done and isinstance(e, StopAsyncIteration)
+        assert "r" not in eng._streams
+    asyncio.run(main())
+
+
+def test_ready_after_an_error_and_after_close():
+    async def main():
+        eng, st = _stream()
+        before = _out()
+        st._queue.put_nowait(before)
+        st._queue.put_nowait(EngineDeadError("gone"))
+        assert st.ready()
+        assert (await _returns_at_once(st)) == (True, [before])
+        assert st.ready()                                     # the held error is next
+        done, e = await _returns_at_once(st)
+        assert done and isinstance(e, EngineDeadError)
+
+        eng2, st2 = _stream()
+        assert not st2.ready()
+        await st2.aclose()
+        assert st2.ready() and eng2.commands == [("abort", "r")]
+        with pytest.raises(StopAsyncIteration):
+            await st2.__anext__()
+    asyncio.run(main())
