@@ -449,9 +449,10 @@ def _serving_rows(a, cfg, facts: dict):
     for r in got.api_rows:
         what = f"{r['n']:>6} tokens" if r["phase"] == "sequential" else f"batch {r['b']:>5}"
         cpu = "not readable" if r["api_cpu_s"] is None else f"{r['api_cpu_s'] * 1e3:9.2f} ms"
+        steps = "? (unread)" if r["steps"] is None else r["steps"]
         print(f"API CPU, {what}: {cpu} over {r['requests']} requests ({r['prompt_tokens']} "
-              f"prompt, {r['output_tokens']} output tokens in {r['writes']} writes), "
-              f"{r['wall_s']:.2f} s", flush=True)
+              f"prompt, {r['output_tokens']} output tokens in {r['writes']} writes, {steps} "
+              f"engine steps), {r['wall_s']:.2f} s", flush=True)
     print(f"serving path: server up in {info['startup_s']} s, {info['wall_s']} s in all, "
           f"stopped {'cleanly' if info['stopped_cleanly'] else 'NOT cleanly'} "
           f"(exit code {info['exit_code']})", flush=True)
