@@ -358,6 +358,9 @@ BAD = [
      "api_cost_ms has unknown keys ['per_byte_ms']"),
     ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0, "per_write_ms": -0.1,
                      "per_output_token_ms": 0.08}, "api_cost_ms.per_write_ms must be >= 0"),
+    ("api_cost_ms", {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0, "per_write_ms": 0.1,
+                     "per_output_token_ms": 0.08, "per_step_ms": -0.3},
+     "api_cost_ms.per_step_ms must be >= 0"),
     ("fit.serving_api", [], "fit.serving_api must be an object"),
 ]
 
@@ -757,29 +760,31 @@ def test_the_device_time_profile_refits_the_floor_on_device_time_decode():
 
 # ---- the API process's CPU ----------------------------------------------------------------------
 API_TRUE = {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4, "per_write_ms": 0.12,
-            "per_output_token_ms": 0.02}
+            "per_output_token_ms": 0.02, "per_step_ms": 0.3}
 API_PER_TOKEN = {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4,
                  "per_output_token_ms": 0.08}   # (api_cost_ms as files had it before writes)
-API_FIT = {**API_PER_TOKEN, "per_write_ms": 0.0}
-# tokens per write in the served batches of b = 1, 16, 64 streams (a lagging API joins them)
-BATCH_TOKENS_PER_WRITE = {1: 1, 16: 2, 64: 4}
+API_FIT = {**API_PER_TOKEN, "per_write_ms": 0.0, "per_step_ms": 0.0}
+API_COLUMN_OF = {"per_request_ms": "requests", "per_prompt_token_ms": "prompt_tokens",
+                 "per_write_ms": "writes", "per_output_token_ms": "output_tokens",
+                 "per_step_ms": "steps"}
+# tokens per write in the served batches of b = 1, 16, 64, 128 streams (a lagging API joins them)
+BATCH_TOKENS_PER_WRITE = {1: 1, 16: 2, 64: 4, 128: 8}
 
 
-def _api_rows(cost=API_TRUE, seed=None, lengths=(256, 1024, 2048, 4096), batches=(1, 16, 64),
+def _api_rows(cost=API_TRUE, seed=None, lengths=(256, 1024, 2048, 4096), batches=(1, 16, 64, 128),
               per_write=BATCH_TOKENS_PER_WRITE):
     """The serving path's phases (perf/serving_path.py's GPU preset): 10 requests of n prompt
-    tokens and 16 output tokens each per length, a write per token; then b requests of 16
-    prompt tokens and 64 output tokens at once, per_write[b] tokens a write; their CPU from
+    tokens and 16 output tokens each per length, a write per token, 170 engine steps (17 a
+    request: a plausible count, the fit only needs it known); then b requests of 16 prompt
+    tokens and 64 output tokens at once, per_write[b] tokens a write, 65 steps; their CPU from
     `cost` (2% noise with a seed)."""
     rows = [{"phase": "sequential", "n": n, "requests": 10, "prompt_tokens": 10 * n,
-             "writes": 160, "output_tokens": 160} for n in lengths]
+             "writes": 160, "output_tokens": 160, "steps": 170} for n in lengths]
     rows += [{"phase": "batch", "b": b, "requests": b, "prompt_tokens": 16 * b,
-              "writes": round(64 * b / per_write[b]), "output_tokens": 64 * b} for b in batches]
-    keys = [k for k in ("per_request_ms", "per_prompt_token_ms", "per_write_ms",
-                        "per_output_token_ms") if k in cost]
-    cols = {"per_request_ms": "requests", "per_prompt_token_ms": "prompt_tokens",
-            "per_write_ms": "writes", "per_output_token_ms": "output_tokens"}
-    A = np.array([[r[cols[k]] for k in keys] for r in rows], float)
+              "writes": round(64 * b / per_write[b]), "output_tokens": 64 * b, "steps": 65}
+             for b in batches]
+    keys = [k for k in API_COLUMN_OF if k in cost]
+    A = np.array([[r[API_COLUMN_OF[k]] for k in keys] for r in rows], float)
     mu = A @ np.array([cost[k] for k in keys])
     y = mu if seed is None else _noisy(mu, seed)
     for r, ms in zip(rows, y):
@@ -787,23 +792,25 @@ def _api_rows(cost=API_TRUE, seed=None, lengths=(256, 1024, 2048, 4096), batches
     return rows, A, mu
 
 
-def test_the_four_api_costs_come_back_from_the_phases_cpu():
-    """Noise-free rows: the four costs exactly, every row predicted exactly held out (by hand:
-    the first row is 10 x 1.2 + 2560 x 4e-4 + 160 writes x 0.12 + 160 tokens x 0.02 = 12 +
-    1.024 + 19.2 + 3.2 = 35.424 ms; the 64-stream batch 64 x 1.2 + 1024 x 4e-4 + 1024 x 0.12 +
-    4096 x 0.02 = 76.8 + 0.4096 + 122.88 + 81.92 = 282.0096 ms). The sequential rows alone
-    have writes == tokens; the batches, whose writes carry 2 and 4 tokens, tell them apart.
-    With 2% noise, each cost within TOL_SE standard errors of the truth."""
+def test_the_five_api_costs_come_back_from_the_phases_cpu():
+    """Noise-free rows: the five costs exactly, every row predicted exactly held out (by hand:
+    the first row is 10 x 1.2 + 2560 x 4e-4 + 160 writes x 0.12 + 160 tokens x 0.02 + 170
+    steps x 0.3 = 12 + 1.024 + 19.2 + 3.2 + 51 = 86.424 ms; the 64-stream batch 64 x 1.2 +
+    1024 x 4e-4 + 1024 x 0.12 + 4096 x 0.02 + 65 x 0.3 = 76.8 + 0.4096 + 122.88 + 81.92 + 19.5
+    = 301.5096 ms). The sequential rows alone have writes == tokens; the batches, whose writes
+    carry 2, 4 and 8 tokens, tell them apart, and their tokens per step (b) tell a step from a
+    token. With 2% noise, each cost within TOL_SE standard errors of the truth."""
     rows, A, mu = _api_rows()
-    assert mu[0] == pytest.approx(35.424) and mu[-1] == pytest.approx(282.0096)
+    assert mu[0] == pytest.approx(86.424) and mu[-2] == pytest.approx(301.5096)
     r = fit_serving_api(rows)
     assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
     f = r["fit"]
-    assert f["n_samples"] == 7 and f["source"] == "measured" and "note" not in f
-    assert f["columns"] == ["requests", "prompt_tokens", "writes", "output_tokens"]
-    assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 7, abs=1e-9)
+    assert f["n_samples"] == 8 and f["source"] == "measured" and "note" not in f
+    assert f["per_step"] == "fitted"
+    assert f["columns"] == ["requests", "prompt_tokens", "writes", "output_tokens", "steps"]
+    assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 8, abs=1e-9)
     assert [x["predicted_ms"] for x in f["rows"]] == pytest.approx(mu.tolist(), abs=1e-4)
-    assert [x["writes"] for x in f["rows"]] == [160] * 4 + [64, 512, 1024]
+    assert [x["writes"] for x in f["rows"]] == [160] * 4 + [64, 512, 1024, 1024]
     se = _std_errors(A, mu)
     for seed in (1, 2, 3):
         rows, _, _ = _api_rows(seed=seed)
@@ -824,6 +831,52 @@ def test_api_costs_stay_non_negative():
     assert c["per_write_ms"] > 0
 
 
+# the H200 profile's serving-path phases (2026-12, its serving_api rows): 10 lone requests of
+# n = 256, 1024, 2048 prompt tokens, 16 output tokens each, a write per token; then b = 1, 16,
+# 64, 128, 256 requests of 16 prompt and 64 output tokens at once, in the writes the client
+# counted; with plausible step counts (17 a lone request, 64-66 a batch)
+H200_PHASES = [(10, 2560, 160, 160, 170), (10, 10240, 160, 160, 170), (10, 20480, 160, 160, 170),
+               (1, 16, 64, 64, 64), (16, 256, 1024, 1024, 65), (64, 1024, 2783, 4096, 66),
+               (128, 2048, 2241, 8192, 66), (256, 4096, 3686, 16384, 66)]
+# costs chosen by hand near what those rows measured: a step 0.375 ms, a request 2.1 ms, a
+# prompt token 0.9 us, a write 8 us, a token 12 us
+API_H200 = {"per_request_ms": 2.1, "per_prompt_token_ms": 9e-4, "per_write_ms": 0.008,
+            "per_output_token_ms": 0.012, "per_step_ms": 0.375}
+
+
+def test_a_per_step_cost_comes_back_from_phases_shaped_as_the_h200_profiles():
+    """Rows of the H200 profile's shape, their CPU from API_H200 (by hand: the lone 1-stream
+    batch 2.1 + 16 x 9e-4 + 64 x 0.008 + 64 x 0.012 + 64 x 0.375 = 2.1 + 0.0144 + 0.512 +
+    0.768 + 24 = 27.3944 ms, what it measured was 27.15; the first sequential row 21 + 2.304 +
+    1.28 + 1.92 + 63.75 = 90.254 ms, measured 90.49): the fit gives back the five costs, a
+    step's in the 0.3-0.45 ms the measured rows suggest; with 2% noise, each within TOL_SE
+    standard errors. The same rows without step counts fit four costs with per_step_ms 0 and
+    say so."""
+    keys = list(API_COLUMN_OF)
+    rows = [{"phase": "sequential" if i < 3 else "batch", **dict(zip(API_COLUMN_OF.values(), x))}
+            for i, x in enumerate(H200_PHASES)]
+    A = np.array(H200_PHASES, float)
+    mu = A @ np.array([API_H200[k] for k in keys])
+    assert mu[3] == pytest.approx(27.3944) and mu[0] == pytest.approx(90.254)
+    for r, ms in zip(rows, mu):
+        r["api_cpu_s"] = float(ms) / 1e3
+    r = fit_serving_api(rows)
+    assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_H200.items()}
+    assert 0.3 <= r["api_cost_ms"]["per_step_ms"] <= 0.45
+    se = _std_errors(A, mu)
+    for seed in (1, 2, 3):
+        noisy = [{**x, "api_cpu_s": float(ms) / 1e3} for x, ms in zip(rows, _noisy(mu, seed))]
+        got = fit_serving_api(noisy)["api_cost_ms"]
+        for k, s_e in zip(keys, se):
+            assert abs(got[k] - API_H200[k]) <= TOL_SE * s_e, (seed, k, got[k], s_e)
+    unread = [{**x, "steps": None} if x["phase"] == "batch" else x for x in rows]
+    r = fit_serving_api(unread)
+    assert r["api_cost_ms"]["per_step_ms"] == 0.0 and r["api_cost_ms"]["per_request_ms"] > 0
+    assert r["fit"]["columns"] == ["requests", "prompt_tokens", "writes", "output_tokens"]
+    assert r["fit"]["per_step"] == "0: rows without engine step counts"
+    assert r["fit"]["note"].startswith("rows without engine step counts")
+
+
 def test_writes_that_all_carry_one_token_fit_with_no_per_token_cost_and_say_so():
     """Every write one token (the batches too: the API kept up), so writes == output tokens
     in every row: the two columns are one. The fit is on [requests, prompt tokens, writes]
@@ -831,27 +884,28 @@ def test_writes_that_all_carry_one_token_fit_with_no_per_token_cost_and_say_so()
     together (0.12 + 0.02 = 0.14 ms, exactly, on noise-free rows), and its note says so. The
     same with batch writes of 1.2 tokens (< 25% more than the sequential rows' 1: too little
     to split on), and with 3 rows (four costs need 4)."""
-    ones = {1: 1, 16: 1, 64: 1}
+    ones = {1: 1, 16: 1, 64: 1, 128: 1}
     rows, _, mu = _api_rows(per_write=ones)
     r = fit_serving_api(rows)
     assert r["api_cost_ms"] == {"per_request_ms": pytest.approx(1.2, rel=1e-9),
                                 "per_prompt_token_ms": pytest.approx(4e-4, rel=1e-9),
                                 "per_write_ms": pytest.approx(0.14, rel=1e-9),
-                                "per_output_token_ms": 0.0}
+                                "per_output_token_ms": 0.0,
+                                "per_step_ms": pytest.approx(0.3, rel=1e-9)}
     f = r["fit"]
-    assert f["columns"] == ["requests", "prompt_tokens", "writes"]
+    assert f["columns"] == ["requests", "prompt_tokens", "writes", "steps"]
     assert f["note"].startswith("per_output_token_ms 0: the rows' tokens per write differ by "
                                 "less than 25%")
-    assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 7, abs=1e-9)
+    assert f["heldout_abs_rel_errs"] == pytest.approx([0.0] * 8, abs=1e-9)
     rows, _, _ = _api_rows(batches=(20, 60), per_write={20: 1, 60: 1.2})   # 64 * 60 / 1.2 = 3200
     assert rows[-1]["writes"] == 3200
     r = fit_serving_api(rows)
     assert r["api_cost_ms"]["per_output_token_ms"] == 0.0
     assert "differ by less than 25%" in r["fit"]["note"]
-    rows, _, _ = _api_rows(lengths=(256, 4096), batches=(16,))
+    rows, _, _ = _api_rows(lengths=(256, 4096), batches=(1, 16))
     r = fit_serving_api(rows)
     assert r["api_cost_ms"]["per_output_token_ms"] == 0.0 and r["api_cost_ms"]["per_write_ms"] > 0
-    assert r["fit"]["note"].startswith("per_output_token_ms 0: 3 usable row(s), four costs need")
+    assert r["fit"]["note"].startswith("per_output_token_ms 0: 4 usable row(s), 5 costs need")
 
 
 def test_rows_that_cannot_separate_the_costs_give_no_term_and_say_why():
@@ -870,16 +924,16 @@ def test_rows_that_cannot_separate_the_costs_give_no_term_and_say_why():
     unread = [{**x, "api_cpu_s": None} for x in rows]
     r = fit_serving_api(unread)
     assert r["api_cost_ms"] == {} and r["fit"]["n_samples"] == 0
-    assert "7 row(s) without a CPU reading" in r["fit"]["note"]
-    mixed = rows[:4] + [{**x, "api_cpu_s": None} for x in rows[4:6]] + [{**rows[6],
-                                                                         "api_cpu_s": 0.0}]
+    assert "8 row(s) without a CPU reading" in r["fit"]["note"]
+    mixed = rows[:4] + [{**x, "api_cpu_s": None} for x in rows[4:6]] + [
+        {**x, "api_cpu_s": 0.0} for x in rows[6:]]
     r = fit_serving_api(mixed)     # (the four sequential rows alone: 10 requests each)
     assert r["api_cost_ms"] == {} and "not independent" in r["fit"]["note"]
     assert "2 row(s) without a CPU reading" in r["fit"]["note"]
-    assert "1 row(s) with no CPU seen" in r["fit"]["note"]
-    r = fit_serving_api(rows[:6] + [{**rows[6], "api_cpu_s": None}])
+    assert "2 row(s) with no CPU seen" in r["fit"]["note"]
+    r = fit_serving_api(rows[:7] + [{**rows[7], "api_cpu_s": None}])
     assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
-    assert r["fit"]["n_samples"] == 6 and r["fit"]["note"] == ("1 row(s) without a CPU reading "
+    assert r["fit"]["n_samples"] == 7 and r["fit"]["note"] == ("1 row(s) without a CPU reading "
                                                                "(the platform does not report "
                                                                "the API process's CPU)")
 
@@ -888,7 +942,7 @@ def test_rows_measured_before_writes_were_counted_fit_the_per_token_model():
     """Rows without "writes" (a profile measured before): the three costs of then, exactly,
     with per_write_ms 0 and a note; rows with and without writes together are refused."""
     rows, _, _ = _api_rows(API_PER_TOKEN)
-    old = [{k: v for k, v in r.items() if k != "writes"} for r in rows]
+    old = [{k: v for k, v in r.items() if k not in ("writes", "steps")} for r in rows]
     r = fit_serving_api(old)
     assert r["api_cost_ms"] == {k: pytest.approx(v, rel=1e-9) for k, v in API_FIT.items()}
     assert r["fit"]["columns"] == ["requests", "prompt_tokens", "output_tokens"]
@@ -902,6 +956,8 @@ def test_api_rows_are_checked():
     for bad, said in (({"requests": -1}, "integer 'requests' >= 0"),
                       ({"output_tokens": 1.5}, "integer 'output_tokens' >= 0"),
                       ({"writes": None}, "integer 'writes' >= 0"),
+                      ({"steps": -1}, "'steps' an integer >= 0 or None"),
+                      ({"steps": 2.5}, "'steps' an integer >= 0 or None"),
                       ({"api_cpu_s": float("nan")}, "api_cpu_s a finite number >= 0"),
                       ({"api_cpu_s": -0.1}, "api_cpu_s a finite number >= 0")):
         with pytest.raises(ValueError, match=said):
@@ -934,7 +990,7 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
     p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix, "serving_api": rows},
                              **kw)
     assert p.api_cost_ms == {k: pytest.approx(v, rel=1e-9) for k, v in API_TRUE.items()}
-    assert p.fit["serving_api"]["n_samples"] == 7
+    assert p.fit["serving_api"]["n_samples"] == 8
     assert refit(CostProfile.from_json(p.to_dict())) == p
     pre, dec, mix = ([{**r, "gpu_ms": r["wall_ms"] / 2} for r in x] for x in (pre, dec, mix))
     p = profile_from_samples({"prefill": pre, "decode": dec, "mixed": mix, "serving_api": rows},
@@ -953,14 +1009,16 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
 
 def test_a_file_from_before_per_write_loads_with_per_write_0(tmp_path):
     """api_cost_ms as files wrote it before per_write_ms (three keys: every token costed
-    alone) loads with per_write_ms 0, which means the same (a write of k tokens: 0 + 0.08 k
-    ms); saved again it has the four keys. Two keys, or the four less another, are refused."""
+    alone) loads with per_write_ms 0 and per_step_ms 0, which means the same (a write of k
+    tokens: 0 + 0.08 k ms, no step costed); saved again it has the five keys. Two keys, or the
+    five less another than per_step_ms, are refused."""
     d = _profile_dict()
     path = tmp_path / "old.json"
     path.write_text(json.dumps({**d, "api_cost_ms": dict(API_PER_TOKEN)}))
     p = CostProfile.from_json(path)
     assert p.api_cost_ms == {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4,
-                             "per_write_ms": 0.0, "per_output_token_ms": 0.08}
+                             "per_write_ms": 0.0, "per_output_token_ms": 0.08,
+                             "per_step_ms": 0.0}
     assert CostProfile.from_json(p.to_dict()) == p
     assert json.loads(open(p.save(tmp_path / "new.json")).read())["api_cost_ms"] == p.api_cost_ms
     no_prompt = {k: v for k, v in API_TRUE.items() if k != "per_prompt_token_ms"}
@@ -968,3 +1026,20 @@ def test_a_file_from_before_per_write_loads_with_per_write_0(tmp_path):
         CostProfile.from_json({**d, "api_cost_ms": no_prompt})
     with pytest.raises(ValueError, match="api_cost_ms.per_write_ms is missing"):
         CostProfile(**{**CostProfile.from_json(d).__dict__, "api_cost_ms": dict(API_PER_TOKEN)})
+
+
+def test_a_file_from_before_per_step_loads_with_per_step_0(tmp_path):
+    """api_cost_ms as files wrote it before per_step_ms (four keys) loads with per_step_ms 0,
+    which means the same (no engine step cost the API anything); saved again it has the five
+    keys."""
+    d = _profile_dict()
+    four = {k: v for k, v in API_TRUE.items() if k != "per_step_ms"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**d, "api_cost_ms": four}))
+    p = CostProfile.from_json(path)
+    assert p.api_cost_ms == {"per_request_ms": 1.2, "per_prompt_token_ms": 4e-4,
+                             "per_write_ms": 0.12, "per_output_token_ms": 0.02,
+                             "per_step_ms": 0.0}
+    assert json.loads(open(p.save(tmp_path / "new.json")).read())["api_cost_ms"] == p.api_cost_ms
+    with pytest.raises(ValueError, match="api_cost_ms.per_step_ms is missing"):
+        CostProfile(**{**CostProfile.from_json(d).__dict__, "api_cost_ms": four})

@@ -178,14 +178,14 @@ def test_the_planner_takes_the_served_step_floor_with_the_serving_overhead():
 
 
 def test_the_planner_queues_on_the_profiles_api_process_with_the_serving_overhead():
-    """api_cost_ms {1 ms per request, 0 per prompt token, 0 per write, 2 ms per token}, no
-    overhead: a lone request (rate 10/s: the API is idle when it comes) is admitted in 1 ms,
+    """api_cost_ms {1 ms per request, 0 per prompt token, 0 per write, 2 ms per token, 0 per
+    step}, no overhead: a lone request (rate 10/s: the API is idle when it comes) is admitted in 1 ms,
     prefilled (5.2 ms), its first token delivered 2 ms after (TTFT 8.2 ms); its second token,
     sampled 0.5 ms after the first, waits for the API: e2e 1 + 5.2 + 2 + 2 = 10.2 ms.
     serving_overhead=False: none of it, TTFT P and e2e P + d."""
     import dataclasses
     cost = {"per_request_ms": 1.0, "per_prompt_token_ms": 0.0, "per_write_ms": 0.0,
-            "per_output_token_ms": 2.0}
+            "per_output_token_ms": 2.0, "per_step_ms": 0.0}
     prof = hand_profile(api_cost_ms=cost)
     cand = Candidate(Unit(collocated=1), 2048, "collocated")
     on = planner(prof, 100.0, n=20)

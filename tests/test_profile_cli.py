@@ -154,8 +154,10 @@ def test_the_api_processs_cpu_was_measured_per_phase(quick):
     """A row per serving prompt length (its 3 timed requests of max_tokens 4: 3 n prompt and
     12 output tokens) and one per served batch (b requests of 16 prompt and 6 output tokens),
     each with the `pdserve serve` process's CPU seconds during it (> 0 on Linux: the API did
-    parse, route and stream them), the writes its tokens came in and its wall time; the fit
-    took them all, its term empty, or per_output_token_ms 0, only with a note saying why."""
+    parse, route and stream them), the writes its tokens came in, the engine steps the server
+    counted (at least one a token of a lone request's, one a token of a batch's longest
+    stream) and its wall time; the fit took them all, its term empty, or per_output_token_ms
+    0, only with a note saying why."""
     _, _, out = quick
     p = CostProfile.from_json(out)
     rows = p.samples["serving_api"]
@@ -168,6 +170,9 @@ def test_the_api_processs_cpu_was_measured_per_phase(quick):
     assert all(r["wall_s"] > 0 for r in rows)
     # (the client's count of writes: at least one a request, at most one a token)
     assert all(r["requests"] <= r["writes"] <= r["output_tokens"] for r in rows), rows
+    assert all(r["steps"] >= (r["output_tokens"] if r["phase"] == "sequential"
+                              else QUICK["serving_batch_max_tokens"]) for r in rows), rows
+    assert p.extra["serving_setup"]["steps_source"] == "/metrics pdserve:engine_steps_total"
     if sys.platform.startswith("linux"):
         assert all(r["api_cpu_s"] > 0 for r in rows), rows
         assert p.extra["serving_setup"]["api_cpu_source"].startswith("process CPU-time clock")
@@ -176,7 +181,8 @@ def test_the_api_processs_cpu_was_measured_per_phase(quick):
     if p.api_cost_ms:
         assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
         assert all(v >= 0 for v in p.api_cost_ms.values())
-        if f["columns"] != ["requests", "prompt_tokens", "writes", "output_tokens"]:
+        assert "steps" in f["columns"] and f["per_step"] == "fitted"
+        if "output_tokens" not in f["columns"]:
             assert p.api_cost_ms["per_output_token_ms"] == 0.0
             assert f["note"].startswith("per_output_token_ms 0")
     else:
@@ -358,5 +364,56 @@ def test_the_client_counts_a_write_per_distinct_arrival_time():
         return RequestResult(8, len(itl) + 1, success=ok, output_len=len(itl) + 1, itl=itl)
     got = [res([0.01, 0.0, 0.0, 0.02, 0.0]), res([]), res([0.01], ok=False)]
     assert [sp.client_writes(r) for r in got] == [3, 1, 0]
-    row = sp._api_row("batch", got[:2], [0.001], [0.5], b=2)
+    row = sp._api_row("batch", got[:2], [sp.Window(0.001, 7, 0.5)], b=2)
     assert (row["requests"], row["writes"], row["output_tokens"]) == (2, 4, 7)
+
+
+def test_a_phase_counts_the_engine_steps_the_servers_metrics_grew_by():
+    """The steps column is what pdserve:engine_steps_total (summed over worker and kind) grew
+    by around the phase: read from the server's own exposition (Metrics), 10 + 5 steps before,
+    40 + 5 + 4 after: 34 steps. The counter is read outside the CPU window (a /metrics
+    answer is the API's own work): the order of the readings says so. A phase of several
+    windows sums them; a missing reading (None: /metrics unread) makes the column None."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.perf import serving_path as sp
+    from pdserve.perf.metrics import RequestResult
+    from pdserve.routing.router_core import StepTotals
+    from pdserve.server.metrics import Metrics
+
+    m = Metrics("m")
+
+    def exposition(steps):
+        m.update_routes(SimpleNamespace(requests={}, transfers=0, transfer_bytes=0,
+                                        transfer_seconds=0.0, transfer_failures=0, rerouted=0,
+                                        recomputed=0, failed=0, steps=steps))
+        return m.render().decode()
+    assert sp.engine_steps_in(exposition({})) == 0
+    texts = [exposition({("c0", "decode"): StepTotals(10), ("c1", "mixed"): StepTotals(5)}),
+             exposition({("c0", "decode"): StepTotals(40), ("c1", "mixed"): StepTotals(5),
+                         ("c0", "prefill"): StepTotals(4)})]
+    assert "pdserve:engine_steps_gpu_timed_total" in texts[0]     # (not counted as steps)
+    assert [sp.engine_steps_in(t) for t in texts] == [15, 49]
+    order = []
+
+    def steps():
+        order.append("steps")
+        return sp.engine_steps_in(texts[order.count("steps") - 1])
+
+    def cpu():
+        order.append("cpu")
+        return 0.5 * order.count("cpu")
+
+    async def work():
+        order.append("work")
+        return "done"
+    res, w = asyncio.run(sp._measured(sp.Readers(cpu, steps), work()))
+    assert res == "done" and (w.cpu_s, w.steps) == (0.5, 34) and w.wall_s >= 0
+    assert order == ["steps", "cpu", "work", "cpu", "steps"]
+    one = RequestResult(8, 3, success=True, output_len=3, itl=[0.01, 0.01])
+    row = sp._api_row("sequential", [one, one], [w, sp.Window(0.25, 17, 1.0)], n=8)
+    assert (row["steps"], row["api_cpu_s"]) == (51, 0.75)
+    row = sp._api_row("sequential", [one, one], [w, sp.Window(0.25, None, 1.0)], n=8)
+    assert row["steps"] is None and row["api_cpu_s"] == 0.75
+    assert sp.engine_steps("http://127.0.0.1:9") is None     # (nothing answers there)

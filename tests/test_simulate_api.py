@@ -4,8 +4,8 @@ worked by hand from the profile's formulas (test_simulate.profile: prefill 2 + 0
 decode 5 + 0.1 min(b, 8) + 0.05 max(0, b - 8) + 0.001 S ms) and the API's costs: admission a =
 per_request_ms + per_prompt_token_ms * prompt tokens, a write w + c (w = per_write_ms, c =
 per_output_token_ms), a token joining its stream's write that has not started c more at the
-end of the queue; a step's tokens go to the API in its chunk order (here: the order the
-requests arrived)."""
+end of the queue, an engine step that sampled tokens s = per_step_ms once, before its tokens;
+a step's tokens go to the API in its chunk order (here: the order the requests arrived)."""
 
 import numpy as np
 import pytest
@@ -17,10 +17,13 @@ from pdserve.sim.api_process import ApiProcess
 from .test_simulate import profile, prompts, with_and_without_serving_path
 
 
-def api(per_request=0.0, per_prompt_token=0.0, per_output_token=0.0, per_write=0.0):
-    """api_cost_ms; per_write 0 is the per-token model files had before per_write_ms."""
+def api(per_request=0.0, per_prompt_token=0.0, per_output_token=0.0, per_write=0.0,
+        per_step=0.0):
+    """api_cost_ms; per_write 0 is the per-token model files had before per_write_ms, per_step
+    0 the model of files before per_step_ms."""
     return {"per_request_ms": per_request, "per_prompt_token_ms": per_prompt_token,
-            "per_write_ms": per_write, "per_output_token_ms": per_output_token}
+            "per_write_ms": per_write, "per_output_token_ms": per_output_token,
+            "per_step_ms": per_step}
 
 
 def sim(cost, dep="1C", overhead_ms=0.0, policy=None):
@@ -164,6 +167,44 @@ def test_a_token_joins_only_its_own_streams_write_and_only_before_it_starts():
     assert q.open_streams == 0
 
 
+def test_a_steps_charge_comes_once_before_its_writes():
+    """s = 2 ms, w = 1 ms, c = 0.5 ms, on the queue alone. A step at 0 with tokens for a and b:
+    one charge 0-2, then a's write 2-3.5 and b's 3.5-5.0 (two streams, one charge). A step at
+    1 ms with no token: nothing (no charge, no time). A step at 2.5 ms with b's token: its
+    charge 5.0-7.0 at the end of the queue; b's write (3.5-5.0) has not started by 2.5: the
+    token joins it, seen at 5.0, its 0.5 ms at the queue's end (7.5). A step at 6 ms with a's
+    token: charge 7.5-9.5, a's write has started, so a write of its own 9.5-11.0. Busy: 3
+    charges (6) + 3 writes (4.5) + a joined token (0.5) = 11 ms."""
+    q = ApiProcess(api(per_write=1.0, per_output_token=0.5, per_step=2.0))
+    assert ms(q.step(0.0, ["a", "b"])) == pytest.approx([3.5, 5.0], abs=1e-9)
+    assert (q.steps, q.writes, q.busy_s * 1e3) == (1, 2, pytest.approx(5.0, abs=1e-9))
+    assert q.step(1e-3, []) == []
+    assert (q.steps, q.free_at * 1e3) == (1, pytest.approx(5.0, abs=1e-9))
+    assert ms(q.step(2.5e-3, ["b"])) == pytest.approx([5.0], abs=1e-9)
+    assert q.free_at * 1e3 == pytest.approx(7.5, abs=1e-9)
+    assert ms(q.step(6e-3, ["a"])) == pytest.approx([11.0], abs=1e-9)
+    f = q.facts(11e-3)
+    assert (f["steps"], f["tokens"], f["writes"]) == (3, 4, 3)
+    assert f["busy_s"] * 1e3 == pytest.approx(11.0, abs=1e-9)
+    assert f["cost_ms"]["per_step_ms"] == 2.0
+
+
+def test_each_workers_step_is_a_charge_of_its_own():
+    """2C, s = 1 ms, c = 0.5 ms: two 100-token requests at 0 go to the two workers, whose
+    prefills (2 + 0.01 * 100 = 3 ms) end together: two messages, two charges. The first
+    worker's: charge 3-4, write 4-4.5; the second's: charge 4.5-5.5, write 5.5-6.0 (TTFTs 4.5
+    and 6.0 ms). Each worker's decode step (5.201 ms) ends at 8.201 ms: 8.201-9.201 and its
+    write 9.201-9.701, 9.701-10.701 and 10.701-11.201. 4 steps charged, busy 4 x 1.5 ms."""
+    s = sim(api(per_output_token=0.5, per_step=1.0), "2C", policy="round-robin")
+    res = s.run([SimRequest(p, 2, 0.0) for p in prompts(2, 100, seed=3)])
+    assert sorted(ms(r.ttft for r in res.results)) == pytest.approx([4.5, 6.0], abs=1e-9)
+    assert sorted(ms(r.latency for r in res.results)) == pytest.approx([9.701, 11.201],
+                                                                        abs=1e-9)
+    f = res.facts["api"]
+    assert (f["steps"], f["tokens"]) == (4, 4)
+    assert f["busy_s"] * 1e3 == pytest.approx(6.0, abs=1e-9)
+
+
 def test_no_stream_state_outlives_its_request():
     """10,000 requests of 3 tokens each on the queue, every one closed at its end: no stream
     left. Through the simulator (one worker, and P/D where a stream's first token comes from
@@ -201,15 +242,20 @@ def test_an_admission_after_a_step_waits_for_that_steps_deliveries():
     assert (b.ttft * 1e3, b.latency * 1e3) == pytest.approx((15.201 - 5, 20.402 - 5), abs=1e-9)
 
 
-@pytest.mark.parametrize("o,w,ttft", [(7.5, 0.0, 7.5 + 3.0), (1.0, 0.0, 2.0 + 0.5 + 3.0),
-                                      (7.5, 1.0, 7.5 + 3.0), (3.0, 1.0, 2.0 + 1.5 + 3.0)])
-def test_a_lone_request_keeps_the_measured_ttft(o, w, ttft):
+@pytest.mark.parametrize("o,w,st,ttft", [(7.5, 0.0, 0.0, 7.5 + 3.0),
+                                         (1.0, 0.0, 0.0, 2.0 + 0.5 + 3.0),
+                                         (7.5, 1.0, 0.0, 7.5 + 3.0),
+                                         (3.0, 1.0, 0.0, 2.0 + 1.5 + 3.0),
+                                         (7.5, 1.0, 2.0, 7.5 + 3.0),
+                                         (3.0, 1.0, 2.0, 2.0 + 2.0 + 1.5 + 3.0)])
+def test_a_lone_request_keeps_the_measured_ttft(o, w, st, ttft):
     """The overhead o was measured on a lone request and holds its admission (a = 1 + 0.01 *
-    100 = 2 ms) and its first token's write (one token: w + c, c = 0.5 ms): TTFT = max(o, a +
-    w + c) + the 3 ms prefill. ITLs are the decode steps (the API keeps up: a write of one
-    token each). A conversation's next turn leaves when its answer's last token is
-    delivered."""
-    cost = api(1.0, 0.01, 0.5, per_write=w)
+    100 = 2 ms), its prefill step's charge (s) and its first token's write (one token: w + c,
+    c = 0.5 ms): TTFT = max(o, a + s + w + c) + the 3 ms prefill (o = 3, s = 2, w = 1: the
+    overhead is short of 2 + 2 + 1.5, so 5.5 + 3). ITLs are the decode steps (the API keeps
+    up: a charge and a write of one token each, 3.5 ms at most, after each 5.2 ms step). A
+    conversation's next turn leaves when its answer's last token is delivered."""
+    cost = api(1.0, 0.01, 0.5, per_write=w, per_step=st)
     r = sim(cost, overhead_ms=o).run([SimRequest(prompts(1, 100)[0], 4, 0.3)]).results[0]
     assert r.ttft * 1e3 == pytest.approx(ttft, abs=1e-9)
     assert ms(r.itl) == pytest.approx([profile().decode_ms(1, 100 + k) for k in (1, 2, 3)],
@@ -254,6 +300,10 @@ def test_the_api_queue_refuses_work_out_of_time_order_and_bad_costs():
         ApiProcess({"per_request_ms": 1.0})
     with pytest.raises(ValueError, match="needs exactly"):   # (the file's loader adds it)
         ApiProcess({k: v for k, v in api().items() if k != "per_write_ms"})
+    with pytest.raises(ValueError, match="needs exactly"):   # (so does this one)
+        ApiProcess({k: v for k, v in api().items() if k != "per_step_ms"})
+    with pytest.raises(ValueError, match="per_step_ms must be a finite number >= 0"):
+        ApiProcess(api(per_step=-1.0))
     with pytest.raises(ValueError, match="per_write_ms must be a finite number >= 0"):
         ApiProcess(api(per_write=float("nan")))
     with pytest.raises(ValueError, match="per_output_token_ms must be a finite number >= 0"):

@@ -12,7 +12,7 @@ Rows (one per measured point; a row's time is the median of its reps):
                                                       ctx_sum their mean context sum while
                                                       they decode
     serving_api {"requests", "prompt_tokens",         the `pdserve serve` process's own CPU
-                 "writes", "output_tokens",           over one phase of the serving path
+                 "writes", "output_tokens", "steps",  over one phase of the serving path
                  "api_cpu_s"}                         (perf/serving_path.py)
 Extra keys are ignored (kept in the profile's samples).
 
@@ -47,23 +47,30 @@ matters from 3 ms steps to 60 ms ones alike):
               (one row: per_seq_ms = tpot / b); with none, both 0 (the server kept up with the
               device). Rows within the margin say nothing about host_ms but that it is below
               them, so they are left out of its fit.
-    serving_api  api_cpu_s * 1e3 ~ [requests, prompt_tokens, writes, output_tokens] (no
+    serving_api  api_cpu_s * 1e3 ~ [requests, prompt_tokens, writes, output_tokens, steps] (no
               intercept: an idle API costs nothing), the coefficients per_request_ms,
-              per_prompt_token_ms, per_write_ms and per_output_token_ms (writes: the client's
-              count of the SSE writes, a lower bound, perf/serving_path.py). Rows without a CPU
+              per_prompt_token_ms, per_write_ms, per_output_token_ms and per_step_ms (writes:
+              the client's count of the SSE writes, a lower bound; steps: the engine steps the
+              server counted during the phase; perf/serving_path.py). A lone stream pays a
+              step's cost for each of its tokens, a batch of b streams shares it b ways: the
+              sequential rows (a step per token) and the batches (b tokens a step) tell it
+              from a token's. Where a row has no step count (None: the server's /metrics was
+              not read; absent: measured before steps were counted) the fit is on the other
+              four with per_step_ms 0, and the note says so. Rows without a CPU
               reading (None: the platform does not say) or with none seen (0) are left out and
               counted in the note. A write's cost is told apart from its tokens' only where
               the rows' tokens per write differ (a lone request's writes carry one token, a
               batch's several when the API lags): by at least MIN_WRITE_SPREAD (25%) between
-              the rows, with >= 4 rows whose four columns are independent. Otherwise (e.g.
-              every write of every row one token: writes == output tokens) the fit is on
-              [requests, prompt_tokens, writes] with per_output_token_ms 0, and the note says
+              the rows, with as many rows as columns, all independent. Otherwise (e.g.
+              every write of every row one token: writes == output tokens) the fit is without
+              output_tokens, per_output_token_ms 0, and the note says
               so: a token costs its write's, exact at one token a write (what was measured),
               too little where a lagging API joins tokens. Fewer than 3 rows left, or rows
               whose columns are still not independent (e.g. every row with the same tokens
               per request), cannot separate the costs: then the term is empty ({}) and the
               note says why. Rows measured before writes were counted (no "writes") are fitted
-              on [requests, prompt_tokens, output_tokens] with per_write_ms 0, as then.
+              on [requests, prompt_tokens, output_tokens] with per_write_ms 0 (and
+              per_step_ms 0), as then.
 
 Step shapes (step_shapes.py): on a GPU with CUDA graphs a step with prefill tokens runs at its
 graph bucket, padding included, so its cost follows the bucket's token count, not the step's.
@@ -100,9 +107,10 @@ QUADRATIC_GAIN = 0.05
 HOST_BOUND_MARGIN = 0.10
 MIN_ROWS = {"prefill": 3, "decode": 4, "mixed": 1, "transfer": 2, "serving": 2,
             "serving_batch": 1, "serving_api": 3}
-# serving_api's columns, in the order of their costs (cost_profile.API_COST_KEYS); rows measured
-# before writes were counted have the other three (their fit: per_write_ms 0)
-API_COLUMNS = ("requests", "prompt_tokens", "writes", "output_tokens")
+# serving_api's columns, in the order of their costs (cost_profile.API_COST_KEYS); rows without
+# step counts are fitted without "steps" (per_step_ms 0), rows measured before writes were
+# counted on the three of then (per_write_ms 0 too)
+API_COLUMNS = ("requests", "prompt_tokens", "writes", "output_tokens", "steps")
 API_COLUMNS_BEFORE_WRITES = ("requests", "prompt_tokens", "output_tokens")
 # a write's cost is told apart from its tokens' only by rows whose tokens per write differ
 # (lone requests: 1; a lagging API's batch: several); the split rests on the tokens beyond one
@@ -480,50 +488,61 @@ def _independent(A: np.ndarray) -> bool:
     return int(np.linalg.matrix_rank(A / norms)) == A.shape[1]
 
 
-def _api_model(used: list[dict], has_writes: bool) -> tuple[tuple[str, ...] | None, str | None]:
+def _api_model(used: list[dict], has_writes: bool, has_steps: bool
+               ) -> tuple[tuple[str, ...] | None, list[str]]:
     """The columns the rows can be fitted on (None: none) and what the fit must say about the
-    costs left out (None: nothing)."""
+    costs left out."""
     if not has_writes:
         cols = API_COLUMNS_BEFORE_WRITES
-        said = ("rows without write counts (measured before pdserve profile counted writes): "
-                "per_write_ms 0, every token costed alone")
+        said = ["rows without write counts (measured before pdserve profile counted writes "
+                "and steps): per_write_ms and per_step_ms 0, every token costed alone"]
         if len(used) < len(cols) or not _independent(_api_design(used, cols)):
             return None, said
         return cols, said
+    said = [] if has_steps else [
+        "rows without engine step counts (the server's /metrics not read, or measured before "
+        "pdserve profile counted steps): per_step_ms 0, a step's cost spread over the others"]
+    full = tuple(k for k in API_COLUMNS if has_steps or k != "steps")
     per_write = [r["output_tokens"] / r["writes"] for r in used if r["writes"]]
-    if len(used) < len(API_COLUMNS):
-        why = f"{len(used)} usable row(s), four costs need >= {len(API_COLUMNS)}"
+    if len(used) < len(full):
+        why = f"{len(used)} usable row(s), {len(full)} costs need >= {len(full)}"
     elif not per_write or max(per_write) < (1 + MIN_WRITE_SPREAD) * min(per_write):
         why = (f"the rows' tokens per write differ by less than {MIN_WRITE_SPREAD:.0%} (no "
                "phase made the API write several tokens at once)")
-    elif not _independent(_api_design(used, API_COLUMNS)):
-        why = "the rows' four columns are not independent"
+    elif not _independent(_api_design(used, full)):
+        why = f"the rows' {len(full)} columns are not independent"
     else:
-        return API_COLUMNS, None
+        return full, said
     # writes and output tokens cannot be told apart: a write's tokens cost it per write, which
     # is exact where every write of the rows carried one token (what the rows measured)
-    cols = tuple(k for k in API_COLUMNS if k != "output_tokens")
-    said = (f"per_output_token_ms 0: {why}, so a token's cost is not told apart from its "
-            "write's (all of it per write)")
+    cols = tuple(k for k in full if k != "output_tokens")
+    said.insert(0, f"per_output_token_ms 0: {why}, so a token's cost is not told apart from "
+                   "its write's (all of it per write)")
     if len(used) < len(cols) or not _independent(_api_design(used, cols)):
         return None, said
     return cols, said
 
 
 def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
-    """api_cost_ms {per_request_ms, per_prompt_token_ms, per_write_ms, per_output_token_ms}
-    from the API process's CPU per phase (the module docstring): the four costs, or three with
-    per_output_token_ms 0 and a note where the rows cannot tell a token from its write, or {}
-    with a note where they cannot separate even those."""
+    """api_cost_ms {per_request_ms, per_prompt_token_ms, per_write_ms, per_output_token_ms,
+    per_step_ms} from the API process's CPU per phase (the module docstring): the five costs;
+    per_step_ms 0 and a note where a row has no step count; per_output_token_ms 0 and a note
+    where the rows cannot tell a token from its write; or {} with a note where they cannot
+    separate even those. fit["per_step"] says whether per_step_ms was fitted."""
     has_writes = any("writes" in r for r in rows)
     if has_writes and not all("writes" in r for r in rows):
         raise ValueError("serving_api fit: rows with and without 'writes' (measured by "
                          "different versions): refit them apart")
+    counts = [k for k in API_COLUMNS if k != "steps"] if has_writes else API_COLUMNS_BEFORE_WRITES
     for r in rows:
-        for k in API_COLUMNS if has_writes else API_COLUMNS_BEFORE_WRITES:
+        for k in counts:
             v = r.get(k)
             if not _is_count(v) or v < 0:
                 raise ValueError(f"serving_api fit: row {r} needs an integer {k!r} >= 0")
+        v = r.get("steps")
+        if v is not None and (not _is_count(v) or v < 0):
+            raise ValueError(f"serving_api fit: row {r} needs 'steps' an integer >= 0 or None "
+                             "(not read)")
         c = r.get("api_cpu_s")
         if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool)
                               or not math.isfinite(c) or c < 0):
@@ -532,23 +551,26 @@ def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
     unread = sum(r.get("api_cpu_s") is None for r in rows)
     unseen = sum(r.get("api_cpu_s") == 0 for r in rows)
     used = [r for r in rows if r.get("api_cpu_s")]
-    model = ("api_cpu_ms = per_request_ms * requests + per_prompt_token_ms * prompt_tokens + "
-             "per_write_ms * writes + per_output_token_ms * output_tokens")
-    info: dict[str, Any] = {"n_samples": len(used), "source": "measured", "model": model}
+    has_steps = all(r.get("steps") is not None for r in used)
     left_out = []
     if unread:
         left_out.append(f"{unread} row(s) without a CPU reading (the platform does not report "
                         "the API process's CPU)")
     if unseen:
         left_out.append(f"{unseen} row(s) with no CPU seen (below the reading's resolution)")
-    cols, said = _api_model(used, has_writes)
+    cols, said = _api_model(used, has_writes, has_steps)
+    cost_of = dict(zip(API_COLUMNS, API_COST_KEYS))
+    model = "api_cpu_ms = " + " + ".join(f"{cost_of[k]} * {k}" for k in API_COLUMNS)
+    info: dict[str, Any] = {"n_samples": len(used), "source": "measured", "model": model,
+                            "per_step": ("fitted" if cols is not None and "steps" in cols else
+                                         "0: rows without engine step counts")}
     if cols is None:
         why = (f"{len(used)} usable row(s): the costs need >= {MIN_ROWS['serving_api']}"
                if len(used) < MIN_ROWS["serving_api"] else
                "the rows' requests, prompt tokens and writes (or output tokens) are not "
                "independent (each phase with the same mix): the costs cannot be told apart")
         info.update(heldout_mean_abs_rel_err=None, heldout_max_abs_rel_err=None,
-                    note="; ".join([f"no term: {why}", *left_out]))
+                    note="; ".join([f"no term: {why}", *said, *left_out]))
         return {"api_cost_ms": {}, "fit": info}
     c = _api_coef(used, cols)
     coef = dict(zip(cols, c.tolist()))
@@ -563,7 +585,7 @@ def fit_serving_api(rows: list[dict]) -> dict[str, Any]:
                      "predicted_ms": round(float(_api_design([r], cols)[0] @ c), 4)}
                     for r in used]
     if said or left_out:
-        info["note"] = "; ".join(([said] if said else []) + left_out)
+        info["note"] = "; ".join(said + left_out)
     cost = {key: float(coef.get(col, 0.0)) for key, col in zip(API_COST_KEYS, API_COLUMNS)}
     return {"api_cost_ms": cost, "fit": info}
 

@@ -39,6 +39,11 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
                             request and streams its tokens in SSE writes:
                               admitting a request   per_request_ms
                                                     + per_prompt_token_ms * prompt tokens
+                              an engine step whose  per_step_ms (the engine client's I/O
+                              outputs reach it      thread receives and decodes the worker's
+                                                    message, wakes the event loop, the router
+                                                    books it: once per step, whatever the
+                                                    number of streams in it)
                               one SSE write         per_write_ms
                                                     + per_output_token_ms * its tokens
                             A stream gets one write per wake-up of the API, holding every
@@ -51,9 +56,10 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
                             seconds over the serving path's phases (cost_fit.fit_serving_api).
                             Optional: {} (files made before it, a platform that does not report
                             the process's CPU, or rows that cannot separate the costs) is no
-                            API model. Files made before per_write_ms (the other three keys
-                            only) load with per_write_ms 0: each token was costed alone, which
-                            is what they meant (api_cost_from_file).
+                            API model. Files made before per_step_ms (the other four keys)
+                            load with per_step_ms 0, and files made before per_write_ms too
+                            (three keys) with per_write_ms 0 as well: no step was costed, and
+                            each token alone, which is what they meant (api_cost_from_file).
 
 The JSON file holds these terms at top level, with `version` (1), `model`, `hardware` (the
 measuring machine: bench.common.hardware_info's dict, or a plain label), `engine_config`,
@@ -80,8 +86,11 @@ BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_to
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
 OPTIONAL_FIT_TERMS = ("serving", "serving_batch", "serving_api")
 SERVING_HOST_KEYS = ("fixed_ms", "per_seq_ms")
-API_COST_KEYS = ("per_request_ms", "per_prompt_token_ms", "per_write_ms", "per_output_token_ms")
-# api_cost_ms as files wrote it before per_write_ms (api_cost_from_file)
+API_COST_KEYS = ("per_request_ms", "per_prompt_token_ms", "per_write_ms", "per_output_token_ms",
+                 "per_step_ms")
+# api_cost_ms as files wrote it before per_step_ms, and before per_write_ms (api_cost_from_file)
+API_COST_KEYS_BEFORE_STEPS = ("per_request_ms", "per_prompt_token_ms", "per_write_ms",
+                              "per_output_token_ms")
 API_COST_KEYS_BEFORE_WRITES = ("per_request_ms", "per_prompt_token_ms", "per_output_token_ms")
 FIT_KEYS = ("n_samples", "heldout_mean_abs_rel_err", "heldout_max_abs_rel_err")
 # coefficients that may be 0 but not negative
@@ -115,12 +124,14 @@ def hardware_label(hardware: Any) -> str:
 
 
 def api_cost_from_file(api: Any) -> Any:
-    """A file's api_cost_ms in today's four keys: one written before per_write_ms (exactly
-    API_COST_KEYS_BEFORE_WRITES) gets per_write_ms 0, which keeps its meaning (every token
-    cost per_output_token_ms, written alone or not); anything else is returned as it is, for
-    _validate to judge."""
-    if isinstance(api, Mapping) and set(api) == set(API_COST_KEYS_BEFORE_WRITES):
-        return {k: (0.0 if k == "per_write_ms" else api[k]) for k in API_COST_KEYS}
+    """A file's api_cost_ms in today's five keys: one written before per_step_ms (exactly
+    API_COST_KEYS_BEFORE_STEPS) gets per_step_ms 0, one written before per_write_ms (exactly
+    API_COST_KEYS_BEFORE_WRITES) per_write_ms 0 too, which keeps their meaning (no engine step
+    cost the API anything; every token cost per_output_token_ms, written alone or not);
+    anything else is returned as it is, for _validate to judge."""
+    if isinstance(api, Mapping) and set(api) in (set(API_COST_KEYS_BEFORE_STEPS),
+                                                 set(API_COST_KEYS_BEFORE_WRITES)):
+        return {k: api.get(k, 0.0) for k in API_COST_KEYS}
     return api
 
 
@@ -145,7 +156,7 @@ class CostProfile:
     kv_bytes_per_token: int
     serving_overhead_ms: float = 0.0
     serving_host_ms: dict = field(default_factory=dict)   # {} or the two SERVING_HOST_KEYS
-    api_cost_ms: dict = field(default_factory=dict)       # {} or the four API_COST_KEYS
+    api_cost_ms: dict = field(default_factory=dict)       # {} or the five API_COST_KEYS
     fit_graph_sizes: list = field(default_factory=list)
     fit: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
@@ -227,7 +238,8 @@ class CostProfile:
         of its type, finite and in range; when model / hardware are given (a label or a
         hardware_info dict), the profile must be of that model (model_name(config.model)) and
         machine (hardware_label). ValueError naming the field and the file otherwise. An
-        api_cost_ms of the three keys files had before per_write_ms loads with per_write_ms 0
+        api_cost_ms of the four keys files had before per_step_ms loads with per_step_ms 0, one
+        of the three they had before per_write_ms with per_write_ms 0 too
         (api_cost_from_file)."""
         if isinstance(source, Mapping):
             where, data = "<dict>", dict(source)

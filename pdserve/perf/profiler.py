@@ -33,10 +33,12 @@ What runs, in order:
      Around each timed request and each served batch, the API process's CPU seconds (the
      `pdserve serve` process itself, not its worker): a row per prompt length and one per
      batch (samples["serving_api"], with the client's count of the SSE writes its tokens came
-     in); the term api_cost_ms (per request, per prompt token, per SSE write, per token in a
-     write: what the simulator queues on its one API process) is fitted on them
-     (cost_fit.fit_serving_api; per_output_token_ms 0 with a note where no phase's writes
-     carried several tokens, {} with a note where they cannot separate the costs).
+     in and the engine steps the server's /metrics counted); the term api_cost_ms (per
+     request, per prompt token, per SSE write, per token in a write, per engine step: what
+     the simulator queues on its one API process) is fitted on them
+     (cost_fit.fit_serving_api; per_step_ms 0 with a note where the steps were not read,
+     per_output_token_ms 0 with a note where no phase's writes carried several tokens, {}
+     with a note where they cannot separate the costs).
      If the server cannot start, or a request fails, the file says why and the three terms
      are 0 / {} ("not measured").
   4. the fits, a table of term / value / held-out error, and the JSON (--output).
@@ -449,9 +451,10 @@ def _serving_rows(a, cfg, facts: dict):
     for r in got.api_rows:
         what = f"{r['n']:>6} tokens" if r["phase"] == "sequential" else f"batch {r['b']:>5}"
         cpu = "not readable" if r["api_cpu_s"] is None else f"{r['api_cpu_s'] * 1e3:9.2f} ms"
+        steps = "? (unread)" if r["steps"] is None else r["steps"]
         print(f"API CPU, {what}: {cpu} over {r['requests']} requests ({r['prompt_tokens']} "
-              f"prompt, {r['output_tokens']} output tokens in {r['writes']} writes), "
-              f"{r['wall_s']:.2f} s", flush=True)
+              f"prompt, {r['output_tokens']} output tokens in {r['writes']} writes, {steps} "
+              f"engine steps), {r['wall_s']:.2f} s", flush=True)
     print(f"serving path: server up in {info['startup_s']} s, {info['wall_s']} s in all, "
           f"stopped {'cleanly' if info['stopped_cleanly'] else 'NOT cleanly'} "
           f"(exit code {info['exit_code']})", flush=True)
@@ -526,7 +529,8 @@ def table(p: CostProfile) -> str:
              p.api_cost_ms.get("per_prompt_token_ms")),
             ("serving_api", "api_cost_ms.per_write_ms", p.api_cost_ms.get("per_write_ms")),
             ("serving_api", "api_cost_ms.per_output_token_ms",
-             p.api_cost_ms.get("per_output_token_ms"))):
+             p.api_cost_ms.get("per_output_token_ms")),
+            ("serving_api", "api_cost_ms.per_step_ms", p.api_cost_ms.get("per_step_ms"))):
         if term in p.fit and value is not None:
             lines.append(f"{name:<34} {value:>14.6g}  {err(term)}")
     itl = p.fit.get("serving", {}).get("batch1_itl_overhead_ms")
@@ -549,9 +553,11 @@ def table(p: CostProfile) -> str:
     for r in sa.get("rows") or ():
         # each phase's API CPU beside what the costs say for it
         writes = f" {r['writes']:>6} writes" if "writes" in r else ""
+        steps = f" {r['steps']:>6} steps" if r.get("steps") is not None else ""
         lines.append(f"API CPU, {r['phase'] or '?':<10} {r['requests']:>4} req "
                      f"{r['prompt_tokens']:>7} prompt {r['output_tokens']:>6} output tokens"
-                     f"{writes}: {r['api_cpu_ms']:9.2f} ms, fit {r['predicted_ms']:9.2f} ms")
+                     f"{writes}{steps}: {r['api_cpu_ms']:9.2f} ms, fit "
+                     f"{r['predicted_ms']:9.2f} ms")
     if sa.get("note"):
         lines.append(f"  ({sa['note']})")
     return "\n".join(lines)

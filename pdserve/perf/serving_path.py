@@ -31,9 +31,22 @@ seconds are read before and after each timed request and each served batch (proc
 so each phase's row says what the API spent on it. A row per prompt length (the sum over its
 requests: lengths differ, max_tokens is small) and a row per served batch (short prompts, more
 output tokens each): {"phase", "requests", "prompt_tokens", "writes", "output_tokens" (usage's),
-"api_cpu_s", "wall_s"}; api_cpu_s None where the platform does not say. The two phases mix
-requests, prompt tokens, writes and output tokens in different proportions, which is what lets
-cost_fit.fit_serving_api separate the costs.
+"steps", "api_cpu_s", "wall_s"}; api_cpu_s None where the platform does not say. The two phases
+mix requests, prompt tokens, writes, output tokens and steps in different proportions, which is
+what lets cost_fit.fit_serving_api separate the costs.
+
+"steps" is the engine steps the server ran over the same windows: its Prometheus counter
+pdserve:engine_steps_total (server/metrics.py, per worker and kind: summed) read from /metrics
+just before and just after each window, outside the CPU readings (answering /metrics is the
+API's own work); None where /metrics could not be read. The API pays for each step whose
+outputs reach it (the engine client's I/O thread receives and decodes the worker's message and
+wakes the event loop), whatever the number of streams in it: a lone request pays it per token,
+b streams at once share it. The counter counts forwards (the StepRecords that reached the
+router), not messages: a worker step that ran no forward is not in it, and a forward with no
+output (a prefill chunk short of its prompt's end) is counted though it sends no message of its
+own (its record rides with a later one). Over these phases every forward has outputs (each
+prompt fits one step's budget), so the two agree: good enough for the fit. Like the CPU, the
+count leaves out the pauses between the sequential requests (nothing runs then).
 
 "writes" is the client's count of the SSE writes that carried the phase's tokens (client_writes:
 per request, the distinct arrival times of its content chunks). The server writes a stream once
@@ -63,7 +76,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Awaitable, Callable, NamedTuple, Sequence
 
 STARTUP_TIMEOUT_S = 900.0   # CUDA: weights, then CUDA graphs captured up to the token budget
 STOP_TIMEOUT_S = 60.0
@@ -187,27 +200,72 @@ class ServerProcess:
                 "stopped_cleanly": not killed and code in (0, -signal.SIGTERM)}
 
 
-CpuReader = Callable[[], "float | None"]
+# pdserve's counter of engine steps (server/metrics.py: labelled by worker and kind)
+ENGINE_STEPS = "pdserve:engine_steps_total"
 
 
-def _delta(before: float | None, after: float | None) -> float | None:
+def engine_steps_in(text: str) -> int:
+    """The engine steps a /metrics exposition (Prometheus text) counts: ENGINE_STEPS summed
+    over its labels; 0 where it has no sample yet (no step run). ValueError where a sample's
+    value is not a number."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(ENGINE_STEPS) and line[len(ENGINE_STEPS):][:1] in ("{", " "):
+            total += float(line.rsplit(None, 1)[1])
+    return round(total)
+
+
+def engine_steps(base_url: str) -> int | None:
+    """The engine steps the server at base_url has run so far (its /metrics), None where that
+    cannot be read."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+            return engine_steps_in(r.read().decode())
+    except (urllib.error.URLError, OSError, ValueError):   # (no answer, or not a count)
+        return None
+
+
+class Readers(NamedTuple):
+    """The server's running totals read around a phase: its API process's CPU seconds so far
+    (process_cpu_s) and its engine steps so far (engine_steps); each None where unread."""
+    cpu: Callable[[], "float | None"]
+    steps: Callable[[], "int | None"]
+
+
+class Window(NamedTuple):
+    """What one measured window cost: the API's CPU seconds, the engine steps run (each None
+    where a reading was missing) and the wall seconds."""
+    cpu_s: float | None
+    steps: int | None
+    wall_s: float
+
+
+def _delta(before, after):
     return None if before is None or after is None else after - before
 
 
+async def _measured(read: Readers, work: Awaitable) -> tuple[Any, Window]:
+    """work's result and its window: the step counter is read outside the CPU readings (a
+    /metrics answer is the API's own work, not the window's)."""
+    s0 = read.steps()
+    c0, t0 = read.cpu(), time.perf_counter()
+    res = await work
+    wall = time.perf_counter() - t0
+    c1 = read.cpu()
+    return res, Window(_delta(c0, c1), _delta(s0, read.steps()), wall)
+
+
 async def _send_sequential(base_url: str, prompts: Sequence[list[int]], max_tokens: int,
-                           pause_s: float, cpu: CpuReader) -> list[tuple[Any, float | None, float]]:
-    """Each request's result, the API's CPU seconds during it (cpu(): the server's CPU so
-    far) and its wall seconds; the pauses between requests are in neither."""
+                           pause_s: float, read: Readers) -> list[tuple[Any, Window]]:
+    """Each request's result and its window; the pauses between requests are in none."""
     from ..bench.serve import Target, _client, send_request   # bench serve's client
     from .workload import SampleRequest
     target = Target(base_url, "/v1/completions", timeout_s=REQUEST_TIMEOUT_S)
     out = []
     async with _client(target, 1) as session:
         for ids in prompts:
-            c0, t0 = cpu(), time.perf_counter()
-            res = await send_request(session, target, SampleRequest(ids, len(ids), max_tokens))
-            wall = time.perf_counter() - t0
-            out.append((res, _delta(c0, cpu()), wall))
+            out.append(await _measured(read, send_request(
+                session, target, SampleRequest(ids, len(ids), max_tokens))))
             await asyncio.sleep(pause_s)
     return out
 
@@ -231,11 +289,9 @@ class ServingRows(NamedTuple):
 
 
 async def _send_batches(base_url: str, batches: Sequence[Sequence[list[int]]], max_tokens: int,
-                        pause_s: float, cpu: CpuReader
-                        ) -> list[tuple[list, float, float | None]]:
+                        pause_s: float, read: Readers) -> list[tuple[list, Window]]:
     """Each batch's requests sent at once (the next batch after the last has ended): their
-    results, the batch's wall time (s) and the API's CPU seconds during it; up to the first
-    batch with a failed request."""
+    results and the batch's window; up to the first batch with a failed request."""
     from ..bench.serve import Target, _client, send_request   # bench serve's client
     from .workload import SampleRequest
     target = Target(base_url, "/v1/completions", timeout_s=REQUEST_TIMEOUT_S)
@@ -243,11 +299,10 @@ async def _send_batches(base_url: str, batches: Sequence[Sequence[list[int]]], m
     # (a connection per stream: a smaller pool would queue requests in the client)
     async with _client(target, max((len(b) for b in batches), default=1)) as session:
         for prompts in batches:
-            c0, t0 = cpu(), time.perf_counter()
-            res = await asyncio.gather(*(send_request(session, target,
-                                                      SampleRequest(ids, len(ids), max_tokens))
-                                         for ids in prompts))
-            out.append((list(res), time.perf_counter() - t0, _delta(c0, cpu())))
+            res, window = await _measured(read, asyncio.gather(
+                *(send_request(session, target, SampleRequest(ids, len(ids), max_tokens))
+                  for ids in prompts)))
+            out.append((list(res), window))
             if not all(r.success for r in res):
                 break       # (the caller raises: no point loading the server further)
             await asyncio.sleep(pause_s)
@@ -280,18 +335,20 @@ def client_writes(result) -> int:
     return 1 + sum(1 for g in result.itl if g > 0)
 
 
-def _api_row(phase: str, results: list, cpu_s: list[float | None], wall_s: list[float],
-             **keys) -> dict[str, Any]:
-    """The API's CPU over some requests (one phase): their counts (writes: client_writes,
-    a lower bound) and summed CPU and wall time (api_cpu_s None when any reading was
-    missing)."""
-    total = None if any(c is None for c in cpu_s) else sum(cpu_s)
+def _api_row(phase: str, results: list, windows: Sequence[Window], **keys) -> dict[str, Any]:
+    """The API's CPU over some requests (one phase, measured in `windows`): their counts
+    (writes: client_writes, a lower bound), the engine steps, CPU and wall time summed over
+    the windows (steps, api_cpu_s None when any reading was missing)."""
+    def total(xs):
+        return None if any(x is None for x in xs) else sum(xs)
+    cpu_s = total([w.cpu_s for w in windows])
     return {"phase": phase, **keys, "requests": len(results),
             "prompt_tokens": sum(r.prompt_len for r in results),
             "writes": sum(client_writes(r) for r in results),
             "output_tokens": sum(r.output_len for r in results),
-            "api_cpu_s": None if total is None else round(total, 6),
-            "wall_s": round(sum(wall_s), 6)}
+            "steps": total([w.steps for w in windows]),
+            "api_cpu_s": None if cpu_s is None else round(cpu_s, 6),
+            "wall_s": round(sum(w.wall_s for w in windows), 6)}
 
 
 def measure(config, lengths: Sequence[int], reps: int, max_tokens: int, vocab_size: int,
@@ -340,20 +397,20 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
         info["startup_s"] = round(server.start(), 2)
         pid = server.proc.pid   # (the API process: Popen runs it directly, no shell between)
         info["api_cpu_source"] = process_cpu_source(pid)
-
-        def cpu() -> float | None:
-            return process_cpu_s(pid)
+        read = Readers(lambda: process_cpu_s(pid), lambda: engine_steps(server.base_url))
+        info["steps_source"] = (f"/metrics {ENGINE_STEPS}" if read.steps() is not None
+                                else None)
         gc.collect()
         gc.freeze()     # (as bench serve: no full collection lands in a request's TTFT)
         try:
             sent = asyncio.run(_send_sequential(server.base_url, warm + timed, max_tokens,
-                                                PAUSE_S, cpu))
-            results = [r for r, _, _ in sent]
+                                                PAUSE_S, read))
+            results = [r for r, _ in sent]
             bad = [r for r in results if not r.success]
             batch_results = []
             if sizes and not bad:
                 batch_results = asyncio.run(_send_batches(server.base_url, batch_prompts,
-                                                          batches.max_tokens, PAUSE_S, cpu))
+                                                          batches.max_tokens, PAUSE_S, read))
         finally:
             gc.unfreeze()
     finally:
@@ -362,7 +419,7 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(results)} requests through the server failed: "
                            f"{bad[0].error}")
-    for b, (res, _, _) in zip(sizes, batch_results):
+    for b, (res, _) in zip(sizes, batch_results):
         failed = [r for r in res if not r.success]
         if failed:
             raise RuntimeError(f"{len(failed)} of the {b} requests sent at once through the "
@@ -373,14 +430,13 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
                      "itl_ms": [round(x * 1e3, 4) for x in r.itl], "e2e_ms": r.latency * 1e3,
                      "output_tokens": r.output_len})
     info["warmup_requests"] = len(warm)
-    batch_rows = [_batch_row(b, batches, res, wall)
-                  for b, (res, wall, _) in zip(sizes, batch_results)]
+    batch_rows = [_batch_row(b, batches, res, window.wall_s)
+                  for b, (res, window) in zip(sizes, batch_results)]
     timed_sent = sent[len(warm):]
     api_rows = []
     for i, n in enumerate(lengths):
         mine = timed_sent[i::len(lengths)]      # (timed interleaves the lengths)
-        api_rows.append(_api_row("sequential", [r for r, _, _ in mine], [c for _, c, _ in mine],
-                                 [w for _, _, w in mine], n=n))
-    for b, (res, wall, c) in zip(sizes, batch_results):
-        api_rows.append(_api_row("batch", res, [c], [wall], b=b))
+        api_rows.append(_api_row("sequential", [r for r, _ in mine], [w for _, w in mine], n=n))
+    for b, (res, window) in zip(sizes, batch_results):
+        api_rows.append(_api_row("batch", res, [window], b=b))
     return ServingRows(rows, batch_rows, info, api_rows)

@@ -12,8 +12,8 @@ reaches the router the profile's serving_overhead_ms after it arrives (the servi
 profile` measured: HTTP, the router, IPC, SSE, the client), and every step takes at least the
 profile's served-step floor (serving_host_ms: the same server's host work per step, fixed +
 per sequence, measured on batches of streams at once), and the serving front's own CPU
-(api_cost_ms: the `pdserve serve` process's per request, per prompt token, per SSE write and
-per streamed token) runs on one simulated API process for the whole deployment, a FIFO queue
+(api_cost_ms: the `pdserve serve` process's per request, per prompt token, per engine step
+that sampled tokens, per SSE write and per streamed token) runs on one simulated API process for the whole deployment, a FIFO queue
 that admits every request and writes every stream's tokens, several to a write when it lags
 (sim/api_process.py: at overload it delays first tokens and completions); --no-serving-overhead turns all three off (requests reach the router
 at once, steps take their costs alone, a token reaches the client when its step ends).
@@ -87,7 +87,7 @@ def add_serving_overhead_arg(g) -> None:
                         "profile's served-step floor, fixed_ms + per_seq_ms * s of its "
                         "serving_host_ms (the server's host work per step), and the API "
                         "process's CPU (its api_cost_ms: per request, per prompt token, per "
-                        "SSE write, per streamed token) is one FIFO queue in front of every worker that "
+                        "engine step, per SSE write, per streamed token) is one FIFO queue in front of every worker that "
                         "admits requests and delivers tokens; each is off in profiles made "
                         "before it was measured. --no-serving-overhead turns all three off "
                         "(default on)")
@@ -98,9 +98,10 @@ def api_model_line(api: dict) -> str:
     if not api:
         return "no API process model (tokens reach the client when their step ends)"
     return (f"one API process: {api['per_request_ms']:.3f} ms + {api['per_prompt_token_ms']:.5f}"
-            f" ms per prompt token to admit a request, {api['per_write_ms']:.4f} ms per SSE "
-            f"write + {api['per_output_token_ms']:.4f} ms per token in it (FIFO; a lagging "
-            "API joins a stream's tokens into its pending write)")
+            f" ms per prompt token to admit a request, {api['per_step_ms']:.4f} ms per engine "
+            f"step with tokens, {api['per_write_ms']:.4f} ms per SSE write + "
+            f"{api['per_output_token_ms']:.4f} ms per token in it (FIFO; a lagging API joins a "
+            "stream's tokens into its pending write)")
 
 
 def serving_path_async(profile: CostProfile) -> bool | None:

@@ -31,9 +31,10 @@ The serving front's own CPU (api_cost_ms given: the profile's, measured on the `
 process): one API process for the whole deployment, a FIFO server of CPU work on the simulated
 clock (api_process.py). Then a request's arrival is an event of its own: at its arrival time it
 queues its admission on the API, and reaches the router when that is done plus what the
-overhead holds beyond it (ApiProcess.admit). When a step ends, each token it sampled goes to
-the API at the step's end (a write of its own, or joining its stream's write that has not
-started yet: ApiProcess.deliver), before the step's outputs reach the router core
+overhead holds beyond it (ApiProcess.admit). When a step ends, if it sampled any token, the
+API decodes its worker's message (one charge per step) and then each token goes to it (a write
+of its own, or joining its stream's write that has not started yet: ApiProcess.step), before
+the step's outputs reach the router core
 (so a conversation's next turn leaves when its answer's last token is delivered); the client's
 token times (TTFT, ITL, e2e, a request's completion) are the deliveries. Since every event is
 handled at its time and in time order, the API sees its work in time order: admissions and
@@ -456,8 +457,8 @@ class Simulator:
         w.busy = False
         if self.api is not None:    # (before the outputs: a finished answer's last token too)
             # (a stream is a sequence: the simulator serves n = 1, one SSE stream a request)
-            for seq in sampled:
-                self._delivered.setdefault(seq, []).append(self.api.deliver(self.now, seq))
+            for seq, seen in zip(sampled, self.api.step(self.now, sampled)):
+                self._delivered.setdefault(seq, []).append(seen)
         self._collect(w, outs)
         self._dirty[w.name] = w
 
