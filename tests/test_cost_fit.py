@@ -15,7 +15,7 @@ from pdserve.perf import cost_fit
 from pdserve.perf.cost_fit import (device_time_profile, fit_decode, fit_mixed, fit_prefill,
                                    fit_serving, fit_serving_api, fit_serving_batch, fit_transfer,
                                    nnls, profile_from_samples, refit)
-from pdserve.perf.cost_profile import CostProfile, hardware_label
+from pdserve.perf.cost_profile import API_COST_KEYS, CostProfile, hardware_label
 
 SIGMA = 0.02
 TOL_SE = 4.0        # a 4-sigma band: fails by chance ~1 in 16k per coefficient
@@ -965,8 +965,9 @@ def test_api_rows_are_checked():
 
 
 def test_the_api_cost_is_optional_and_older_files_load_without_it():
-    """No api_cost_ms (every committed profile so far): {}, no API model; with the term it
-    survives a file. profile_from_samples fits it from serving_api rows (a refit and a device-
+    """No api_cost_ms (the committed profiles made before the term): {}, no API model; a
+    committed file with the term (four keys, before per_step_ms) loads it with per_step_ms 0;
+    with the term it survives a file. profile_from_samples fits it from serving_api rows (a refit and a device-
     time profile keep the rows and the term); without rows it is {} and its fit says why."""
     import glob
     import os
@@ -976,8 +977,17 @@ def test_the_api_cost_is_optional_and_older_files_load_without_it():
     assert q.api_cost_ms == API_TRUE and CostProfile.from_json(q.to_dict()) == q
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "bench", "results")
+    with_term = 0
     for path in sorted(glob.glob(os.path.join(root, "profile-*.json"))):
-        assert CostProfile.from_json(path).api_cost_ms == {}, path
+        raw = json.loads(open(path).read()).get("api_cost_ms")
+        got = CostProfile.from_json(path).api_cost_ms
+        if not raw:
+            assert got == {}, path
+        else:
+            with_term += 1
+            assert set(got) == set(API_COST_KEYS), path
+            assert all(got[k] == raw.get(k, 0.0) for k in API_COST_KEYS), path
+    assert with_term      # (013686e's H200 profile: four keys, per_step_ms 0 when loaded)
     pre, dec, mix, est = _small_samples()
     kw = dict(model="m", hardware="NVIDIA H200", engine_config={}, commit="c",
               transfer_estimate=est)
