@@ -248,6 +248,37 @@ def test_a_loaded_back_prefix_is_admitted_only_with_room_for_its_tail(host):
     assert len(c.output_token_ids) == 2 and len(r.output_token_ids) == 8
 
 
+@pytest.mark.parametrize("host", [0, 16])
+def test_the_next_steps_room_is_offloaded_a_step_ahead(host):
+    """Pool of 8 blocks (size 4), budget 16. a (16 tokens) takes blocks [0, 1, 2, 3] in step 1
+    and is cached; b (16 other tokens) takes [4, 5, 6, 7] in step 2. Each step took 4 blocks,
+    so with the host tier the end of step 2 offloads the least recently used leaf, a's (device
+    [0, 1, 2, 3] -> host [0, 1, 2, 3]), and c (16 more) runs in step 3 in those blocks, as it
+    does without the tier (where a is dropped then, its blocks freed tail first: [3, 2, 1, 0]).
+    Step 3 offloads b's leaf the same way (host [4, 5, 6, 7]). Before the fix c waited a step
+    for a's offload to come free."""
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True, num_host_blocks=host)
+    s = Scheduler(kv, 8, 16)
+    moves = []
+    for rid, base in (("a", 100), ("b", 200), ("c", 300)):
+        s.add(Request(rid, list(range(base, base + 16)), SamplingParams(max_tokens=1)))
+        out = s.schedule()
+        assert [(ch.request_id, ch.start_pos) for ch in out.chunks] == [(rid, 0)]
+        assert kv.block_tables[rid] == {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7],
+                                        "c": [0, 1, 2, 3] if host else [3, 2, 1, 0]}[rid]
+        moves.append(out.kv_moves)
+        for r in s.update({rid: 7}):
+            s.finish(r, RequestStatus.FINISHED_LENGTH)
+        s.check_integrity()
+    if host:
+        assert moves == [None, KVMoves(list(zip(range(4), range(4))), []),
+                         KVMoves(list(zip(range(4, 8), range(4, 8))), [])]
+        assert kv.blocks_offloaded == 8 and kv.prefix_cache.num_host_cached_tokens() == 32
+    else:
+        assert moves == [None, None, None] and kv.prefix_cache.num_cached_tokens() == 32
+
+
+
 def test_reserve_slots_gives_a_loading_table_its_tail_blocks():
     """Pool of 6 (size 4), 4 host blocks: a's 8 tokens cached then offloaded by b (6 blocks).
     Once b is gone, c (a's 8 + 8 more) loads the 2 blocks back and reserve_slots(c, 8, 8) adds
