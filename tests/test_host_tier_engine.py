@@ -278,6 +278,28 @@ def test_the_next_steps_room_is_offloaded_a_step_ahead(host):
         assert moves == [None, None, None] and kv.prefix_cache.num_cached_tokens() == 32
 
 
+def test_a_request_short_of_room_that_arrives_keeps_its_match_locked():
+    """Pool of 6 (size 4), 8 host blocks. a's 8 tokens are cached in [0, 1], b's in [2, 3]; m
+    matches a's 8 (table [0, 1], locked) and x takes [4, 5]. m's next 4 tokens need a block:
+    b's leaf, the only unlocked one, is offloaded (host [0, 1]), its blocks free next step, so
+    m waits (room_arrives). Before the fix m then unlocked its match and evicted again: a's
+    leaf, which m holds (no offload), was dropped, and the cache kept 8 tokens instead of 16.
+    At the next step m gets block 2 and a's leaf is still there, locked by m."""
+    kv = KVCacheManager(6, BS, enable_prefix_caching=True, num_host_blocks=8)
+    for rid, toks in (("a", A[:8]), ("b", list(range(50, 58)))):
+        kv.allocate_slots(rid, 0, 8)
+        kv.free(rid, toks)
+    assert kv.match_prefix("m", A[:8] + [99], 8) == 8 and kv.block_tables["m"] == [0, 1]
+    assert kv.allocate_slots("x", 0, 8) == [] and kv.block_tables["x"] == [4, 5]
+    assert kv.allocate_slots("m", 8, 4) is None and kv.room_arrives("m", 8, 4)
+    assert kv.take_moves() == KVMoves([(2, 0), (3, 1)], [])
+    assert kv.prefix_cache.num_cached_tokens() == 16 and "m" in kv._locked
+    kv.check_integrity()
+    kv.begin_step()
+    assert kv.allocate_slots("m", 8, 4) == [] and kv.block_tables["m"] == [0, 1, 2]
+    assert kv.prefix_cache.num_host_cached_tokens() == 8 and kv.num_cached_blocks == 2
+    kv.check_integrity()
+
 
 def test_reserve_slots_gives_a_loading_table_its_tail_blocks():
     """Pool of 6 (size 4), 4 host blocks: a's 8 tokens cached then offloaded by b (6 blocks).

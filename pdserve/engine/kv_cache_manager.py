@@ -175,11 +175,15 @@ class KVCacheManager:
             return []
         cow = self._shared_in_range(table, num_computed, end)
         grow = max(0, self.blocks_for(end) - len(table))
-        if not self._make_room(grow + len(cow)) and request_id in self._locked:
+        need = grow + len(cow)
+        if (not self._make_room(need) and request_id in self._locked
+                and need - self.pool.num_free_blocks > self.pool.num_arriving):
             # Its own match may be what holds the room: copying the matched partial block on
             # write needs a block that only evicting that match frees (then nothing needs a copy).
+            # Not when the room arrives at the next step (offloaded leaves): it would unlock the
+            # match for good and evict as much again, past the room it waits for.
             self._unlock(request_id)
-            self._make_room(grow + len(cow))
+            self._make_room(need)
             cow = self._shared_in_range(table, num_computed, end)
         if grow + len(cow) > self.pool.num_free_blocks:
             if not table:
