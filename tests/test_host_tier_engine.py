@@ -248,6 +248,59 @@ def test_a_loaded_back_prefix_is_admitted_only_with_room_for_its_tail(host):
     assert len(c.output_token_ids) == 2 and len(r.output_token_ids) == 8
 
 
+@pytest.mark.parametrize("host", [0, 16])
+def test_the_next_steps_room_is_offloaded_a_step_ahead(host):
+    """Pool of 8 blocks (size 4), budget 16. a (16 tokens) takes blocks [0, 1, 2, 3] in step 1
+    and is cached; b (16 other tokens) takes [4, 5, 6, 7] in step 2. Each step took 4 blocks,
+    so with the host tier the end of step 2 offloads the least recently used leaf, a's (device
+    [0, 1, 2, 3] -> host [0, 1, 2, 3]), and c (16 more) runs in step 3 in those blocks, as it
+    does without the tier (where a is dropped then, its blocks freed tail first: [3, 2, 1, 0]).
+    Step 3 offloads b's leaf the same way (host [4, 5, 6, 7]). Before the fix c waited a step
+    for a's offload to come free."""
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True, num_host_blocks=host)
+    s = Scheduler(kv, 8, 16)
+    moves = []
+    for rid, base in (("a", 100), ("b", 200), ("c", 300)):
+        s.add(Request(rid, list(range(base, base + 16)), SamplingParams(max_tokens=1)))
+        out = s.schedule()
+        assert [(ch.request_id, ch.start_pos) for ch in out.chunks] == [(rid, 0)]
+        assert kv.block_tables[rid] == {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7],
+                                        "c": [0, 1, 2, 3] if host else [3, 2, 1, 0]}[rid]
+        moves.append(out.kv_moves)
+        for r in s.update({rid: 7}):
+            s.finish(r, RequestStatus.FINISHED_LENGTH)
+        s.check_integrity()
+    if host:
+        assert moves == [None, KVMoves(list(zip(range(4), range(4))), []),
+                         KVMoves(list(zip(range(4, 8), range(4, 8))), [])]
+        assert kv.blocks_offloaded == 8 and kv.prefix_cache.num_host_cached_tokens() == 32
+    else:
+        assert moves == [None, None, None] and kv.prefix_cache.num_cached_tokens() == 32
+
+
+def test_a_request_short_of_room_that_arrives_keeps_its_match_locked():
+    """Pool of 6 (size 4), 8 host blocks. a's 8 tokens are cached in [0, 1], b's in [2, 3]; m
+    matches a's 8 (table [0, 1], locked) and x takes [4, 5]. m's next 4 tokens need a block:
+    b's leaf, the only unlocked one, is offloaded (host [0, 1]), its blocks free next step, so
+    m waits (room_arrives). Before the fix m then unlocked its match and evicted again: a's
+    leaf, which m holds (no offload), was dropped, and the cache kept 8 tokens instead of 16.
+    At the next step m gets block 2 and a's leaf is still there, locked by m."""
+    kv = KVCacheManager(6, BS, enable_prefix_caching=True, num_host_blocks=8)
+    for rid, toks in (("a", A[:8]), ("b", list(range(50, 58)))):
+        kv.allocate_slots(rid, 0, 8)
+        kv.free(rid, toks)
+    assert kv.match_prefix("m", A[:8] + [99], 8) == 8 and kv.block_tables["m"] == [0, 1]
+    assert kv.allocate_slots("x", 0, 8) == [] and kv.block_tables["x"] == [4, 5]
+    assert kv.allocate_slots("m", 8, 4) is None and kv.room_arrives("m", 8, 4)
+    assert kv.take_moves() == KVMoves([(2, 0), (3, 1)], [])
+    assert kv.prefix_cache.num_cached_tokens() == 16 and "m" in kv._locked
+    kv.check_integrity()
+    kv.begin_step()
+    assert kv.allocate_slots("m", 8, 4) == [] and kv.block_tables["m"] == [0, 1, 2]
+    assert kv.prefix_cache.num_host_cached_tokens() == 8 and kv.num_cached_blocks == 2
+    kv.check_integrity()
+
+
 def test_reserve_slots_gives_a_loading_table_its_tail_blocks():
     """Pool of 6 (size 4), 4 host blocks: a's 8 tokens cached then offloaded by b (6 blocks).
     Once b is gone, c (a's 8 + 8 more) loads the 2 blocks back and reserve_slots(c, 8, 8) adds

@@ -56,6 +56,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.cache_refs = [0] * num_blocks      # of ref_counts, the prefix cache's references
         self.num_cache_only = 0                 # blocks with 0 < ref_counts == cache_refs
+        self.num_allocated = 0                  # blocks given out since start (demand per step)
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._busy: set[int] = set()                    # copied between tiers this step
         self._deferred: list[tuple[int, bool]] = []     # (block, cached): releases of busy blocks
@@ -74,6 +75,7 @@ class BlockPool:
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         ids = [self._free.popitem(last=False)[0] for _ in range(n)]
+        self.num_allocated += n
         for b in ids:
             self.ref_counts[b] = 1
         if cached:

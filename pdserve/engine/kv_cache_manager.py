@@ -30,9 +30,17 @@ this step's forward (table_busy(): the scheduler runs such a request from the ne
 
     step N   swap_out(r):  to_host (d7 -> h2), (d3 -> h5)   d7, d3 released at N+1's begin_step
     step M   swap_in(r):   to_device (h2 -> d1), (h5 -> d9) r runs from M+1; h2, h5 freed at M+1
+
+Offloading on eviction thus makes room one step late: evicting only when an allocation falls
+short would make every request that needs room wait a step (and admission behind it), where
+GPU-only caching drops the leaf and goes on. So at the end of each step's scheduling
+offload_ahead() offloads least recently used leaves until the free blocks and those arriving
+cover the most blocks one of the last OFFLOAD_AHEAD_STEPS steps took: the next step's room is
+already there (the leaves are the ones that GPU-only caching would evict next).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 from .block_pool import BlockPool, KVMoves
@@ -47,6 +55,8 @@ class BlockCopy(NamedTuple):
 
 
 class KVCacheManager:
+    OFFLOAD_AHEAD_STEPS = 8     # offload_ahead(): the steps whose largest demand it keeps ready
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  num_host_blocks: int = 0, kv_block_bytes: int = 0,
                  kv_offload_policy: str = "on-eviction"):
@@ -80,6 +90,10 @@ class KVCacheManager:
         self._load_short: tuple[str, int] | None = None
         self.prefix_queries = 0                 # tokens looked up in the cache (metrics)
         self.prefix_hits = 0                    # of them, found
+        # offload_ahead(): blocks the pool had given out at the last call, and the blocks each of
+        # the last OFFLOAD_AHEAD_STEPS steps took
+        self._allocated_mark = 0
+        self._step_demand: deque[int] = deque(maxlen=self.OFFLOAD_AHEAD_STEPS)
 
     def match_prefix(self, request_id: str, tokens: list[int], limit: int,
                      whole_blocks: bool = False) -> int:
@@ -161,11 +175,15 @@ class KVCacheManager:
             return []
         cow = self._shared_in_range(table, num_computed, end)
         grow = max(0, self.blocks_for(end) - len(table))
-        if not self._make_room(grow + len(cow)) and request_id in self._locked:
+        need = grow + len(cow)
+        if (not self._make_room(need) and request_id in self._locked
+                and need - self.pool.num_free_blocks > self.pool.num_arriving):
             # Its own match may be what holds the room: copying the matched partial block on
             # write needs a block that only evicting that match frees (then nothing needs a copy).
+            # Not when the room arrives at the next step (offloaded leaves): it would unlock the
+            # match for good and evict as much again, past the room it waits for.
             self._unlock(request_id)
-            self._make_room(grow + len(cow))
+            self._make_room(need)
             cow = self._shared_in_range(table, num_computed, end)
         if grow + len(cow) > self.pool.num_free_blocks:
             if not table:
@@ -260,6 +278,21 @@ class KVCacheManager:
             self.host_pool.flush()
             if self.prefix_cache is not None and self.prefix_cache.write_through:
                 self.prefix_cache.write_pending()
+
+    def offload_ahead(self) -> int:
+        """The end of a step's scheduling (before take_moves()), with a host tier that offloads
+        on eviction: offload least recently used cached leaves until the free blocks plus those
+        arriving at the next step cover the most blocks one of the last OFFLOAD_AHEAD_STEPS
+        steps took (this one included), so that the next step finds its room free rather than
+        waiting a step for it (see the module docstring). Returns the blocks evicted."""
+        pc = self.prefix_cache
+        if pc is None or self.host_pool is None or pc.write_through:
+            return 0        # (eviction frees at once: nothing to make ahead)
+        allocated = self.pool.num_allocated
+        self._step_demand.append(allocated - self._allocated_mark)
+        self._allocated_mark = allocated
+        short = max(self._step_demand) - self.pool.num_free_blocks - self.pool.num_arriving
+        return pc.evict(short) if short > 0 else 0
 
     def take_moves(self) -> KVMoves | None:
         """This step's copies between the tiers (None: none), once per schedule()."""

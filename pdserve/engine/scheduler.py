@@ -380,6 +380,7 @@ class Scheduler:
                 req.siblings = []
         out.num_decodes = num_decodes
         out.num_prefill_tokens = self.max_num_batched_tokens - budget - num_decodes
+        self.kv.offload_ahead()   # (the next step's room: its offloads are this step's moves)
         out.kv_moves = self.kv.take_moves()
         if out.chunks:
             self._unread.append(samplers + forked)
