@@ -165,13 +165,18 @@ def test_the_api_processs_cpu_was_measured_per_phase(quick):
     want = [("sequential", reps, reps * n, reps * k) for n in QUICK["serving_tokens"]]
     want += [("batch", b, b * QUICK["serving_batch_prompt_tokens"],
               b * QUICK["serving_batch_max_tokens"]) for b in QUICK["serving_batches"]]
+    # then the long batch: the middle size again, 4x the tokens each (hand-counted from the
+    # preset: batches [2, 8], 16 prompt and 6 output tokens -> 8 requests of 24 tokens)
+    assert QUICK["serving_batches"] == [2, 8] and QUICK["serving_batch_max_tokens"] == 6
+    want += [("long", 8, 8 * 16, 8 * 24)]
     assert [(r["phase"], r["requests"], r["prompt_tokens"], r["output_tokens"])
             for r in rows] == want
     assert all(r["wall_s"] > 0 for r in rows)
     # (the client's count of writes: at least one a request, at most one a token)
     assert all(r["requests"] <= r["writes"] <= r["output_tokens"] for r in rows), rows
     assert all(r["steps"] >= (r["output_tokens"] if r["phase"] == "sequential"
-                              else QUICK["serving_batch_max_tokens"]) for r in rows), rows
+                              else r["output_tokens"] // r["requests"]) for r in rows), rows
+    assert p.extra["serving_setup"]["api_long_batch"] == {"b": 8, "max_tokens": 24}
     assert p.extra["serving_setup"]["steps_source"] == "/metrics pdserve:engine_steps_total"
     if sys.platform.startswith("linux"):
         assert all(r["api_cpu_s"] > 0 for r in rows), rows

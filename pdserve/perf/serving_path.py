@@ -29,10 +29,12 @@ The API process's CPU (the `pdserve serve` process itself: uvicorn, the API, the
 engine client's I/O thread, one Python process; not its worker processes): its user + system
 seconds are read before and after each timed request and each served batch (process_cpu_s),
 so each phase's row says what the API spent on it. A row per prompt length (the sum over its
-requests: lengths differ, max_tokens is small) and a row per served batch (short prompts, more
-output tokens each): {"phase", "requests", "prompt_tokens", "writes", "output_tokens" (usage's),
-"steps", "api_cpu_s", "wall_s"}; api_cpu_s None where the platform does not say. The two phases
-mix requests, prompt tokens, writes, output tokens and steps in different proportions, which is
+requests: lengths differ, max_tokens is small), a row per served batch (short prompts, more
+output tokens each), and a "long" row: the middle batch size once more with LONG_BATCH_FACTOR
+times the tokens (ServedBatches.long_batch; a row for the API alone):
+{"phase", "requests", "prompt_tokens", "writes", "output_tokens" (usage's), "steps",
+"api_cpu_s", "wall_s"}; api_cpu_s None where the platform does not say. The phases mix
+requests, prompt tokens, writes, output tokens and steps in different proportions, which is
 what lets cost_fit.fit_serving_api separate the costs.
 
 "steps" is the engine steps the server ran over the same windows: its Prometheus counter
@@ -277,11 +279,28 @@ class ServedBatches(NamedTuple):
     prompt_len: int
     max_tokens: int
 
+    def long_batch(self) -> tuple[int, int] | None:
+        """The API rows' long batch (b, max_tokens): the middle size again, with
+        LONG_BATCH_FACTOR times the tokens (None without sizes)."""
+        if not self.sizes:
+            return None
+        return self.sizes[len(self.sizes) // 2], LONG_BATCH_FACTOR * self.max_tokens
+
+
+# After the served batches, the middle size once more with this many times their max_tokens,
+# for the API's CPU alone (a "long" serving_api row, no serving_batch row): every other phase
+# has a fixed number of tokens per request (the sequential max_tokens, the batches'), so a
+# request's cost and its tokens' are nearly collinear there. On the H100 (87e52b4) the
+# five-cost fit without it gave 3.16 ms a request and 0 a token, where a 320-token request
+# costs the API ~14 ms.
+LONG_BATCH_FACTOR = 4
+
 
 class ServingRows(NamedTuple):
     """What measure_serving measured: the single requests' rows, the served batches' rows
     (empty without batches), the setup's facts, and the API process's CPU per phase (a row
-    per prompt length of the single requests, then one per served batch)."""
+    per prompt length of the single requests, then one per served batch, then the long
+    batch's)."""
     rows: list[dict]
     batch_rows: list[dict]
     info: dict[str, Any]
@@ -366,8 +385,8 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     timed request), then, with batches, one row per batch size {"b", "prompt_len",
     "max_tokens", "tpot_ms", "tpot_ms_p10", "tpot_ms_p90", "ctx_sum", "wall_s", ...}, from
     one server; the setup's facts; the API process's CPU rows (module docstring: one per
-    prompt length, then one per batch). RuntimeError when the server cannot start or a request
-    fails (the server is stopped either way)."""
+    prompt length, then one per batch, then the long batch's). RuntimeError when the server
+    cannot start or a request fails (the server is stopped either way)."""
     import gc
 
     from ..bench.common import random_prompts
@@ -388,9 +407,14 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     # (seeds apart from the single requests': no prompt of a batch repeats one of theirs)
     batch_prompts = [random_prompts(b, batches.prompt_len, batches.prompt_len + 1, vocab_size,
                                     seed * 104729 + 65537 + i) for i, b in enumerate(sizes)]
+    long = batches.long_batch() if batches is not None else None
+    long_prompts = []
     if sizes:
         info["served_batch"] = {"sizes": sizes, "prompt_len": batches.prompt_len,
                                 "max_tokens": batches.max_tokens}
+        info["api_long_batch"] = {"b": long[0], "max_tokens": long[1]}
+        long_prompts = random_prompts(long[0], batches.prompt_len, batches.prompt_len + 1,
+                                      vocab_size, seed * 104729 + 65537 + len(sizes))
     server = ServerProcess(argv, port, env)
     t0 = time.perf_counter()
     try:
@@ -407,10 +431,14 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
                                                 PAUSE_S, read))
             results = [r for r, _ in sent]
             bad = [r for r in results if not r.success]
-            batch_results = []
+            batch_results, long_results = [], []
             if sizes and not bad:
                 batch_results = asyncio.run(_send_batches(server.base_url, batch_prompts,
                                                           batches.max_tokens, PAUSE_S, read))
+            if long is not None and len(batch_results) == len(sizes) and all(
+                    r.success for res, _ in batch_results for r in res):
+                long_results = asyncio.run(_send_batches(server.base_url, [long_prompts],
+                                                         long[1], PAUSE_S, read))
         finally:
             gc.unfreeze()
     finally:
@@ -419,7 +447,7 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(results)} requests through the server failed: "
                            f"{bad[0].error}")
-    for b, (res, _) in zip(sizes, batch_results):
+    for b, (res, _) in zip(sizes + ([long[0]] if long else []), batch_results + long_results):
         failed = [r for r in res if not r.success]
         if failed:
             raise RuntimeError(f"{len(failed)} of the {b} requests sent at once through the "
@@ -439,4 +467,6 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
         api_rows.append(_api_row("sequential", [r for r, _ in mine], [w for _, w in mine], n=n))
     for b, (res, window) in zip(sizes, batch_results):
         api_rows.append(_api_row("batch", res, [window], b=b))
+    for res, window in long_results:
+        api_rows.append(_api_row("long", res, [window], b=long[0]))
     return ServingRows(rows, batch_rows, info, api_rows)
