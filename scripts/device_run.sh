@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), profile-tier (py-spy on the host-tier server's worker during the multi-turn run), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -171,6 +171,43 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
              python3 scripts/pyspy_summary.py "$OUT/pyspy-$who.txt" --top 30 --json "$OUT/pyspy-$who-summary.json" 2>&1 | head -70
            done
            python3 scripts/bundle_results.py "$OUT/profile-api.json" "$OUT/profile-api-run.json" "$OUT"/pyspy-*-summary.json
+           kill -TERM $spid; wait $spid;;
+    profile-tier) # issue 21: where the host-tier server's worker time goes. Its decode steps were
+           # host-bound on the H100 at 87e52b4 (3.23 ms of device time in a ~3.69 ms period at 24
+           # conversation starts/s, against GPU-only's 2.94 in ~3.14): py-spy on the worker (and the
+           # API process) during serve-kv-tier's workload at PROFILE_TIER_RATE, tier side only
+           # (carry .whl and .qwen-text)
+           pyspy=/tmp/site/bin/py-spy; [ -x $pyspy ] || pyspy=$(command -v py-spy) || { echo "no py-spy"; continue; }
+           mdir=${TIER_MODEL-.qwen-text}; model=""     # (TIER_MODEL= : the embedded model)
+           if [ -n "$mdir" ]; then
+             [ -d "$mdir" ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
+             model="--model $mdir --load-format dummy"
+           fi
+           python3 -m pdserve serve $model ${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"} \
+             --port 8000 --enable-prefix-caching --num-kv-blocks ${TIER_BLOCKS:-8192} --swap-space ${TIER_SWAP:-24} \
+             > "$OUT/profile-tier-server.log" 2>&1 &
+           spid=$!
+           wait_up $spid || { tail -5 "$OUT/profile-tier-server.log"; continue; }
+           args="--ignore-eos --base-url http://127.0.0.1:8000 --dataset-name multi-turn --multi-turn-conversations ${TIER_CONVS:-256} \
+             --multi-turn-turns ${TIER_TURNS:-8} --multi-turn-user-len ${TIER_USER:-256} --multi-turn-output-len ${TIER_OUT:-64} \
+             --goodput ttft:${TIER_TTFT:-500} --disable-tqdm"
+           # (first-use paths, then the cache reset: the measured run starts cold, as serve-kv-tier's)
+           python3 -m pdserve bench serve $args --multi-turn-conversations 16 --request-rate inf --result-file "$OUT/warm.json" > /dev/null 2>&1
+           rm -f "$OUT/warm.json"; curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
+           wpid=$(pgrep -f "pdserve.worker.worker" | head -1)
+           $pyspy record -p $wpid -r 250 -f raw -o "$OUT/pyspy-tier-worker.txt" --nonblocking > "$OUT/pyspy-tier-worker.log" 2>&1 &
+           p1=$!
+           $pyspy record -p $spid -r 250 -f raw -o "$OUT/pyspy-tier-api.txt" --nonblocking > "$OUT/pyspy-tier-api.log" 2>&1 &
+           p2=$!
+           sleep 2
+           python3 -m pdserve bench serve $args --request-rate ${PROFILE_TIER_RATE:-24} --result-file "$OUT/profile-tier-run.json" 2>&1 | tail -3
+           kill -INT $p1 $p2; wait $p1 $p2
+           for who in worker api; do
+             echo "--- py-spy: tier $who"; tail -2 "$OUT/pyspy-tier-$who.log"
+             python3 scripts/pyspy_summary.py "$OUT/pyspy-tier-$who.txt" --top 30 --json "$OUT/pyspy-tier-$who-summary.json" 2>&1 | head -70
+           done
+           python3 scripts/bundle_results.py "$OUT/profile-tier.json" "$OUT/profile-tier-run.json" "$OUT"/pyspy-tier-*-summary.json
+           rm -f "$OUT"/pyspy-tier-*.txt "$OUT"/pyspy-tier-*-summary.json "$OUT/profile-tier-run.json"
            kill -TERM $spid; wait $spid;;
     serve-pd) # one sweep per deployment on the same workload: 1 worker, 1 prefill + 1 decode, 2 collocated
            for dep in ${SERVE_DEPS:-single: 1p1d:--prefill_1_--decode_1 2col:--collocated_2}; do
