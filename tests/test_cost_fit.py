@@ -124,6 +124,56 @@ def _decode_rows(seed, contexts=(512, 2048), sigma=SIGMA):
     return rows, b, ctx, mu
 
 
+def test_a_step_that_splits_its_keys_pays_split_ms():
+    """Rows at 256, 1,024 and 4,096 tokens of context per sequence, their times from known
+    terms plus a split cost of 0.5 ms for the steps at >= 512 tokens (the paged decode kernel's
+    first split: one split below 2 x MIN_KEYS_PER_SPLIT keys): the fit finds the split cost and
+    the other terms back exactly (no noise). By hand, b = 4 at 1,024 tokens: 2.5 + 0.01 x 4 +
+    2e-5 x 4,096 + 0.5 = 3.12192 ms; b = 4 at 256: 2.5 + 0.04 + 0.02048 = 2.56048 ms. Without the
+    term a linear fit of the same rows misses by far more."""
+    from pdserve.kernels.paged_attention import MIN_KEYS_PER_SPLIT, default_num_kv_splits
+    from pdserve.perf.cost_profile import SPLIT_CONTEXT_TOKENS
+    # the threshold is the kernel's own: 1 split below it, more from it on (a short batch)
+    assert SPLIT_CONTEXT_TOKENS == 2 * MIN_KEYS_PER_SPLIT
+    assert default_num_kv_splits(2, SPLIT_CONTEXT_TOKENS - 1) == 1
+    assert default_num_kv_splits(2, SPLIT_CONTEXT_TOKENS) > 1
+    contexts = (256, 1024, 4096)
+    b = np.array([x for _ in contexts for x in DECODE_B], dtype=float)
+    per = np.array([c for c in contexts for _ in DECODE_B], dtype=float)
+    mu = _decode_mu(b, b * per) + 0.5 * (per >= 512)
+    rows = [{"b": int(x), "ctx_sum": int(x * c), "wall_ms": float(t)}
+            for x, c, t in zip(b, per, mu)]
+    got = fit_decode(rows)
+    assert got["batch_threshold"] == KNEE and got["fit"]["split"] == "fitted"
+    want = {**DECODE_TRUE, "split_ms": 0.5}
+    assert got["beta_ms"] == {k: pytest.approx(v, rel=1e-6, abs=1e-9) for k, v in want.items()}
+    assert cost_fit.decode_predict(got, 4, 4 * 1024) == pytest.approx(3.12192, rel=1e-6)
+    assert cost_fit.decode_predict(got, 4, 4 * 256) == pytest.approx(2.56048, rel=1e-6)
+    assert got["fit"]["heldout_max_abs_rel_err"] < 1e-6
+    # the same rows, all on one side of the threshold: no split term to fit
+    above = [r for r in rows if r["ctx_sum"] >= r["b"] * 512]
+    one_side = fit_decode(above)
+    assert one_side["beta_ms"]["split_ms"] == 0.0
+    assert one_side["fit"]["split"].startswith("not fitted")
+
+
+def test_profiles_without_split_ms_cost_decode_steps_as_before():
+    """A profile file without beta_ms.split_ms (every one committed before it) loads and costs a
+    decode step with the four terms alone, by hand: 2.5 + 0.01 x 8 + 2e-5 x 8,192 = 2.74384 ms;
+    with split_ms 0.5 the same step costs 0.5 ms more, and one at 256 tokens a sequence does not."""
+    d = _profile_dict()
+    d["beta_ms"] = dict(DECODE_TRUE)
+    d["batch_threshold"] = KNEE
+    p = CostProfile.from_json(d)
+    assert "split_ms" not in p.beta_ms
+    assert p.decode_ms(8, 8 * 1024) == pytest.approx(2.74384, rel=1e-9)
+    q = CostProfile.from_json({**d, "beta_ms": {**DECODE_TRUE, "split_ms": 0.5}})
+    assert q.decode_ms(8, 8 * 1024) == pytest.approx(3.24384, rel=1e-9)
+    assert q.decode_ms(8, 8 * 256) == pytest.approx(p.decode_ms(8, 8 * 256), rel=1e-12)
+    with pytest.raises(ValueError, match="split_ms"):
+        CostProfile.from_json({**d, "beta_ms": {**DECODE_TRUE, "split_ms": -1.0}})
+
+
 def test_decode_finds_the_knee_and_recovers_beta():
     rows, b, ctx, mu = _decode_rows(seed=3)
     got = fit_decode(rows)

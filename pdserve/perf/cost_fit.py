@@ -101,7 +101,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..step_shapes import graph_max_tokens, mixed_sizes, padded_tokens
-from .cost_profile import API_COST_KEYS
+from .cost_profile import API_COST_KEYS, SPLIT_CONTEXT_TOKENS, decode_cost_ms
 
 QUADRATIC_GAIN = 0.05
 HOST_BOUND_MARGIN = 0.10
@@ -233,24 +233,38 @@ def fit_prefill(rows: list[dict]) -> dict[str, Any]:
 
 
 # ---- decode -------------------------------------------------------------------------------------
-def _decode_design(rows: list[dict], k: float) -> np.ndarray:
+def _split(rows: list[dict]) -> np.ndarray:
+    """1.0 where a row's decode step splits its keys (cost_profile.SPLIT_CONTEXT_TOKENS)."""
+    return np.array([1.0 if r["ctx_sum"] >= r["b"] * SPLIT_CONTEXT_TOKENS else 0.0
+                     for r in rows])
+
+
+def split_identifiable(rows: list[dict]) -> bool:
+    """The split term can be fitted: rows on both sides of the split context."""
+    s = _split(rows)
+    return bool(s.any()) and not bool(s.all())
+
+
+def _decode_design(rows: list[dict], k: float, split: bool) -> np.ndarray:
     b = np.array([r["b"] for r in rows], dtype=float)
     ctx = np.array([r["ctx_sum"] for r in rows], dtype=float)
-    return np.stack([np.ones_like(b), np.minimum(b, k), np.maximum(0.0, b - k), ctx], axis=1)
+    cols = [np.ones_like(b), np.minimum(b, k), np.maximum(0.0, b - k), ctx]
+    return np.stack(cols + ([_split(rows)] if split else []), axis=1)
 
 
 def decode_predict(p: dict[str, Any], b: float, ctx_sum: float) -> float:
-    beta, k = p["beta_ms"], p["batch_threshold"]
-    return (beta["fixed_ms"] + beta["per_seq_ms_below"] * min(b, k)
-            + beta["per_seq_ms_above"] * max(0, b - k) + beta["per_context_token_ms"] * ctx_sum)
+    return decode_cost_ms(p["beta_ms"], p["batch_threshold"], b, ctx_sum)
 
 
 def _decode_procedure(rows: list[dict]) -> dict[str, Any]:
+    """The knee k and beta_ms; split_ms is fitted where split_identifiable (else 0: every row on
+    one side of the split context, where a constant would only move into fixed_ms)."""
     y = np.array([r["wall_ms"] for r in rows], dtype=float)
     w = _rel_weights(y)
+    split = split_identifiable(rows)
     best = None
     for k in sorted({int(r["b"]) for r in rows}):
-        A = _decode_design(rows, k)
+        A = _decode_design(rows, k, split)
         c = nnls(A, y, w)
         res = (A @ c - y) * w
         err = float(np.dot(res, res))
@@ -259,7 +273,8 @@ def _decode_procedure(rows: list[dict]) -> dict[str, Any]:
     _, k, c = best
     return {"batch_threshold": int(k),
             "beta_ms": {"fixed_ms": float(c[0]), "per_seq_ms_below": float(c[1]),
-                        "per_seq_ms_above": float(c[2]), "per_context_token_ms": float(c[3])}}
+                        "per_seq_ms_above": float(c[2]), "per_context_token_ms": float(c[3]),
+                        "split_ms": float(c[4]) if split else 0.0}}
 
 
 def fit_decode(rows: list[dict]) -> dict[str, Any]:
@@ -281,8 +296,12 @@ def fit_decode(rows: list[dict]) -> dict[str, Any]:
     held = _heldout(rows, fit, lambda r: r["wall_ms"])
     knees = [_decode_procedure(rows[:i] + rows[i + 1:])["batch_threshold"]
              for i in range(len(rows))]
-    return {**p, "fit": {"n_samples": len(rows), **held, "heldout_knees": knees,
-                         "knee_candidates": sorted({int(r["b"]) for r in rows})}}
+    info = {"n_samples": len(rows), **held, "heldout_knees": knees,
+            "knee_candidates": sorted({int(r["b"]) for r in rows}),
+            "split": "fitted" if split_identifiable(rows) else
+            f"not fitted (0): no rows on both sides of {SPLIT_CONTEXT_TOKENS} tokens of context "
+            "per sequence"}
+    return {**p, "fit": info}
 
 
 # ---- mixed --------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
     decode_ms(b, ctx_sum)   = beta_ms["fixed_ms"]
                               + beta_ms["per_seq_ms_below"] * min(b, batch_threshold)
                               + beta_ms["per_seq_ms_above"] * max(0, b - batch_threshold)
-                              + beta_ms["per_context_token_ms"] * ctx_sum              (b >= 1)
+                              + beta_ms["per_context_token_ms"] * ctx_sum
+                              + (beta_ms["split_ms"] where ctx_sum >= b*SPLIT_CONTEXT_TOKENS,
+                                 else 0)                                          (b >= 1)
+                            split_ms is optional (absent in files made before it: 0)
     mixed_ms(b, ctx_sum, n) = decode_ms(b, ctx_sum) + gamma_ms_per_token*n  (b == 0: prefill_ms(n))
     transfer_ms(tokens)     = transfer_fixed_ms
                               + tokens*kv_bytes_per_token / (transfer_gb_per_s*1e6)
@@ -83,6 +86,14 @@ from .files import read_json_object, write_json
 
 VERSION = 1
 BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_token_ms")
+# beta_ms["split_ms"]: what a decode step pays once its sequences are long enough for the paged
+# decode kernel to split their keys (kernels/paged_attention.py default_num_kv_splits: one split
+# below 2 * MIN_KEYS_PER_SPLIT keys, then 2, 4, ... and a second kernel that merges the parts).
+# The device time steps up there (H100, batch 1: 2.14 ms at 256 tokens of context, 2.68 at
+# 1,024, 2.75 at 4,096) instead of growing with the context, which a per-token term spreads over
+# the whole range. A step's mean context per sequence (ctx_sum / b) stands for its longest.
+# Optional: files made before it have none (0: they keep their meaning).
+SPLIT_CONTEXT_TOKENS = 512
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
 OPTIONAL_FIT_TERMS = ("serving", "serving_batch", "serving_api")
 SERVING_HOST_KEYS = ("fixed_ms", "per_seq_ms")
@@ -148,7 +159,7 @@ class CostProfile:
     alpha_ms_per_token: float
     prefill_fixed_ms: float
     prefill_quadratic_ms: float
-    beta_ms: dict                       # the four BETA_KEYS
+    beta_ms: dict                       # the four BETA_KEYS (and split_ms, optional)
     batch_threshold: int
     gamma_ms_per_token: float
     transfer_gb_per_s: float
@@ -187,10 +198,7 @@ class CostProfile:
         """One decode-only step of b >= 1 sequences whose contexts sum to ctx_sum tokens."""
         self._count("b", b, 1)
         self._count("ctx_sum", ctx_sum, 0)
-        k, beta = self.batch_threshold, self.beta_ms
-        return (beta["fixed_ms"] + beta["per_seq_ms_below"] * min(b, k)
-                + beta["per_seq_ms_above"] * max(0, b - k)
-                + beta["per_context_token_ms"] * ctx_sum)
+        return decode_cost_ms(self.beta_ms, self.batch_threshold, b, ctx_sum)
 
     def mixed_ms(self, b: float, ctx_sum: float, n: float) -> float:
         """One step of b decodes and an n-token prompt chunk (b == 0: a lone prefill)."""
@@ -332,6 +340,8 @@ def _validate(d: Mapping, where: str) -> None:
         if k not in beta:
             raise bad(f"beta_ms.{k}", "is missing")
         number(f"beta_ms.{k}", beta[k])
+    if "split_ms" in beta:
+        number("beta_ms.split_ms", beta["split_ms"])
     for term in FIT_TERMS + OPTIONAL_FIT_TERMS:
         entry = d["fit"].get(term)
         if entry is None and term in OPTIONAL_FIT_TERMS:
@@ -373,6 +383,17 @@ def step_kind(b: int, n: int) -> str | None:
     if n > 0:
         return "mixed" if b > 0 else "prefill"
     return "decode" if b > 0 else None
+
+
+def decode_cost_ms(beta: Mapping[str, float], batch_threshold: float, b: float,
+                   ctx_sum: float) -> float:
+    """decode_ms (the module docstring) from beta_ms and batch_threshold: the one formula the
+    profile and its fit (cost_fit.decode_predict) evaluate."""
+    k = batch_threshold
+    return (beta["fixed_ms"] + beta["per_seq_ms_below"] * min(b, k)
+            + beta["per_seq_ms_above"] * max(0, b - k)
+            + beta["per_context_token_ms"] * ctx_sum
+            + (beta.get("split_ms", 0.0) if ctx_sum >= b * SPLIT_CONTEXT_TOKENS else 0.0))
 
 
 def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,

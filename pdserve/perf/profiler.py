@@ -516,6 +516,7 @@ def table(p: CostProfile) -> str:
             ("decode", "beta_ms.per_seq_ms_below", b["per_seq_ms_below"]),
             ("decode", "beta_ms.per_seq_ms_above", b["per_seq_ms_above"]),
             ("decode", "beta_ms.per_context_token_ms", b["per_context_token_ms"]),
+            ("decode", "beta_ms.split_ms", b.get("split_ms", 0.0)),
             ("decode", "batch_threshold", p.batch_threshold),
             ("mixed", "gamma_ms_per_token", p.gamma_ms_per_token),
             ("transfer", "transfer_fixed_ms", p.transfer_fixed_ms),

@@ -29,7 +29,7 @@ Profile scaling (scale_profile; each flag names the terms it divides, and why):
         (per prompt token: the matmuls, 2 x params FLOPs a token, and attention's quadratic
         part; compute-bound at prefill batch sizes)
     --bandwidth-ratio h      beta_ms (fixed_ms, per_seq_ms_below, per_seq_ms_above,
-                             per_context_token_ms), prefill_fixed_ms                        / h
+                             per_context_token_ms, split_ms), prefill_fixed_ms          / h
         (a decode step reads every weight once (fixed) and each sequence's KV (per context
         token); small-batch per-sequence work is memory-bound too; a prefill step's fixed part
         is its weight pass.) Caveat: on the profiled H200 the fixed terms are ~3.5x the weight
