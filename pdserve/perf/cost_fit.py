@@ -23,10 +23,13 @@ matters from 3 ms steps to 60 ms ones alike):
     prefill   wall ~ [1, n, n^2]. The quadratic term is kept only when it lowers the
               leave-one-out mean relative error (computed on the rows it is fitted on) by at
               least QUADRATIC_GAIN (5%) against [1, n], and there are >= 5 distinct n.
-    decode    wall ~ [1, min(b, k), max(0, b - k), ctx_sum] for each knee k among the measured
-              b values; the k with the smallest weighted squared error wins (the largest b
-              means no knee). The context column needs rows whose context per sequence differs
-              (>= 1.5x between the smallest and the largest).
+    decode    wall ~ [1, min(b, k), max(0, b - k), ctx_sum, split] for each knee k among the
+              measured b values; the k with the smallest weighted squared error wins (the
+              largest b means no knee). The context column needs rows whose context per
+              sequence differs (>= 1.5x between the smallest and the largest). split is 1 for
+              a row at >= SPLIT_CONTEXT_TOKENS of context per sequence (the decode kernel
+              splits its keys there, cost_profile.py), its coefficient split_ms; it is fitted
+              only with rows on both sides (else split_ms 0, said in fit["split"]).
     mixed     gamma = LS over rows of (wall - decode model at (b, ctx_sum)) on n (no
               intercept), clipped at 0.
     transfer  ms ~ [1, tokens * kv_bytes_per_token] (the rows' own kv_bytes_per_token where they
