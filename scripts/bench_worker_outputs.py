@@ -1,7 +1,8 @@
 """Per-step host cost of a worker's output path on this CPU: an OutputProcessor with N streams of
 1,024-token prompts, every step one token for each until 320; what is timed is what the worker
-does with a step's outputs (worker.py): take_outputs, the delta encoding, and msgpack of the
-Outputs message. The appends (detokenization, stops) are not timed. Medians over the steps:
+does with a step's outputs (worker.py): take_outputs (deltas, as a worker's engine reports
+them) and msgpack of the Outputs message. The appends (detokenization, stops) are not timed.
+Medians over the steps:
 
     PYTHONPATH=. python scripts/bench_worker_outputs.py [--n 128] [--logprobs] [--tokenizer]
 
@@ -22,7 +23,6 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, sequence_id
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker import messages as m
-from pdserve.worker.output_delta import DeltaEncoder
 
 PROMPT, OUTPUT = 1024, 320
 
@@ -31,14 +31,14 @@ def run(n: int, logprobs: bool, tokenizer) -> list[float]:
     """Seconds per step of the output path, one entry per step."""
     rng = random.Random(0)
     params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True, logprobs=1 if logprobs else None)
-    proc = OutputProcessor(tokenizer, (), 1 << 20)
+    proc = OutputProcessor(tokenizer, (), 1 << 20, deltas=True)
     reqs = []
     for i in range(n):
         req = Request(sequence_id(f"r{i}", 0), [rng.randrange(1000, 40000) for _ in range(PROMPT)],
                       params)
         proc.add(f"r{i}", None, req.prompt_token_ids, params, [req], False, 0.0, [])
         reqs.append(req)
-    enc, deltas = msgspec.msgpack.Encoder(), DeltaEncoder()
+    enc = msgspec.msgpack.Encoder()
     times = []
     for step in range(OUTPUT):
         now = float(step)
@@ -50,7 +50,7 @@ def run(n: int, logprobs: bool, tokenizer) -> list[float]:
             if stop is not None:
                 proc.finish(req, stop, None)
         t0 = time.perf_counter()
-        outs = [deltas.encode(o) for o in proc.take_outputs(now)]
+        outs = proc.take_outputs(now)
         enc.encode(m.Outputs(outs))
         times.append(time.perf_counter() - t0)
         assert len(outs) == n
