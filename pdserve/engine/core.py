@@ -84,14 +84,16 @@ class EngineCore:
     (one block's KV on one rank), host_copy_gb_per_s the measured copy rate (0.0: unknown);
     config.preemption_mode picks swap or recompute (None: by cost, scheduler.py). The
     scheduler's PrefillRate learns from every step's prefill tokens and wall time; the moves
-    ride in SchedulerOutput.kv_moves to the executor unchanged."""
+    ride in SchedulerOutput.kv_moves to the executor unchanged. delta_outputs: step() reports
+    deltas, not cumulative outputs (a worker's channel: engine/output_processor.py)."""
 
     def __init__(self, config: EngineConfig, executor: Executor, *, num_kv_blocks: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  tokenizer=None, kv_transfer: bool = False, two_sided: bool = False,
                  on_schedule: Callable[[SchedulerOutput], None] | None = None,
                  clock: Callable[[], float] | None = None, num_host_blocks: int = 0,
-                 host_copy_gb_per_s: float = 0.0, kv_block_bytes: int = 0):
+                 host_copy_gb_per_s: float = 0.0, kv_block_bytes: int = 0,
+                 delta_outputs: bool = False):
         self.config = config
         # the host tier the runner built (0: none), its measured copy rate and one block's bytes
         # on one rank (the scheduler's swap-or-recompute cost rule)
@@ -120,7 +122,7 @@ class EngineCore:
                                    self.kv_coordinator,
                                    preemption_mode=config.preemption_mode,
                                    host_copy_gb_per_s=host_copy_gb_per_s)
-        self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_model_len)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_model_len, delta_outputs)
         self._on_schedule = on_schedule
         self._kv_events: list[KVLoadDone] = []
         self._pending_records: dict[int, StepRecord] = {}

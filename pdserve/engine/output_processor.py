@@ -9,6 +9,17 @@ was already reported; it builds the RequestOutputs.
     finish(seq, stop, held)            the scheduler removed it: set its finish reason
     take_outputs(now)                  the RequestOutputs of the groups touched since the last call
 
+A report is cumulative (the offline LLM, AsyncLLM in process) or, with deltas=True, what the
+worker -> client channel carries (worker.py; the client's DeltaDecoder, worker/output_delta.py,
+rebuilds the cumulative one from them). Both are one rule: a cumulative report is a delta from
+nothing.
+
+    first report:  prompt ids, every token / logprob / prompt logprob so far, the text so far
+    later reports: prompt ids [], the tokens / logprobs / prompt logprobs not reported before,
+                   text "" (new_text holds what is new)
+    a sequence's finished report: as later, but its whole final text (stop strings cut),
+                   which the client takes as it is
+
 Sequences are found through one table (sequence id -> (group, index)): an id is never parsed.
 It never touches the scheduler: the engine core applies the stops it returns (under async
 scheduling, one step after the tokens were sampled). Pure Python: the tokenizer is any object
@@ -38,6 +49,7 @@ class _Seq:
     out: CompletionOutput
     detok: IncrementalDetokenizer | None
     reported_tokens: int = 0
+    reported_logprobs: int = 0
 
 
 @dataclass(eq=False)
@@ -52,6 +64,8 @@ class _Group:
     num_unfinished: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     kv_transfer: KVSource | None = None
+    reported: bool = False              # a report was made (deltas: the next is not the first)
+    reported_prompt_logprobs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -59,8 +73,10 @@ class _Group:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 deltas: bool = False):
         self.tokenizer = tokenizer
+        self.deltas = deltas            # reports as deltas (the module docstring)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.groups: dict[str, _Group] = {}
@@ -184,22 +200,34 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([tid], False)
 
     def _make_output(self, group: _Group, now: float) -> RequestOutput:
+        """The group's report (the module docstring). Its lists are new, the caller's to keep (a
+        later delta's token_ids is its new_token_ids)."""
         finished = group.finished
         if finished:
             group.metrics["finished"] = now
             self.remove(group.request_id)
+        whole = not (self.deltas and group.reported)
+        group.reported = True
         outs = []
         for s in group.seqs:
             o = s.out
-            o.new_token_ids = o.token_ids[s.reported_tokens:]
+            new_ids = o.token_ids[s.reported_tokens:]
             s.reported_tokens = len(o.token_ids)
+            new_text = ""
             if s.detok is not None:
-                o.new_text = s.detok.take_new_text(o.finished)
+                new_text = s.detok.take_new_text(o.finished)
                 o.text = s.detok.text if o.finished else s.detok.text[: s.detok.reported]
-            outs.append(CompletionOutput(o.index, o.text, list(o.token_ids),
-                                         None if o.logprobs is None else list(o.logprobs),
-                                         o.finish_reason, o.stop_reason, o.new_token_ids, o.new_text))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             dict(group.metrics),
-                             None if group.prompt_logprobs is None else list(group.prompt_logprobs),
-                             group.kv_transfer, group.seqs[0].req.num_cached_tokens or 0)
+            lps = o.logprobs
+            if lps is not None:
+                lps, s.reported_logprobs = lps[0 if whole else s.reported_logprobs:], len(lps)
+            outs.append(CompletionOutput(o.index, o.text if whole or o.finished else "",
+                                         o.token_ids[:] if whole else new_ids, lps,
+                                         o.finish_reason, o.stop_reason, new_ids, new_text))
+        plp = group.prompt_logprobs
+        if plp is not None:
+            plp, group.reported_prompt_logprobs = (
+                plp[0 if whole else group.reported_prompt_logprobs:], len(plp))
+        return RequestOutput(group.request_id, group.prompt,
+                             group.prompt_token_ids if whole else [], outs, finished,
+                             dict(group.metrics), plp, group.kv_transfer,
+                             group.seqs[0].req.num_cached_tokens or 0)

@@ -26,11 +26,12 @@ from .build import build_model_runner, kv_export
 class LLMEngine(EngineCore):
     """on_schedule: called with every SchedulerOutput before this process runs it (a TP driver
     sends it to the other ranks there). kv_dir: where a KV connector may put files (a fresh
-    temporary folder when there is a kv_connector and none is given)."""
+    temporary folder when there is a kv_connector and none is given). delta_outputs: step()
+    reports deltas (a worker's channel to its client: engine/output_processor.py)."""
 
     def __init__(self, config: EngineConfig,
                  on_schedule: Callable[[SchedulerOutput], None] | None = None,
-                 kv_dir: str | None = None):
+                 kv_dir: str | None = None, delta_outputs: bool = False):
         source = resolve_source(config.model)
         tokenizer = engine_tokenizer(config, source)
         if tokenizer is not None:
@@ -58,7 +59,7 @@ class LLMEngine(EngineCore):
                          two_sided=conn is not None and conn.two_sided, on_schedule=on_schedule,
                          num_host_blocks=0 if tier is None else tier.num_host_blocks,
                          host_copy_gb_per_s=0.0 if tier is None else tier.copy_gb_per_s,
-                         kv_block_bytes=runner.kv_block_bytes)
+                         kv_block_bytes=runner.kv_block_bytes, delta_outputs=delta_outputs)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     *args, **kwargs) -> None:

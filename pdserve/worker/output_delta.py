@@ -1,76 +1,24 @@
-"""Streaming outputs over the worker -> client channel as deltas.
+"""Streaming outputs over the worker -> client channel as deltas: the client's side.
 
-An engine step reports each advanced request as a cumulative RequestOutput: the prompt ids, every
-output token and logprob so far, the text so far. Sent as is, a step of 200 streams with 1.5k-token
-prompts is ~400 kB of msgpack that the client decodes under the GIL for every token (measured:
-~110 us per streamed token in the server's I/O thread, which starved its event loop). So the
-worker sends what is new and the client rebuilds the same cumulative objects:
+Sent cumulative, a step of 200 streams with 1.5k-token prompts is ~400 kB of msgpack that the
+client decodes under the GIL for every token (measured: ~110 us per streamed token in the
+server's I/O thread, which starved its event loop). So a worker's engine reports deltas
+(OutputProcessor with deltas=True: engine/output_processor.py states the contract) and the
+DeltaDecoder rebuilds the cumulative RequestOutputs an in-process engine reports:
 
-    worker (DeltaEncoder)                         client (DeltaDecoder)
-    first report:  prompt ids, tokens, text       keeps prompt ids, token list, logprobs, text
-    later reports: prompt ids [], new tokens,     extends them (text += new_text), hands out
-                   new logprobs, text ""          the cumulative RequestOutput the engine made
-    final report:  as later, but the full text    drops its state
-                   (stop strings trim it)
+    first report     keeps the prompt ids, token lists, logprobs, texts
+    later reports    extends them (text += new_text; a finished sequence's text as sent)
+    every report     is handed out as the cumulative RequestOutput
+    final report     drops the request's state
 
 Both sides see every report of a request in order (one zmq channel); an abort drops the state on
-both. Pure Python.
+both (the engine forgets an aborted request). Pure Python.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from ..outputs import CompletionOutput, RequestOutput
-
-
-@dataclasses.dataclass
-class _Sent:
-    tokens: list[int]           # per sequence: how many tokens / logprobs were sent
-    logprobs: list[int]
-    prompt_logprobs: int = 0
-
-
-def _with(obj, **changes):
-    """A shallow copy of a dataclass instance with some fields changed: what
-    dataclasses.replace makes, without running __init__ (2.3x cheaper, 0.6 against 1.4 us
-    here: the encoder copies every output of every step, on the engine's loop)."""
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    new.__dict__.update(changes)
-    return new
-
-
-class DeltaEncoder:
-    def __init__(self):
-        self._sent: dict[str, _Sent] = {}
-
-    def encode(self, out: RequestOutput) -> RequestOutput:
-        sent = self._sent.get(out.request_id)
-        first = sent is None
-        if first:
-            sent = _Sent([0] * len(out.outputs), [0] * len(out.outputs))
-        comps = []
-        for i, o in enumerate(out.outputs):
-            lp = None
-            if o.logprobs is not None:
-                lp = o.logprobs[sent.logprobs[i]:]
-                sent.logprobs[i] = len(o.logprobs)
-            comps.append(_with(o, token_ids=o.token_ids[sent.tokens[i]:], logprobs=lp,
-                               text=o.text if first or o.finished else ""))
-            sent.tokens[i] = len(o.token_ids)
-        plp = out.prompt_logprobs
-        if plp is not None:
-            plp, sent.prompt_logprobs = plp[sent.prompt_logprobs:], len(plp)
-        if out.finished:
-            self._sent.pop(out.request_id, None)
-        else:
-            self._sent[out.request_id] = sent
-        return _with(out, outputs=comps, prompt_logprobs=plp,
-                     prompt_token_ids=out.prompt_token_ids if first else [])
-
-    def forget(self, request_ids) -> None:
-        for rid in request_ids:
-            self._sent.pop(rid, None)
+from ..outputs import RequestOutput
 
 
 @dataclasses.dataclass

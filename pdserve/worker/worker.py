@@ -42,7 +42,6 @@ from ..checks import check_int, check_number
 from ..config import EngineConfig
 from ..kv_layout import kv_bytes_per_token
 from .launch import host_id
-from .output_delta import DeltaEncoder
 from .step_broadcast import StepDecoder, StepEncoder
 
 _IDLE_POLL_MS = 500  # how often an idle rank checks that its client is still alive
@@ -352,12 +351,12 @@ class _Driver:
             self.followers.append(_Outbox(s, f"worker rank {rank} (pid {f.pid})",
                                           f.alive_check(), wc.send_timeout_s, RankGone))
         self.step_encoder = StepEncoder()
+        # outputs travel as deltas (engine/output_processor.py; the client's DeltaDecoder)
         self.engine = LLMEngine(cfg, on_schedule=self._broadcast if self.followers else None,
-                                kv_dir=wc.workdir)
+                                kv_dir=wc.workdir, delta_outputs=True)
         self.decoder = msgspec.msgpack.Decoder(m.ToWorker)
         self.encoder = msgspec.msgpack.Encoder()
         self.draining = False
-        self.deltas = DeltaEncoder()   # outputs travel as deltas (output_delta.py)
 
     def _broadcast(self, sched) -> None:
         payload = self.step_encoder.encode(sched)
@@ -411,7 +410,6 @@ class _Driver:
                 records += eng.take_step_records()
                 if outs or loads or len(records) >= _STEP_RECORDS_BATCH or (
                         records and not eng.has_work()):
-                    outs = [self.deltas.encode(o) for o in outs]
                     self._send(m.Outputs(outs, self._stats(), loads, records))
                     records = []
                 if eng.only_transfers_in_flight():
@@ -444,7 +442,6 @@ class _Driver:
                 self._send(m.Accepted(errors))
             elif isinstance(msg, m.Abort):
                 eng.abort_request(msg.request_ids)
-                self.deltas.forget(msg.request_ids)
             elif isinstance(msg, m.CheckIntegrity):
                 try:
                     eng.check_integrity()
