@@ -13,9 +13,10 @@ profile` measured: HTTP, the router, IPC, SSE, the client), and every step takes
 profile's served-step floor (serving_host_ms: the same server's host work per step, fixed +
 per sequence, measured on batches of streams at once), and the serving front's own CPU
 (api_cost_ms: the `pdserve serve` process's per request, per prompt token, per engine step
-that sampled tokens, per SSE write and per streamed token) runs on one simulated API process for the whole deployment, a FIFO queue
-that admits every request and writes every stream's tokens, several to a write when it lags
-(sim/api_process.py: at overload it delays first tokens and completions); --no-serving-overhead turns all three off (requests reach the router
+that sampled tokens, per SSE write and per streamed token) runs on one simulated API process
+for the whole deployment, a FIFO queue that admits every request and writes every stream's
+tokens, several to a write when it lags (sim/api_process.py: at overload it delays first
+tokens and completions); --no-serving-overhead turns all three off (requests reach the router
 at once, steps take their costs alone, a token reaches the client when its step ends).
 Per-role profiles (--prefill-profile ...)
 stand for a different TP size or GPU per role; the adaptive policy's cost model uses --profile.
@@ -87,8 +88,9 @@ def add_serving_overhead_arg(g) -> None:
                         "profile's served-step floor, fixed_ms + per_seq_ms * s of its "
                         "serving_host_ms (the server's host work per step), and the API "
                         "process's CPU (its api_cost_ms: per request, per prompt token, per "
-                        "engine step, per SSE write, per streamed token) is one FIFO queue in front of every worker that "
-                        "admits requests and delivers tokens; each is off in profiles made "
+                        "engine step, per SSE write, per streamed token) is one FIFO queue "
+                        "in front of every worker that admits requests and delivers tokens; "
+                        "each is off in profiles made "
                         "before it was measured. --no-serving-overhead turns all three off "
                         "(default on)")
 
