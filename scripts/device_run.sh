@@ -14,6 +14,26 @@ wait_up() {  # PID: until the server answers /health (0), or the process is gone
   done
   echo "server $1 not up after 300 s"; return 1
 }
+spy_start() {  # TAG API_PID: py-spy (250 Hz; .whl installs it to /tmp/site/bin) on the API process
+  # and the worker, raw stacks to $OUT/pyspy-TAG{api,worker}.txt (1: no py-spy)
+  local pyspy=/tmp/site/bin/py-spy wpid who pid
+  [ -x $pyspy ] || pyspy=$(command -v py-spy) || { echo "no py-spy"; return 1; }
+  wpid=$(pgrep -P "$2" -f "pdserve.worker.worker" | head -1)   # (this server's own worker)
+  SPY_PIDS=""
+  for who in api worker; do
+    pid=$2; [ $who = worker ] && pid=$wpid
+    $pyspy record -p $pid -r 250 -f raw -o "$OUT/pyspy-$1$who.txt" --nonblocking > "$OUT/pyspy-$1$who.log" 2>&1 &
+    SPY_PIDS="$SPY_PIDS $!"
+  done
+  sleep 2
+}
+spy_stop() {  # TAG: stop spy_start's samplers, summarize each into $OUT/pyspy-TAG{api,worker}-summary.json
+  kill -INT $SPY_PIDS; wait $SPY_PIDS
+  for who in api worker; do
+    echo "--- py-spy: $1$who"; tail -2 "$OUT/pyspy-$1$who.log"
+    python3 scripts/pyspy_summary.py "$OUT/pyspy-$1$who.txt" --top 30 --json "$OUT/pyspy-$1$who-summary.json" 2>&1 | head -70
+  done
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -143,7 +163,6 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
     profile-api) # issue 18: where the API process's CPU (93% of a core at rate inf on the H100,
            # 3832858) and the worker's go at overload: py-spy (carried in .whl: the wheels stage
            # installs it to /tmp/site/bin) samples both during the serve stage's rate-inf run
-           pyspy=/tmp/site/bin/py-spy; [ -x $pyspy ] || pyspy=$(command -v py-spy) || { echo "no py-spy"; continue; }
            # (a CPU dry run: API_SERVER_ARGS="--device cpu" API_WORKLOAD="--random-input-len 16
            # --random-output-len 16 --vocab-size 49152" SERVE_PROMPTS=32)
            python3 -m pdserve serve ${API_SERVER_ARGS:---model qwen2.5-1.5b --load-format dummy --skip-tokenizer-init \
@@ -155,21 +174,13 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
            # (first-use paths; its result file is not kept)
            python3 -m pdserve bench serve $args --num-prompts 50 --result-file "$OUT/warm.json" > /dev/null 2>&1
            rm -f "$OUT/warm.json"
-           wpid=$(pgrep -f "pdserve.worker.worker" | head -1)
-           $pyspy record -p $spid -r 250 -f raw -o "$OUT/pyspy-api.txt" --nonblocking > "$OUT/pyspy-api.log" 2>&1 &
-           p1=$!
-           $pyspy record -p $wpid -r 250 -f raw -o "$OUT/pyspy-worker.txt" --nonblocking > "$OUT/pyspy-worker.log" 2>&1 &
-           p2=$!
-           sleep 2
+           spy_start "" $spid || { kill -TERM $spid; wait $spid; continue; }
            python3 scripts/proc_cpu.py $spid > "$OUT/cpu-before.json"
            python3 -m pdserve bench serve $args --num-prompts ${SERVE_PROMPTS:-150} --seed 1 \
              --result-file "$OUT/profile-api-run.json" 2>&1 | tail -3
            python3 scripts/proc_cpu.py $spid --since "$OUT/cpu-before.json" --attach "$OUT/profile-api-run.json"
-           kill -INT $p1 $p2; wait $p1 $p2; rm -f "$OUT/cpu-before.json"
-           for who in api worker; do
-             echo "--- py-spy: $who"; tail -2 "$OUT/pyspy-$who.log"
-             python3 scripts/pyspy_summary.py "$OUT/pyspy-$who.txt" --top 30 --json "$OUT/pyspy-$who-summary.json" 2>&1 | head -70
-           done
+           rm -f "$OUT/cpu-before.json"
+           spy_stop ""
            python3 scripts/bundle_results.py "$OUT/profile-api.json" "$OUT/profile-api-run.json" "$OUT"/pyspy-*-summary.json
            kill -TERM $spid; wait $spid;;
     profile-tier) # issue 21: where the host-tier server's worker time goes. Its decode steps were
@@ -177,7 +188,6 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
            # conversation starts/s, against GPU-only's 2.94 in ~3.14): py-spy on the worker (and the
            # API process) during serve-kv-tier's workload at PROFILE_TIER_RATE, tier side only
            # (carry .whl and .qwen-text)
-           pyspy=/tmp/site/bin/py-spy; [ -x $pyspy ] || pyspy=$(command -v py-spy) || { echo "no py-spy"; continue; }
            mdir=${TIER_MODEL-.qwen-text}; model=""     # (TIER_MODEL= : the embedded model)
            if [ -n "$mdir" ]; then
              [ -d "$mdir" ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
@@ -194,18 +204,9 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
            # (first-use paths, then the cache reset: the measured run starts cold, as serve-kv-tier's)
            python3 -m pdserve bench serve $args --multi-turn-conversations 16 --request-rate inf --result-file "$OUT/warm.json" > /dev/null 2>&1
            rm -f "$OUT/warm.json"; curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
-           wpid=$(pgrep -f "pdserve.worker.worker" | head -1)
-           $pyspy record -p $wpid -r 250 -f raw -o "$OUT/pyspy-tier-worker.txt" --nonblocking > "$OUT/pyspy-tier-worker.log" 2>&1 &
-           p1=$!
-           $pyspy record -p $spid -r 250 -f raw -o "$OUT/pyspy-tier-api.txt" --nonblocking > "$OUT/pyspy-tier-api.log" 2>&1 &
-           p2=$!
-           sleep 2
+           spy_start tier- $spid || { kill -TERM $spid; wait $spid; continue; }
            python3 -m pdserve bench serve $args --request-rate ${PROFILE_TIER_RATE:-24} --result-file "$OUT/profile-tier-run.json" 2>&1 | tail -3
-           kill -INT $p1 $p2; wait $p1 $p2
-           for who in worker api; do
-             echo "--- py-spy: tier $who"; tail -2 "$OUT/pyspy-tier-$who.log"
-             python3 scripts/pyspy_summary.py "$OUT/pyspy-tier-$who.txt" --top 30 --json "$OUT/pyspy-tier-$who-summary.json" 2>&1 | head -70
-           done
+           spy_stop tier-
            python3 scripts/bundle_results.py "$OUT/profile-tier.json" "$OUT/profile-tier-run.json" "$OUT"/pyspy-tier-*-summary.json
            rm -f "$OUT"/pyspy-tier-*.txt "$OUT"/pyspy-tier-*-summary.json "$OUT/profile-tier-run.json"
            kill -TERM $spid; wait $spid;;
