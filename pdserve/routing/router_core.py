@@ -153,7 +153,20 @@ class WorkerSlot:
     outstanding: int = 0
     kv_usage: float = 0.0
     steps: deque = field(default_factory=lambda: deque(maxlen=STEP_RECORDS_KEPT))
-    summary: StepSummary | None = None
+    _summary: StepSummary | None = None
+    _summary_stale: bool = False      # steps came since _summary was made
+
+    @property
+    def summary(self) -> StepSummary | None:
+        """Its newest STEP_SUMMARY_WINDOW steps summarised (None before its first report);
+        made when read, once per batch of new steps (a router reads it to place a request,
+        far less often than steps arrive)."""
+        if self._summary_stale:
+            n = len(self.steps)
+            self._summary = StepSummary.of(
+                list(itertools.islice(self.steps, max(0, n - STEP_SUMMARY_WINDOW), None)))
+            self._summary_stale = False
+        return self._summary
 
 
 @dataclass
@@ -493,8 +506,7 @@ class RouterCore:
                         t = totals[(worker, kind)] = StepTotals()
                     t.add(r)
             w.steps.extend(steps)
-            window = itertools.islice(w.steps, max(0, len(w.steps) - STEP_SUMMARY_WINDOW), None)
-            w.summary = StepSummary.of(list(window))
+            w._summary_stale = True
 
     def close(self) -> None:
         """No more work: every request is forgotten, a dying worker's are not placed again."""
