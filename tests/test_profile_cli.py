@@ -136,7 +136,10 @@ def test_the_served_batches_were_measured_on_the_same_server(quick):
         assert r["ctx_sum"] == r["b"] * (16 + 6 / 2)
         assert len(r["tpot_ms_samples"]) == r["b"]
         assert r["tpot_ms"] == pytest.approx(statistics.median(r["tpot_ms_samples"]), abs=1e-3)
-        assert 0 < r["tpot_ms_p10"] <= r["tpot_ms"] <= r["tpot_ms_p90"] and r["wall_s"] > 0
+        # (a request whose tokens all reached the client in one write has a TPOT of 0: a lagging
+        # API coalesces them, as the H100's 256-stream batch showed; not every request of a batch)
+        assert 0 <= r["tpot_ms_p10"] <= r["tpot_ms"] <= r["tpot_ms_p90"] and r["wall_s"] > 0
+        assert max(r["tpot_ms_samples"]) > 0
     f = p.fit["serving_batch"]
     assert f["source"] == "measured" and f["n_samples"] == len(rows)
     assert 0 <= f["heldout_mean_abs_rel_err"] <= f["heldout_max_abs_rel_err"]
