@@ -748,20 +748,40 @@ def refit(profile, graph_sizes: Sequence[int] | None = None):
     step shapes it was fitted at (its fit_graph_sizes), or at graph_sizes when given
     (scripts/refit_profile.py: an older file refitted per CUDA-graph shape). An api_cost_ms
     without serving_api rows to refit it from (set by hand) is carried over as it is."""
-    tr = profile.fit.get("transfer", {})
+    return _refitted(profile, profile.samples, profile.extra,
+                     profile.fit_graph_sizes if graph_sizes is None else graph_sizes,
+                     "carried over from the profile refitted")
+
+
+# what a refit's fit says of a serving-path term the profile has no rows for, where the
+# profile's own fit says nothing
+_NO_ROWS_NOTES = {
+    "serving": "the profile has no serving-path measurement (made before pdserve profile had "
+               "one)",
+    "serving_batch": "the profile has no served-batch measurement (made before pdserve profile "
+                     "had one)",
+    "serving_api": "the profile has no measurement of the API process's CPU (made before "
+                   "pdserve profile had one)"}
+
+
+def _refitted(profile, samples: dict[str, list[dict]], extra: dict,
+              graph_sizes: Sequence[int], transfer_note: str):
+    """profile_from_samples over `samples` with `profile`'s identity: its transfer terms where
+    samples have no transfer rows (their note, else transfer_note), each serving-path term's
+    note where it has no rows, and its api_cost_ms carried over where that has none."""
     est = None
-    if not profile.samples.get("transfer"):
+    if not samples.get("transfer"):
         est = {"transfer_fixed_ms": profile.transfer_fixed_ms,
                "transfer_gb_per_s": profile.transfer_gb_per_s,
                "kv_bytes_per_token": profile.kv_bytes_per_token,
-               "note": tr.get("note") or "carried over from the profile refitted"}
+               "note": profile.fit.get("transfer", {}).get("note") or transfer_note}
+    note = {term: profile.fit.get(term, {}).get("note") or default
+            for term, default in _NO_ROWS_NOTES.items()}
     return _carry_api_cost(profile, profile_from_samples(
-        profile.samples, model=profile.model, hardware=profile.hardware,
+        samples, model=profile.model, hardware=profile.hardware,
         engine_config=profile.engine_config, commit=profile.commit, transfer_estimate=est,
-        extra=profile.extra, serving_note=_serving_note(profile),
-        serving_batch_note=_serving_batch_note(profile),
-        serving_api_note=_serving_api_note(profile),
-        graph_sizes=profile.fit_graph_sizes if graph_sizes is None else graph_sizes))
+        extra=extra, serving_note=note["serving"], serving_batch_note=note["serving_batch"],
+        serving_api_note=note["serving_api"], graph_sizes=graph_sizes))
 
 
 def _carry_api_cost(old, new):
@@ -777,23 +797,6 @@ def _carry_api_cost(old, new):
                                fit={**new.fit, "serving_api": entry})
 
 
-def _serving_note(profile) -> str:
-    return (profile.fit.get("serving", {}).get("note")
-            or "the profile has no serving-path measurement (made before pdserve profile had one)")
-
-
-def _serving_batch_note(profile) -> str:
-    return (profile.fit.get("serving_batch", {}).get("note")
-            or "the profile has no served-batch measurement (made before pdserve profile had "
-               "one)")
-
-
-def _serving_api_note(profile) -> str:
-    return (profile.fit.get("serving_api", {}).get("note")
-            or "the profile has no measurement of the API process's CPU (made before pdserve "
-               "profile had one)")
-
-
 def device_time_profile(profile):
     """The profile refitted on its rows' device time ("gpu_ms": the forward's CUDA-event
     bracket) in place of their synced wall time: the step period when async scheduling hides
@@ -807,8 +810,8 @@ def device_time_profile(profile):
     floor (serving_host_ms) is refitted against the device-time decode terms the same way:
     the served TPOTs stay what was measured, and a step the device no longer explains is the
     host's. The API process's CPU (api_cost_ms) is no step time: its rows are refitted as
-    they are (a term without rows is carried over). ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile:
-    nothing runs beside the host there)."""
+    they are (a term without rows is carried over). ValueError when a prefill, decode or mixed
+    row has no gpu_ms (a CPU profile: nothing runs beside the host there)."""
     samples: dict[str, list[dict]] = {}
     for term in ("prefill", "decode", "mixed"):
         rows = []
@@ -824,17 +827,7 @@ def device_time_profile(profile):
     for term in ("transfer", "serving", "serving_batch", "serving_api"):
         if profile.samples.get(term):
             samples[term] = list(profile.samples[term])
-    tr = profile.fit.get("transfer", {})
-    est = None if samples.get("transfer") else {
-        "transfer_fixed_ms": profile.transfer_fixed_ms,
-        "transfer_gb_per_s": profile.transfer_gb_per_s,
-        "kv_bytes_per_token": profile.kv_bytes_per_token,
-        "note": tr.get("note") or "carried over from the profile"}
     extra = dict(profile.extra)
     extra["step_time"] = "device (gpu_ms rows)"
-    return _carry_api_cost(profile, profile_from_samples(
-        samples, model=profile.model, hardware=profile.hardware,
-        engine_config=profile.engine_config, commit=profile.commit, transfer_estimate=est,
-        extra=extra, serving_note=_serving_note(profile),
-        serving_batch_note=_serving_batch_note(profile),
-        serving_api_note=_serving_api_note(profile), graph_sizes=profile.fit_graph_sizes))
+    return _refitted(profile, samples, extra, profile.fit_graph_sizes,
+                     "carried over from the profile")
