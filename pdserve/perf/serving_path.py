@@ -307,17 +307,18 @@ class ServingRows(NamedTuple):
     api_rows: list[dict]
 
 
-async def _send_batches(base_url: str, batches: Sequence[Sequence[list[int]]], max_tokens: int,
+async def _send_batches(base_url: str, batches: Sequence[tuple[Sequence[list[int]], int]],
                         pause_s: float, read: Readers) -> list[tuple[list, Window]]:
-    """Each batch's requests sent at once (the next batch after the last has ended): their
-    results and the batch's window; up to the first batch with a failed request."""
+    """Each batch (its prompts, their max_tokens): its requests sent at once (the next batch
+    after the last has ended), their results and the batch's window; up to the first batch
+    with a failed request."""
     from ..bench.serve import Target, _client, send_request   # bench serve's client
     from .workload import SampleRequest
     target = Target(base_url, "/v1/completions", timeout_s=REQUEST_TIMEOUT_S)
     out = []
     # (a connection per stream: a smaller pool would queue requests in the client)
-    async with _client(target, max((len(b) for b in batches), default=1)) as session:
-        for prompts in batches:
+    async with _client(target, max((len(b) for b, _ in batches), default=1)) as session:
+        for prompts, max_tokens in batches:
             res, window = await _measured(read, asyncio.gather(
                 *(send_request(session, target, SampleRequest(ids, len(ids), max_tokens))
                   for ids in prompts)))
@@ -407,9 +408,9 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     # (seeds apart from the single requests': no prompt of a batch repeats one of theirs)
     batch_prompts = [random_prompts(b, batches.prompt_len, batches.prompt_len + 1, vocab_size,
                                     seed * 104729 + 65537 + i) for i, b in enumerate(sizes)]
-    long = batches.long_batch() if batches is not None else None
-    long_prompts = []
+    long, long_prompts = None, []
     if sizes:
+        long = batches.long_batch()
         info["served_batch"] = {"sizes": sizes, "prompt_len": batches.prompt_len,
                                 "max_tokens": batches.max_tokens}
         info["api_long_batch"] = {"b": long[0], "max_tokens": long[1]}
@@ -431,14 +432,12 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
                                                 PAUSE_S, read))
             results = [r for r, _ in sent]
             bad = [r for r in results if not r.success]
-            batch_results, long_results = [], []
+            sent_batches = []
             if sizes and not bad:
-                batch_results = asyncio.run(_send_batches(server.base_url, batch_prompts,
-                                                          batches.max_tokens, PAUSE_S, read))
-            if long is not None and len(batch_results) == len(sizes) and all(
-                    r.success for res, _ in batch_results for r in res):
-                long_results = asyncio.run(_send_batches(server.base_url, [long_prompts],
-                                                         long[1], PAUSE_S, read))
+                # (the served batches, then the long one: the API rows' alone)
+                sent_batches = asyncio.run(_send_batches(
+                    server.base_url, [(p, batches.max_tokens) for p in batch_prompts]
+                    + [(long_prompts, long[1])], PAUSE_S, read))
         finally:
             gc.unfreeze()
     finally:
@@ -447,7 +446,8 @@ def measure_serving(config, lengths: Sequence[int], reps: int, max_tokens: int,
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(results)} requests through the server failed: "
                            f"{bad[0].error}")
-    for b, (res, _) in zip(sizes + ([long[0]] if long else []), batch_results + long_results):
+    batch_results, long_results = sent_batches[:len(sizes)], sent_batches[len(sizes):]
+    for b, (res, _) in zip(sizes + ([long[0]] if long else []), sent_batches):
         failed = [r for r in res if not r.success]
         if failed:
             raise RuntimeError(f"{len(failed)} of the {b} requests sent at once through the "
