@@ -120,8 +120,6 @@ class CostModelRunner:
         self.blocks_copied = 0
         self.copy_runs = 0         # of them, runs of consecutive host ids (a step, a direction)
         self.last_moves = 0        # blocks the last step moved (a step of moves only progressed)
-        # per sequence: when each of its tokens was sampled (the end of its step), in order
-        self.token_times: dict[str, list[float]] = {}
         # the sequences the last step sampled a token for, in the step's chunk order (forks
         # last): what the simulator's API process streams when the step ends
         self.last_sampled: list[str] = []
@@ -194,26 +192,19 @@ class CostModelRunner:
         self.num_steps += 1
         self.busy_s += ms / 1e3
         self.copy_wait_s += start - now
-        end = self.clock.t = start + ms / 1e3
+        self.clock.t = start + ms / 1e3     # (its tokens' time: the simulator reads it)
         # (the device's share: the floor is the server's host work, not the forward's)
         self._gpu_times[sched.step_id] = dev
         tok = self.token
-        times = self.token_times
         sampled = self.last_sampled
         out = {}
         for c in sched.chunks:
             if c.sample:
                 out[c.request_id] = tok
                 sampled.append(c.request_id)
-                t = times.get(c.request_id)
-                if t is None:
-                    times[c.request_id] = [end]
-                else:
-                    t.append(end)
         for f in sched.forks:
             out[f.request_id] = tok
             sampled.append(f.request_id)
-            times.setdefault(f.request_id, []).append(end)
         return out
 
     def _start_loads(self, loads, now: float) -> None:

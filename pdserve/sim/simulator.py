@@ -268,7 +268,9 @@ class Simulator:
             raise ValueError(f"serving_overhead_ms must be a finite number >= 0, got {o!r}")
         self.serving_overhead_s = float(o) / 1e3
         self.api = ApiProcess(api_cost_ms) if api_cost_ms else None
-        self._delivered: dict[str, list[float]] = {}   # per sequence: its tokens' deliveries
+        # per sequence: when the client saw each of its tokens (their API deliveries, or without
+        # an API model their steps' ends; P/D: the first on the prefill worker), in order
+        self._delivered: dict[str, list[float]] = {}
         # multi-turn: the next turn carries each answer as RETOKENIZED_ID tokens, not the
         # engine's (SIM_TOKEN_ID): what a served run sends when the answer's text tokenizes
         # back to other ids (and another count)
@@ -455,10 +457,17 @@ class Simulator:
 
     def _step_ended(self, w: SimWorker, outs: list[RequestOutput], sampled: list[str]) -> None:
         w.busy = False
-        if self.api is not None:    # (before the outputs: a finished answer's last token too)
-            # (a stream is a sequence: the simulator serves n = 1, one SSE stream a request)
-            for seq, seen in zip(sampled, self.api.step(self.now, sampled)):
-                self._delivered.setdefault(seq, []).append(seen)
+        # (before the outputs: a finished answer's last token too; a stream is a sequence: the
+        # simulator serves n = 1, one SSE stream a request)
+        seen = (self.api.step(self.now, sampled) if self.api is not None
+                else [self.now] * len(sampled))
+        delivered = self._delivered
+        for seq, t in zip(sampled, seen):
+            ts = delivered.get(seq)
+            if ts is None:
+                delivered[seq] = [t]
+            else:
+                ts.append(t)
         self._collect(w, outs)
         self._dirty[w.name] = w
 
@@ -535,20 +544,11 @@ class Simulator:
                     answer = [RETOKENIZED_ID] * (len(o.token_ids) + 1) \
                         if self.retokenized_answers else list(o.token_ids)
                     seen = self._delivered.get(sequence_id(out.request_id, 0))
-                    self._send_turn(i, k + 1, prompt + answer,
-                                    seen[-1] if self.api is not None and seen else self.now)
+                    self._send_turn(i, k + 1, prompt + answer, seen[-1] if seen else self.now)
 
     def _token_times(self) -> None:
-        """Each finished request's token times: their deliveries by the API process, or without
-        one the runners' (P/D: its first token from the prefill worker, the rest from the
-        decode worker; in order)."""
-        times: dict[str, list[float]] = {}
-        if self.api is not None:
-            times = self._delivered
-        else:
-            for w in self.workers.values():
-                for seq, ts in w.runner.token_times.items():
-                    times.setdefault(seq, []).extend(ts)
+        """Each finished request's token times: when its client saw them (_delivered)."""
+        times = self._delivered
         for rid, tr in self._tracks.items():
             ts = sorted(times.get(sequence_id(rid, 0), ()))
             if not tr.done or tr.error or not ts:
