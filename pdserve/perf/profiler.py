@@ -449,7 +449,7 @@ def _serving_rows(a, cfg, facts: dict):
               f"{r['tpot_ms_p10']:.3f}, p90 {r['tpot_ms_p90']:.3f}) over {r['b']} streams, "
               f"{r['wall_s']:.2f} s", flush=True)
     for r in got.api_rows:
-        what = f"{r['n']:>6} tokens" if r["phase"] == "sequential" else f"batch {r['b']:>5}"
+        what = f"{r['n']:>6} tokens" if r["phase"] == "sequential" else f"{r['phase']} {r['b']:>5}"
         cpu = "not readable" if r["api_cpu_s"] is None else f"{r['api_cpu_s'] * 1e3:9.2f} ms"
         steps = "? (unread)" if r["steps"] is None else r["steps"]
         print(f"API CPU, {what}: {cpu} over {r['requests']} requests ({r['prompt_tokens']} "
