@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
-# Stages: wheels (first, when .whl is carried), ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
+# Stages: wheels (first, when .whl is carried), splits, kernel-tests, ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
 # skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), profile-tier (py-spy on the host-tier server's worker during the multi-turn run), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -76,6 +76,11 @@ for stage in "$@"; do
            python3 -m pdserve bench preemption --model qwen2.5-1.5b --load-format dummy --device cuda \
              --gpu-memory-utilization 0.5 --output "$OUT/preemption-h200.json" ${PREEMPT_ARGS:-} 2>&1 \
              | tee "$OUT/preemption.log" | tail -16;;
+    kernel-tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -15;;
+    splits) # decode attention under a captured 32k bound, per split minimum, against the kernel
+           # file carried as old_pa/*.py (untracked: copy it there from an older commit)
+           old=$(ls old_pa/*.py 2> /dev/null | head -1)
+           python3 -m pdserve.kernels.bench --splits ${old:+--old $old} --output "$OUT/decode-splits-h200.json" 2>&1 | tail -60;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --batch-sizes 1 8 32 128 256 --peer hf-static --output "$OUT/decode-latency-h200.json" 2>&1 | grep -v Warn | tail -14;;
     step-compare) # issue 15: bench step on an older tree (carried as old/) and on this one, in turn
@@ -193,7 +198,8 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
              [ -d "$mdir" ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
              model="--model $mdir --load-format dummy"
            fi
-           python3 -m pdserve serve $model ${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"} \
+           common=${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"}
+           python3 -m pdserve serve $model $common \
              --port 8000 --enable-prefix-caching --num-kv-blocks ${TIER_BLOCKS:-8192} --swap-space ${TIER_SWAP:-24} \
              > "$OUT/profile-tier-server.log" 2>&1 &
            spid=$!

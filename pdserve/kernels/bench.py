@@ -4,6 +4,9 @@
     python -m pdserve.kernels.bench --tune  # also sweep DECODE_CONFIG / PREFILL_CONFIG variants
     python -m pdserve.kernels.bench --skinny --output f.json
                                             # skinny_linear configs vs cuBLAS at decode shapes
+    python -m pdserve.kernels.bench --splits --output f.json [--old FILE]
+                                            # decode under a captured 32k bound: split minimums
+                                            # (and an older paged_attention.py, FILE) compared
 
 Target (issue): decode attention reads K/V at >= 80% of the device-to-device copy bandwidth once
 the KV read is >= 256 MB.
@@ -40,7 +43,8 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 50, warmup: int = 5,
 def bench_decode(batch: int, context: int, H: int, Hkv: int, D: int, BS: int,
                  dtype: torch.dtype = torch.bfloat16, *, iters: int = 100, warmup: int = 20,
                  num_kv_splits: int | None = None, decode_config: dict | None = None,
-                 cuda_graph: bool = True, copy_bytes: int = 1 << 30, seed: int = 0) -> dict:
+                 cuda_graph: bool = True, copy_bytes: int = 1 << 30, seed: int = 0,
+                 bound: int | None = None, impl=None) -> dict:
     """Time one decode step of paged attention (batch sequences, each `context` tokens long with
     its last token as the query) and compare its K/V read rate with the device copy bandwidth.
 
@@ -48,8 +52,11 @@ def bench_decode(batch: int, context: int, H: int, Hkv: int, D: int, BS: int,
     (same, replaying a CUDA graph of one call: no launch overhead; None if capture failed, with the
     error in graph_error), kv_bytes (K and V bytes the step must read), kv_gbps (kv_bytes / the
     better of the two times), copy_gbps (bytes read + written / time of a copy_bytes d2d copy,
-    measured in this call) and frac_of_copy = kv_gbps / copy_gbps."""
+    measured in this call) and frac_of_copy = kv_gbps / copy_gbps. bound: the max_seq_len passed
+    (default `context`; a CUDA graph passes its captured bound); impl: another module with the
+    same _paged_attention (an older kernel, for an A/B in one process); copy_bytes 0: no copy."""
     from . import paged_attention as pa
+    impl = impl or pa
 
     dev = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -65,9 +72,9 @@ def bench_decode(batch: int, context: int, H: int, Hkv: int, D: int, BS: int,
     scale = D ** -0.5
 
     def step():
-        pa._paged_attention(q, kv[0], kv[1], block_tables, seq_lens, qsl, scale, max_query_len=1,
-                            max_seq_len=context, out=out, num_kv_splits=num_kv_splits,
-                            decode_config=decode_config)
+        impl._paged_attention(q, kv[0], kv[1], block_tables, seq_lens, qsl, scale,
+                              max_query_len=1, max_seq_len=bound or context, out=out,
+                              num_kv_splits=num_kv_splits, decode_config=decode_config)
 
     ms = _median_ms(step, iters, warmup)
     graph_ms, graph_error = None, None
@@ -88,8 +95,8 @@ def bench_decode(batch: int, context: int, H: int, Hkv: int, D: int, BS: int,
     kv_bytes = 2 * batch * context * Hkv * D * elem
     best_ms = min(ms, graph_ms) if graph_ms is not None else ms
     kv_gbps = kv_bytes / (best_ms * 1e-3) / 1e9
-    copy_gbps = copy_bandwidth(copy_bytes)
-    splits = num_kv_splits or pa.default_num_kv_splits(batch * Hkv, context,
+    copy_gbps = copy_bandwidth(copy_bytes) if copy_bytes else float("nan")
+    splits = num_kv_splits or pa.default_num_kv_splits(batch * Hkv, bound or context,
                                                        pa._num_sms(dev))
     return dict(batch=batch, context=context, H=H, Hkv=Hkv, D=D, BS=BS, dtype=str(dtype),
                 num_kv_splits=splits, decode_config={**pa.DECODE_CONFIG, **(decode_config or {})},
@@ -240,6 +247,43 @@ def bench_skinny(presets=("qwen2.5-1.5b", "qwen2.5-7b"), ms=(1, 4, 8, 16),
     return {"rows": rows, "summary": summary, "copy_gbps": copy_bandwidth()}
 
 
+def load_kernel_file(path: str):
+    """An older paged_attention.py as a module beside this one (its relative imports resolve in
+    pdserve.kernels)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pdserve.kernels._paged_attention_other", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_splits(old: str | None = None, H: int = 12, Hkv: int = 2, bound: int = 32768,
+                 batches=(1, 2, 4, 8, 16, 64), contexts=(600, 1300, 4000, 16000),
+                 min_chunks=(64, 128, 512)) -> dict:
+    """Decode attention as a CUDA graph captured with max_seq_len = bound (the server's decode
+    graphs: the model's max length) for real contexts well below it: graph replay us per
+    (batch, context) for the default (at least 256 keys a split), other per-split minimums
+    (decode_config min_chunk), and the kernel in `old` when given. Qwen2.5-1.5B heads."""
+    other = load_kernel_file(old) if old else None
+    rows = []
+    for batch in batches:
+        for ctx in contexts:
+            row = {"batch": batch, "context": ctx, "bound": bound, "H": H, "Hkv": Hkv}
+            variants = [("default", None, None)] + [(f"min_chunk={m}", {"min_chunk": m}, None)
+                                                    for m in min_chunks]
+            if other is not None:
+                variants.append(("old", None, other))
+            for name, cfg, impl in variants:
+                r = bench_decode(batch, ctx, H, Hkv, 128, 16, iters=50, warmup=10,
+                                 decode_config=cfg, bound=bound, impl=impl, copy_bytes=0)
+                row[name] = r["graph_time_us"] if r["graph_time_us"] is not None else r["time_us"]
+                row["num_kv_splits"] = r["num_kv_splits"]
+            rows.append(row)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in row.items()), flush=True)
+    return {"rows": rows, "device": torch.cuda.get_device_name(0), "bound": bound}
+
+
 def _row(r: dict) -> str:
     gt = "-" if r["graph_time_us"] is None else f"{r['graph_time_us']:9.1f}"
     return (f"{r['batch']:5d} {r['context']:6d} {r['H']:3d}/{r['Hkv']:<2d} {r['D']:4d} "
@@ -253,8 +297,18 @@ def main(argv=None) -> None:
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--skinny", action="store_true",
                     help="only the skinny_linear sweep (kernels/skinny_gemm.py) against cuBLAS")
-    ap.add_argument("--output", default=None, help="--skinny: write the rows as JSON here")
+    ap.add_argument("--splits", action="store_true",
+                    help="only decode under a captured 32k bound, per split minimum")
+    ap.add_argument("--old", default=None, help="--splits: an older paged_attention.py to compare")
+    ap.add_argument("--output", default=None, help="--skinny / --splits: write the rows as JSON")
     args = ap.parse_args(argv)
+    if args.splits:
+        import json
+        res = bench_splits(args.old)
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if args.skinny:
         import json
         res = bench_skinny()

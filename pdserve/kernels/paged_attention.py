@@ -58,11 +58,16 @@ Two launches of one stage-1 kernel, each sequence picked by exactly one of them 
 With S > 1 splits, each program writes its partial (m, l, acc) in fp32 and a reduce kernel (the
 same grid without the split axis) combines them:
     M = max_s m_s,   out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-Split s of a tile covers keys [kv_lo + s*C, kv_lo + (s+1)*C), C = ceil(ceil((kv_hi - kv_lo) / S) /
-BLOCK_N) * BLOCK_N with [kv_lo, kv_hi) the tile's own key range (kv_lo = 0 without a window), so
-splits follow each sequence's real length, not max_seq_len.
-S defaults to 1 for short contexts and grows until B * Hkv * S >= 4 * num_SMs, with at least
-256 keys per split (default_num_kv_splits).
+Split s of a tile covers keys [kv_lo + s*C, kv_lo + (s+1)*C), C = max(ceil(ceil((kv_hi - kv_lo) /
+S) / BLOCK_N) * BLOCK_N, MIN_CHUNK) with [kv_lo, kv_hi) the tile's own key range (kv_lo = 0
+without a window), so splits follow each sequence's real length, not max_seq_len: only the first
+ceil((kv_hi - kv_lo) / C) splits hold keys, the others exit at once, and the reduce reads only
+those. S defaults to 1 for short contexts and grows until B * Hkv * S >= 4 * num_SMs, with at
+least 256 keys per split (default_num_kv_splits, from max_seq_len); MIN_CHUNK holds each
+sequence to that same minimum (1,024 keys for the prefill launch), which matters under a CUDA
+graph, whose max_seq_len is the captured bound: a 1,300-token decode under a 32k bound takes 6
+splits of 256 keys, not 21 of 64 and a 64-way reduce. A forced split count keeps one tile as
+its minimum.
 
 CUDA-graph safe: the launcher reads only shapes, strides and the host ints max_query_len /
 max_seq_len (static upper bounds: they choose launches and split counts, never correctness).
@@ -181,6 +186,33 @@ def _attend_tile(acc, l_i, m_i, q, qk_scale, start, hi, pos_row, window, blk, k_
     return acc, l_i, m_new
 
 
+@triton.jit
+def _tile_keys(b, j0, q_len, sl_ptr, stride_sl, window, TPT: tl.constexpr,
+               BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """(ctx, n_tok, kv_lo, kv_hi) of a query tile: keys [kv_lo, kv_hi) are seen by some row."""
+    kv_len = tl.load(sl_ptr + b * stride_sl)
+    ctx = kv_len - q_len
+    n_tok = tl.minimum(q_len - j0, TPT)
+    kv_hi = ctx + j0 + n_tok
+    if SLIDING:
+        # the tile's first row sees keys from ctx + j0 + 1 - window on (tile-aligned down; all
+        # operands kept >= 0: integer division rounds differently in the interpreter)
+        kv_lo = (tl.maximum(ctx + j0 + 1 - window, 0) // BLOCK_N) * BLOCK_N
+    else:
+        kv_lo = kv_hi * 0
+    return ctx, n_tok, kv_lo, kv_hi
+
+
+@triton.jit
+def _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """(keys per split, splits that hold keys) of a tile's key range: the range cut into
+    num_splits BLOCK_N-aligned pieces, none shorter than MIN_CHUNK (a multiple of BLOCK_N), so
+    a short sequence under a long bound uses a few splits and the others exit at once."""
+    chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, MIN_CHUNK)
+    return chunk, tl.cdiv(kv_hi - kv_lo, chunk)
+
+
 # Not specialized on the values that change from step to step (Triton would compile a variant
 # per value class: == 1, a multiple of 16, other): the batch size, the splits, the skip, and the
 # block table's row stride (its width: the longest sequence's block count).
@@ -193,7 +225,7 @@ def _paged_attn_stage1(
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
         ONE_TILE_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
-        DOT_PREC: tl.constexpr):
+        DOT_PREC: tl.constexpr, MIN_CHUNK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -205,18 +237,12 @@ def _paged_attn_stage1(
     if skip:
         return
 
-    kv_len = tl.load(sl_ptr + b * stride_sl)
-    ctx = kv_len - q_len
-    n_tok = tl.minimum(q_len - j0, TPT)
-    kv_hi = ctx + j0 + n_tok                      # keys [kv_lo, kv_hi) are seen by some row
-    if SLIDING:
-        # the tile's first row sees keys from ctx + j0 + 1 - window on (tile-aligned down; all
-        # operands kept >= 0: integer division rounds differently in the interpreter)
-        kv_lo = (tl.maximum(ctx + j0 + 1 - window, 0) // BLOCK_N) * BLOCK_N
-    else:
-        kv_lo = kv_hi * 0
+    ctx, n_tok, kv_lo, kv_hi = _tile_keys(b, j0, q_len, sl_ptr, stride_sl, window, TPT, BLOCK_N,
+                                          SLIDING)
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        chunk, active = _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N, MIN_CHUNK)
+        if pid_s >= active:                       # no keys here; the reduce reads only `active`
+            return
         lo = kv_lo + pid_s * chunk
         hi = tl.minimum(lo + chunk, kv_hi)
     else:
@@ -292,10 +318,11 @@ def _paged_attn_stage1(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_skip"])
 def _paged_attn_reduce(
-        out_ptr, qsl_ptr, m_part, l_part, acc_part, num_seqs, num_splits, q_skip,
-        stride_ot, stride_oh,
+        out_ptr, sl_ptr, qsl_ptr, m_part, l_part, acc_part, num_seqs, num_splits, q_skip, window,
+        stride_ot, stride_oh, stride_sl,
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        TPT: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr):
+        BLOCK_N: tl.constexpr, TPT: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr,
+        SLIDING: tl.constexpr, MIN_CHUNK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, j0, q_start, q_len = _locate_tile(pid_t, qsl_ptr, num_seqs, TPT, ONE_TILE_PER_SEQ)
@@ -311,14 +338,17 @@ def _paged_attn_reduce(
     head = pid_h * G + offs_m % G
     row_ok = (offs_m < TPT * G) & (tok < q_len)
     base = (pid_t.to(tl.int64) * tl.num_programs(1) + pid_h) * num_splits
+    _, _, kv_lo, kv_hi = _tile_keys(b, j0, q_len, sl_ptr, stride_sl, window, TPT, BLOCK_N,
+                                    SLIDING)
+    _, active = _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N, MIN_CHUNK)
 
     m_tot = tl.full([BLOCK_M], _NEG, tl.float32)
-    for s in range(num_splits):
+    for s in range(active):
         m_s = tl.load(m_part + (base + s) * BLOCK_M + offs_m, mask=row_ok, other=_NEG)
         m_tot = tl.maximum(m_tot, m_s)
     l_tot = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for s in range(num_splits):
+    for s in range(active):
         rows = (base + s) * BLOCK_M + offs_m
         m_s = tl.load(m_part + rows, mask=row_ok, other=_NEG)
         l_s = tl.load(l_part + rows, mask=row_ok, other=0.0)
@@ -494,11 +524,14 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                   stride_btb=block_tables.stride(0), stride_btn=block_tables.stride(1),
                   stride_sl=seq_lens.stride(0))
 
-    def launch(cfg, n_tiles, one_tile, q_skip, splits):
+    def launch(cfg, n_tiles, one_tile, q_skip, splits, min_keys):
+        """min_keys: the fewest keys a split takes (None: one tile; forced split counts)."""
         block_m = max(cfg["block_m"], _next_pow2(G), 16)
         block_n = cfg["block_n"] or max(16, min(128, cfg["block_n_elems"] // D_PAD))
         tpt = block_m // G
         split = splits > 1
+        min_keys = cfg.get("min_chunk", min_keys) or block_n
+        min_chunk = -(-min_keys // block_n) * block_n
         if split:  # partial (m, l, acc) per (tile, kv head, split, row); stream-ordered, graph-safe
             rows = n_tiles * Hkv * splits * block_m
             m_part = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -511,12 +544,13 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             m_part, l_part, acc_part, num_splits=splits, q_skip=q_skip, **common,
             G=G, D=D, D_PAD=D_PAD, BS=BS, BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
             ONE_TILE_PER_SEQ=one_tile, SPLIT=split, SLIDING=sliding, DOT_PREC=dot_prec,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            MIN_CHUNK=min_chunk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if split:
             _paged_attn_reduce[(n_tiles, Hkv)](
-                out, query_start_loc, m_part, l_part, acc_part, B, splits, q_skip,
-                out.stride(0), out.stride(1),
-                G=G, D=D, D_PAD=D_PAD, BLOCK_M=block_m, TPT=tpt, ONE_TILE_PER_SEQ=one_tile,
+                out, seq_lens, query_start_loc, m_part, l_part, acc_part, B, splits, q_skip,
+                common["window"], out.stride(0), out.stride(1), seq_lens.stride(0),
+                G=G, D=D, D_PAD=D_PAD, BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
+                ONE_TILE_PER_SEQ=one_tile, SLIDING=sliding, MIN_CHUNK=min_chunk,
                 num_warps=4, num_stages=1)
         return tpt
 
@@ -526,9 +560,10 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     # decode launch: one program per (sequence, kv head, split) for every q_len <= its TPT
     small_tpt = max(dec["block_m"], _next_pow2(G), 16) // G
     if not only_prefill_kernel:
-        splits = (operator.index(num_kv_splits) if num_kv_splits
+        forced = bool(num_kv_splits)
+        splits = (operator.index(num_kv_splits) if forced
                   else default_num_kv_splits(B * Hkv, keys_per_tile(small_tpt), sms))
-        launch(dec, B, True, 0, splits)
+        launch(dec, B, True, 0, splits, None if forced else MIN_KEYS_PER_SPLIT)
     # prefill launch: query tiles of the longer sequences; skipped when none can exist
     if only_prefill_kernel or max_query_len > small_tpt:
         large_tpt = max(pre["block_m"], _next_pow2(G), 16) // G
@@ -536,11 +571,13 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         busy_tiles = -(-min(T, B * max(max_query_len, 1)) // large_tpt)
         # its own heuristic only (num_kv_splits is the decode launch's): it splits only grids
         # smaller than PREFILL_TARGET_PROGRAMS_PER_SM * SMs, which bounds the partials' memory
-        splits = pre.get("num_kv_splits") or default_num_kv_splits(
+        forced = bool(pre.get("num_kv_splits"))
+        splits = pre["num_kv_splits"] if forced else default_num_kv_splits(
             busy_tiles * Hkv, keys_per_tile(large_tpt), sms,
             per_sm=PREFILL_TARGET_PROGRAMS_PER_SM, min_keys=PREFILL_MIN_KEYS_PER_SPLIT,
             max_splits=PREFILL_MAX_SPLITS)
-        launch(pre, n_tiles, False, 0 if only_prefill_kernel else small_tpt, splits)
+        launch(pre, n_tiles, False, 0 if only_prefill_kernel else small_tpt, splits,
+               None if forced else PREFILL_MIN_KEYS_PER_SPLIT)
     return out
 
 

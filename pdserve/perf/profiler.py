@@ -71,7 +71,9 @@ _EXCLUDED = ("--skip-tokenizer-init", "--tensor-parallel-size", "--distributed-e
 # lone prefill 3 ms at 256 tokens .. 59 ms at 8192; decode 2.7 ms at batch 1 .. 9.6 ms at 256).
 PRESETS: dict[str, dict[str, Any]] = {
     "cuda": dict(prefill_tokens=[128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192],
-                 decode_batches=[1, 8, 16, 32, 48, 64, 96, 128, 192, 256],
+                 # (2 and 4: decode graph sizes of their own, where a lightly loaded server
+                 # spends most of its steps)
+                 decode_batches=[1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256],
                  contexts=[256, 1024, 4096], mixed_context=1024,
                  # (the graph bucket holding b + n is 1.5x the chunk n in every row but 64:960
                  # and 128:1920, where it is 1.07x (1024, 2048): those two tell a cost per

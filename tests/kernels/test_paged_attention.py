@@ -245,6 +245,36 @@ def test_default_configs_and_loose_bounds():
     assert torch.allclose(loose[:n], tight[:n], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("min_chunk", [None, 32])
+def test_splits_follow_each_sequence_under_a_captured_bound(monkeypatch, window, min_chunk):
+    """Under a CUDA graph max_seq_len is the captured bound (here 32k), so the heuristic launches
+    many splits; each sequence uses only the splits its own keys fill (at least MIN_KEYS_PER_SPLIT
+    keys each by default, 32 here with min_chunk) and the reduce reads only those. The partials
+    are allocated poisoned: a reduce that read a split no program wrote would give NaN."""
+    empty = torch.empty
+
+    def poisoned(*a, **k):
+        t = empty(*a, **k)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    # decodes of 1 to ~1,300 keys (1 to 6 splits of 256), a padding row and a prefill chunk over
+    # a 2,500-token context (3 of its launch's 1,024-key splits)
+    case = make_case([1, 1, 1, 1, 1, 0, 20], [4, 39, 299, 700, 1290, 0, 2500], 4, 2, D_CPU,
+                     BS_CPU, torch.float32, seed=13, pad_tokens=1)
+    cfg = {} if min_chunk is None else {"min_chunk": min_chunk}
+    bound = 32768
+    assert default_num_kv_splits(7 * 2, bound) > 6    # more splits launched than any row fills
+    out = run(case, max_query_len=64, max_seq_len=bound, sliding_window=window,
+              decode_config={**SMALL_N, **cfg}, prefill_config={"block_n": 16, **cfg})
+    check(case, out, torch.float32, window=window)
+    # the same with the tight bound (eager: the heuristic sees the real lengths)
+    tight = run(case, sliding_window=window, decode_config=SMALL_N,
+                prefill_config={"block_n": 16})
+    n = case["n_real"]
+    assert torch.allclose(out[:n], tight[:n], atol=1e-5, rtol=0)
+
+
 def test_pure_decode_with_decode_bound_only():
     # max_query_len = 1 (a captured decode graph): only the decode launch runs
     case = make_case([1, 1, 0, 1], [5, 44, 0, 16], 8, 2, D_CPU, BS_CPU, torch.float16, seed=9)
@@ -455,14 +485,14 @@ def test_kernels_compile_for_sm90():
                 bn = 32
             const = dict(G=G, D=D, D_PAD=d_pad, BS=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // G,
                          ONE_TILE_PER_SEQ=one, SPLIT=split, SLIDING=sliding,
-                         DOT_PREC="ieee" if dt == "fp32" else "tf32")
+                         DOT_PREC="ieee" if dt == "fp32" else "tf32", MIN_CHUNK=4 * bn)
             k = build(pa._paged_attn_stage1, dt, const, cfg["num_warps"], cfg["num_stages"])
             # default tiles must leave room for >= 2 programs per SM (228 KB of smem on sm_90)
             assert k.metadata.shared <= 112 * 1024, (dt, G, D, one, split, sliding,
                                                      k.metadata.shared)
             if split:
-                rconst = {n: const[n] for n in ("G", "D", "D_PAD", "BLOCK_M", "TPT",
-                                                "ONE_TILE_PER_SEQ")}
+                rconst = {n: const[n] for n in ("G", "D", "D_PAD", "BLOCK_M", "BLOCK_N", "TPT",
+                                                "ONE_TILE_PER_SEQ", "SLIDING", "MIN_CHUNK")}
                 build(pa._paged_attn_reduce, dt, rconst, 4, 1)
         print("compiled-ok")
     """)
