@@ -63,11 +63,11 @@ S) / BLOCK_N) * BLOCK_N, MIN_CHUNK) with [kv_lo, kv_hi) the tile's own key range
 without a window), so splits follow each sequence's real length, not max_seq_len: only the first
 ceil((kv_hi - kv_lo) / C) splits hold keys, the others exit at once, and the reduce reads only
 those. S defaults to 1 for short contexts and grows until B * Hkv * S >= 4 * num_SMs, with at
-least 256 keys per split (default_num_kv_splits, from max_seq_len); MIN_CHUNK holds each
-sequence to that same minimum (1,024 keys for the prefill launch), which matters under a CUDA
-graph, whose max_seq_len is the captured bound: a 1,300-token decode under a 32k bound takes 6
-splits of 256 keys, not 21 of 64 and a 64-way reduce. A forced split count keeps one tile as
-its minimum.
+least 256 keys per split (default_num_kv_splits, from max_seq_len). In the decode launch
+MIN_CHUNK holds each sequence to that same minimum, which matters under a CUDA graph, whose
+max_seq_len is the captured bound: a 1,300-token decode under a 32k bound takes 6 splits of 256
+keys, not 21 of 64 and a 64-way reduce. The prefill launch (at most 16 splits) and a forced
+split count keep one tile as the minimum.
 
 CUDA-graph safe: the launcher reads only shapes, strides and the host ints max_query_len /
 max_seq_len (static upper bounds: they choose launches and split counts, never correctness).
@@ -571,13 +571,13 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         busy_tiles = -(-min(T, B * max(max_query_len, 1)) // large_tpt)
         # its own heuristic only (num_kv_splits is the decode launch's): it splits only grids
         # smaller than PREFILL_TARGET_PROGRAMS_PER_SM * SMs, which bounds the partials' memory
-        forced = bool(pre.get("num_kv_splits"))
-        splits = pre["num_kv_splits"] if forced else default_num_kv_splits(
+        splits = pre.get("num_kv_splits") or default_num_kv_splits(
             busy_tiles * Hkv, keys_per_tile(large_tpt), sms,
             per_sm=PREFILL_TARGET_PROGRAMS_PER_SM, min_keys=PREFILL_MIN_KEYS_PER_SPLIT,
             max_splits=PREFILL_MAX_SPLITS)
-        launch(pre, n_tiles, False, 0 if only_prefill_kernel else small_tpt, splits,
-               None if forced else PREFILL_MIN_KEYS_PER_SPLIT)
+        # (splits of one tile at least: a short chunk over a long context wants the parallelism,
+        # and its reduce reads at most PREFILL_MAX_SPLITS parts)
+        launch(pre, n_tiles, False, 0 if only_prefill_kernel else small_tpt, splits, None)
     return out
 
 

@@ -259,7 +259,7 @@ def test_splits_follow_each_sequence_under_a_captured_bound(monkeypatch, window,
         return t.fill_(float("nan")) if t.dtype == torch.float32 else t
     monkeypatch.setattr(torch, "empty", poisoned)
     # decodes of 1 to ~1,300 keys (1 to 6 splits of 256), a padding row and a prefill chunk over
-    # a 2,500-token context (3 of its launch's 1,024-key splits)
+    # a 2,500-token context (its launch's splits: one tile at least, or min_chunk)
     case = make_case([1, 1, 1, 1, 1, 0, 20], [4, 39, 299, 700, 1290, 0, 2500], 4, 2, D_CPU,
                      BS_CPU, torch.float32, seed=13, pad_tokens=1)
     cfg = {} if min_chunk is None else {"min_chunk": min_chunk}
