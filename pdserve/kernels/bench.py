@@ -259,11 +259,11 @@ def load_kernel_file(path: str):
 
 def bench_splits(old: str | None = None, H: int = 12, Hkv: int = 2, bound: int = 32768,
                  batches=(1, 2, 4, 8, 16, 64), contexts=(600, 1300, 4000, 16000),
-                 min_chunks=(64, 128, 512)) -> dict:
+                 min_chunks=(128, 256, 512)) -> dict:
     """Decode attention as a CUDA graph captured with max_seq_len = bound (the server's decode
     graphs: the model's max length) for real contexts well below it: graph replay us per
-    (batch, context) for the default (at least 256 keys a split), other per-split minimums
-    (decode_config min_chunk), and the kernel in `old` when given. Qwen2.5-1.5B heads."""
+    (batch, context) for the default (splits of one 64-key tile at least), larger per-split
+    minimums (decode_config min_chunk), and the kernel in `old` when given. Qwen2.5-1.5B heads."""
     other = load_kernel_file(old) if old else None
     rows = []
     for batch in batches:

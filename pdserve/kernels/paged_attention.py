@@ -62,12 +62,11 @@ Split s of a tile covers keys [kv_lo + s*C, kv_lo + (s+1)*C), C = max(ceil(ceil(
 S) / BLOCK_N) * BLOCK_N, MIN_CHUNK) with [kv_lo, kv_hi) the tile's own key range (kv_lo = 0
 without a window), so splits follow each sequence's real length, not max_seq_len: only the first
 ceil((kv_hi - kv_lo) / C) splits hold keys, the others exit at once, and the reduce reads only
-those. S defaults to 1 for short contexts and grows until B * Hkv * S >= 4 * num_SMs, with at
-least 256 keys per split (default_num_kv_splits, from max_seq_len). In the decode launch
-MIN_CHUNK holds each sequence to that same minimum, which matters under a CUDA graph, whose
-max_seq_len is the captured bound: a 1,300-token decode under a 32k bound takes 6 splits of 256
-keys, not 21 of 64 and a 64-way reduce. The prefill launch (at most 16 splits) and a forced
-split count keep one tile as the minimum.
+those. That matters under a CUDA graph, whose max_seq_len is the captured bound: a 1,300-token
+decode under a 32k bound is launched with 64 splits, fills 21 of them and is reduced over 21,
+not 64. MIN_CHUNK is one tile unless a config's "min_chunk" says more (`python -m
+pdserve.kernels.bench --splits` times the choices). S defaults to 1 for short contexts and grows
+until B * Hkv * S >= 4 * num_SMs, with at least 256 keys per split (default_num_kv_splits).
 
 CUDA-graph safe: the launcher reads only shapes, strides and the host ints max_query_len /
 max_seq_len (static upper bounds: they choose launches and split counts, never correctness).
@@ -524,14 +523,13 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                   stride_btb=block_tables.stride(0), stride_btn=block_tables.stride(1),
                   stride_sl=seq_lens.stride(0))
 
-    def launch(cfg, n_tiles, one_tile, q_skip, splits, min_keys):
-        """min_keys: the fewest keys a split takes (None: one tile; forced split counts)."""
+    def launch(cfg, n_tiles, one_tile, q_skip, splits):
         block_m = max(cfg["block_m"], _next_pow2(G), 16)
         block_n = cfg["block_n"] or max(16, min(128, cfg["block_n_elems"] // D_PAD))
         tpt = block_m // G
         split = splits > 1
-        min_keys = cfg.get("min_chunk", min_keys) or block_n
-        min_chunk = -(-min_keys // block_n) * block_n
+        # the fewest keys a split takes (config "min_chunk"; default one tile), tile-aligned
+        min_chunk = -(-(cfg.get("min_chunk") or block_n) // block_n) * block_n
         if split:  # partial (m, l, acc) per (tile, kv head, split, row); stream-ordered, graph-safe
             rows = n_tiles * Hkv * splits * block_m
             m_part = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -560,10 +558,9 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     # decode launch: one program per (sequence, kv head, split) for every q_len <= its TPT
     small_tpt = max(dec["block_m"], _next_pow2(G), 16) // G
     if not only_prefill_kernel:
-        forced = bool(num_kv_splits)
-        splits = (operator.index(num_kv_splits) if forced
+        splits = (operator.index(num_kv_splits) if num_kv_splits
                   else default_num_kv_splits(B * Hkv, keys_per_tile(small_tpt), sms))
-        launch(dec, B, True, 0, splits, None if forced else MIN_KEYS_PER_SPLIT)
+        launch(dec, B, True, 0, splits)
     # prefill launch: query tiles of the longer sequences; skipped when none can exist
     if only_prefill_kernel or max_query_len > small_tpt:
         large_tpt = max(pre["block_m"], _next_pow2(G), 16) // G
@@ -575,9 +572,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             busy_tiles * Hkv, keys_per_tile(large_tpt), sms,
             per_sm=PREFILL_TARGET_PROGRAMS_PER_SM, min_keys=PREFILL_MIN_KEYS_PER_SPLIT,
             max_splits=PREFILL_MAX_SPLITS)
-        # (splits of one tile at least: a short chunk over a long context wants the parallelism,
-        # and its reduce reads at most PREFILL_MAX_SPLITS parts)
-        launch(pre, n_tiles, False, 0 if only_prefill_kernel else small_tpt, splits, None)
+        launch(pre, n_tiles, False, 0 if only_prefill_kernel else small_tpt, splits)
     return out
 
 

@@ -245,21 +245,20 @@ def test_default_configs_and_loose_bounds():
     assert torch.allclose(loose[:n], tight[:n], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("window", [None, 300])
-@pytest.mark.parametrize("min_chunk", [None, 32])
+@pytest.mark.parametrize("window", [None, 1000])
+@pytest.mark.parametrize("min_chunk", [None, 256])
 def test_splits_follow_each_sequence_under_a_captured_bound(monkeypatch, window, min_chunk):
     """Under a CUDA graph max_seq_len is the captured bound (here 32k), so the heuristic launches
-    many splits; each sequence uses only the splits its own keys fill (at least MIN_KEYS_PER_SPLIT
-    keys each by default, 32 here with min_chunk) and the reduce reads only those. The partials
-    are allocated poisoned: a reduce that read a split no program wrote would give NaN."""
+    many splits; each sequence uses only the splits its own keys fill (one 16-key tile at least
+    by default, else min_chunk keys) and the reduce reads only those. The partials are
+    allocated poisoned: a reduce that read a split no program wrote would give NaN."""
     empty = torch.empty
 
     def poisoned(*a, **k):
         t = empty(*a, **k)
         return t.fill_(float("nan")) if t.dtype == torch.float32 else t
     monkeypatch.setattr(torch, "empty", poisoned)
-    # decodes of 1 to ~1,300 keys (1 to 6 splits of 256), a padding row and a prefill chunk over
-    # a 2,500-token context (its launch's splits: one tile at least, or min_chunk)
+    # decodes of 1 to ~1,300 keys, a padding row and a prefill chunk over a 2,500-token context
     case = make_case([1, 1, 1, 1, 1, 0, 20], [4, 39, 299, 700, 1290, 0, 2500], 4, 2, D_CPU,
                      BS_CPU, torch.float32, seed=13, pad_tokens=1)
     cfg = {} if min_chunk is None else {"min_chunk": min_chunk}
