@@ -315,7 +315,7 @@ def _paged_attn_stage1(
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_skip"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_skip", "window"])
 def _paged_attn_reduce(
         out_ptr, sl_ptr, qsl_ptr, m_part, l_part, acc_part, num_seqs, num_splits, q_skip, window,
         stride_ot, stride_oh, stride_sl,
