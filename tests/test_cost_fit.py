@@ -735,9 +735,9 @@ def test_served_batch_rows_are_checked():
 
 
 def test_the_served_step_floor_is_optional_and_older_files_load_without_it():
-    """No serving_host_ms (every committed profile so far): the floor is 0. With the term
+    """No serving_host_ms (most committed profiles): the floor is 0. With the term
     {fixed 1.5, per_seq 0.02}: 1.5 + 0.02 * 100 = 3.5 ms at 100 sequences; it survives a
-    file."""
+    file. Every committed profile loads: without the term its floor is 0, with it the sum."""
     import glob
     import os
     d = _profile_dict()
@@ -752,8 +752,10 @@ def test_the_served_step_floor_is_optional_and_older_files_load_without_it():
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "bench", "results")
     for path in sorted(glob.glob(os.path.join(root, "profile-*.json"))):
-        old = CostProfile.from_json(path)
-        assert old.served_step_floor_ms(256) == 0.0, path
+        with open(path) as f:
+            term = json.load(f).get("serving_host_ms") or {}
+        want = term.get("fixed_ms", 0.0) + term.get("per_seq_ms", 0.0) * 256 if term else 0.0
+        assert CostProfile.from_json(path).served_step_floor_ms(256) == pytest.approx(want), path
 
 
 def _tpot_rows(p, factor, bs=(1, 16, 64)):

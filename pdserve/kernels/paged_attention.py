@@ -65,8 +65,9 @@ ceil((kv_hi - kv_lo) / C) splits hold keys, the others exit at once, and the red
 those. That matters under a CUDA graph, whose max_seq_len is the captured bound: a 1,300-token
 decode under a 32k bound is launched with 64 splits, fills 21 of them and is reduced over 21,
 not 64. MIN_CHUNK is one tile unless a config's "min_chunk" says more (`python -m
-pdserve.kernels.bench --splits` times the choices). S defaults to 1 for short contexts and grows
-until B * Hkv * S >= 4 * num_SMs, with at least 256 keys per split (default_num_kv_splits).
+pdserve.kernels.bench --splits` times the choices). S itself is chosen on the host from
+max_seq_len (default_num_kv_splits): 1 for short bounds, growing until B * Hkv * S >= 4 *
+num_SMs with max_seq_len / S >= 256; a sequence shorter than the bound gets smaller splits.
 
 CUDA-graph safe: the launcher reads only shapes, strides and the host ints max_query_len /
 max_seq_len (static upper bounds: they choose launches and split counts, never correctness).
