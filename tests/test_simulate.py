@@ -181,6 +181,32 @@ def test_a_lone_batch_takes_the_served_step_floor_where_it_is_longer():
         assert w["served_floor_steps"] == 0 and w["served_floor_s"] == 0.0
 
 
+def test_the_split_term_goes_by_the_steps_longest_sequence():
+    """The kernel splits keys once any sequence in the step reaches 512 tokens, whatever the
+    mean. Profile: decode 5 + 0.1 b + 0.001 S ms, split_ms 0.5, gamma 0.02 per prompt token. By
+    hand:
+    - decodes at positions 99 and 699 (contexts 100 and 700, mean 400): 5 + 0.2 + 0.8 + 0.5
+      = 6.5 ms (by the mean alone it would be 6.0);
+    - two decodes of 100 tokens beside a 50-token prompt chunk ending at position 600: 5 + 0.2
+      + 0.2 + 0.5 + 0.02 x 50 = 6.9 ms;
+    - the same chunk ending at 500 (every sequence under 512): 6.4 ms."""
+    from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    r = CostModelRunner(profile(beta_ms={"split_ms": 0.5}), SimClock(), 16)
+    r._prompt_len.update(a=10, b=10, p=600)
+
+    def dec(rid, pos):
+        return ScheduledChunk(rid, [0], pos, [], True)
+
+    two = SchedulerOutput(chunks=[dec("a", 99), dec("b", 699)], num_decodes=2)
+    assert r.device_ms(two) == pytest.approx(6.5)
+    assert r.profile.decode_ms(2, 800) == pytest.approx(6.0)     # the mean's answer
+    for end, want in ((600, 6.9), (500, 6.4)):
+        mixed = SchedulerOutput(chunks=[dec("a", 99), dec("b", 99),
+                                        ScheduledChunk("p", [0] * 50, end - 50, [], end == 600)],
+                                num_decodes=2, num_prefill_tokens=50)
+        assert r.device_ms(mixed) == pytest.approx(want)
+
+
 def test_the_floor_counts_every_sequence_a_step_feeds():
     """The runner's floor is per sequence in the step, prefill chunks and decodes alike: a
     step of 3 decodes and 2 prompt chunks has 5 sequences, 2 + 0.5 * 5 = 4.5 ms; a profile

@@ -9,9 +9,11 @@ All times are milliseconds. With n prompt tokens in a step, b decoding sequences
                               + beta_ms["per_seq_ms_below"] * min(b, batch_threshold)
                               + beta_ms["per_seq_ms_above"] * max(0, b - batch_threshold)
                               + beta_ms["per_context_token_ms"] * ctx_sum
-                              + (beta_ms["split_ms"] where ctx_sum >= b*SPLIT_CONTEXT_TOKENS,
+                              + (beta_ms["split_ms"] where longest >= SPLIT_CONTEXT_TOKENS,
                                  else 0)                                          (b >= 1)
-                            split_ms is optional (absent in files made before it: 0)
+                            split_ms is optional (absent in files made before it: 0); longest
+                            is the step's longest sequence (prompt chunks included), when the
+                            caller knows it, else the mean context ctx_sum / b
     mixed_ms(b, ctx_sum, n) = decode_ms(b, ctx_sum) + gamma_ms_per_token*n  (b == 0: prefill_ms(n))
     transfer_ms(tokens)     = transfer_fixed_ms
                               + tokens*kv_bytes_per_token / (transfer_gb_per_s*1e6)
@@ -91,7 +93,10 @@ BETA_KEYS = ("fixed_ms", "per_seq_ms_below", "per_seq_ms_above", "per_context_to
 # below 2 * MIN_KEYS_PER_SPLIT keys, then 2, 4, ... and a second kernel that merges the parts).
 # The device time steps up there (H100, batch 1: 2.14 ms at 256 tokens of context, 2.68 at
 # 1,024, 2.75 at 4,096) instead of growing with the context, which a per-token term spreads over
-# the whole range. A step's mean context per sequence (ctx_sum / b) stands for its longest.
+# the whole range. The kernel splits once the step's longest sequence reaches the threshold (its
+# graph's bound, or its eager max_seq_len); a caller that knows only ctx_sum passes none, and
+# the mean context per sequence stands for the longest (the profile's rows are uniform: the two
+# agree there).
 # Optional: files made before it have none (0: they keep their meaning).
 SPLIT_CONTEXT_TOKENS = 512
 FIT_TERMS = ("prefill", "decode", "mixed", "transfer")
@@ -194,19 +199,20 @@ class CostProfile:
         return (self.prefill_fixed_ms + self.alpha_ms_per_token * n
                 + self.prefill_quadratic_ms * n * n)
 
-    def decode_ms(self, b: float, ctx_sum: float) -> float:
-        """One decode-only step of b >= 1 sequences whose contexts sum to ctx_sum tokens."""
+    def decode_ms(self, b: float, ctx_sum: float, longest: float | None = None) -> float:
+        """One decode-only step of b >= 1 sequences whose contexts sum to ctx_sum tokens (the
+        longest of the step's sequences: `longest`, when known)."""
         self._count("b", b, 1)
         self._count("ctx_sum", ctx_sum, 0)
-        return decode_cost_ms(self.beta_ms, self.batch_threshold, b, ctx_sum)
+        return decode_cost_ms(self.beta_ms, self.batch_threshold, b, ctx_sum, longest)
 
-    def mixed_ms(self, b: float, ctx_sum: float, n: float) -> float:
+    def mixed_ms(self, b: float, ctx_sum: float, n: float, longest: float | None = None) -> float:
         """One step of b decodes and an n-token prompt chunk (b == 0: a lone prefill)."""
         self._count("b", b, 0)
         self._count("n", n, 0)
         if b == 0:
             return self.prefill_ms(n)
-        return self.decode_ms(b, ctx_sum) + self.gamma_ms_per_token * n
+        return self.decode_ms(b, ctx_sum, longest) + self.gamma_ms_per_token * n
 
     def transfer_ms(self, tokens: float) -> float:
         """One KV hand-off of `tokens` tokens between a prefill and a decode worker."""
@@ -386,26 +392,32 @@ def step_kind(b: int, n: int) -> str | None:
 
 
 def decode_cost_ms(beta: Mapping[str, float], batch_threshold: float, b: float,
-                   ctx_sum: float) -> float:
+                   ctx_sum: float, longest: float | None = None) -> float:
     """decode_ms (the module docstring) from beta_ms and batch_threshold: the one formula the
     profile and its fit (cost_fit.decode_predict) evaluate."""
     k = batch_threshold
+    splits = (longest >= SPLIT_CONTEXT_TOKENS if longest is not None
+              else ctx_sum >= b * SPLIT_CONTEXT_TOKENS)
     return (beta["fixed_ms"] + beta["per_seq_ms_below"] * min(b, k)
             + beta["per_seq_ms_above"] * max(0, b - k)
             + beta["per_context_token_ms"] * ctx_sum
-            + (beta.get("split_ms", 0.0) if ctx_sum >= b * SPLIT_CONTEXT_TOKENS else 0.0))
+            + (beta.get("split_ms", 0.0) if splits else 0.0))
 
 
 def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
-                 sizes: "list[int] | tuple[int, ...]" = ()) -> tuple[str, float]:
+                 sizes: "list[int] | tuple[int, ...]" = (),
+                 longest: int | None = None) -> tuple[str, float]:
     """One step of b decodes (contexts summing to ctx_sum) and n prompt tokens: its kind
     ("prefill": b == 0, "decode": n == 0, else "mixed") and its time from `costs` (prefill_ms /
     decode_ms / mixed_ms) at its shape: sizes are the deployment's graph buckets
     (deployment_graph_sizes; empty: every step at its own token count), a lone prefill runs at
-    padded_tokens(n) and a mixed step's chunk at padded_tokens(b + n) - b."""
+    padded_tokens(n) and a mixed step's chunk at padded_tokens(b + n) - b. longest: the step's
+    longest sequence in tokens, prompt chunks included (None: unknown; the decode part's split
+    term then goes by the mean context)."""
     kind = step_kind(b, n) or "prefill"
+    extra = {} if longest is None else {"longest": longest}
     if kind == "prefill":
         return kind, costs.prefill_ms(padded_tokens(n, sizes))
     if kind == "decode":
-        return kind, costs.decode_ms(b, ctx_sum)
-    return kind, costs.mixed_ms(b, ctx_sum, padded_tokens(b + n, sizes) - b)
+        return kind, costs.decode_ms(b, ctx_sum, **extra)
+    return kind, costs.mixed_ms(b, ctx_sum, padded_tokens(b + n, sizes) - b, **extra)

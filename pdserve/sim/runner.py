@@ -7,6 +7,9 @@ the profile says the step costs, from the step's own mix:
         b == 0          prefill_ms(n)         (a lone prefill)
         n == 0          decode_ms(b, S)
         otherwise       mixed_ms(b, S, n)
+    with the step's longest sequence (a decode's position + 1, a chunk's end) for the decode
+    part's split term: the attention kernel splits keys once any sequence in the step is long
+    enough, whatever the mean.
 
 at the step's shape (perf/cost_profile.step_cost_ms): with a profile whose terms are per CUDA
 graph shape (graph_padded), n is padded to the deployment's graph bucket (graph_sizes: the
@@ -136,12 +139,15 @@ class CostModelRunner:
         if not sched.chunks:
             return 0.0
         plen = self._prompt_len
-        b, ctx = 0, 0
+        b, ctx, longest = 0, 0, 0
         for c in sched.chunks:
+            end = c.start_pos + len(c.token_ids)
+            longest = max(longest, end)
             if len(c.token_ids) == 1 and c.start_pos >= plen[c.request_id]:
                 b += 1
-                ctx += c.start_pos + 1
-        return step_cost_ms(self.profile, b, ctx, sched.num_prefill_tokens, self.graph_sizes)[1]
+                ctx += end
+        return step_cost_ms(self.profile, b, ctx, sched.num_prefill_tokens, self.graph_sizes,
+                            longest)[1]
 
     def copy_ms(self, sched: SchedulerOutput) -> float:
         """The simulated duration of `sched`'s host-tier copies on the copy stream (ms)."""
