@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
-# Stages: wheels (first, when .whl is carried), splits, kernel-tests, ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
+# Stages: wheels (first, when .whl is carried), splits, kernel-tests, latency-bound, ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
 # skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), profile-tier (py-spy on the host-tier server's worker during the multi-turn run), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -81,6 +81,12 @@ for stage in "$@"; do
            # file carried as old_pa/*.py (untracked: copy it there from an older commit)
            old=$(ls old_pa/*.py 2> /dev/null | head -1)
            python3 -m pdserve.kernels.bench --splits ${old:+--old $old} --output "$OUT/decode-splits-h200.json" 2>&1 | tail -60;;
+    latency-bound) # decode steps as the default server runs them: graphs captured for the model's
+           # 32,768 tokens (bench latency otherwise sizes max_model_len to its own runs), at the
+           # serving sweep's mean context, batches 1-16
+           python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 2 4 8 16 --context 1300 \
+             --batch1-context 1300 --generate-tokens 0 --max-model-len 32768 \
+             --output "$OUT/decode-latency-bound-h200.json" 2>&1 | grep -v Warn | tail -8;;
     latency-quick) python3 -m pdserve bench latency --models qwen2.5-1.5b --batch-sizes 1 8 --steps 50 --output "$OUT/latency-quick.json";;
     latency) python3 -m pdserve bench latency --batch-sizes 1 8 32 128 256 --peer hf-static --output "$OUT/decode-latency-h200.json" 2>&1 | grep -v Warn | tail -14;;
     step-compare) # issue 15: bench step on an older tree (carried as old/) and on this one, in turn

@@ -169,12 +169,10 @@ def run(args) -> dict[str, Any]:
             print(f"{model:>14} HF static cache + torch.compile, batch 1: "
                   f"{r['per_token_ms']:.3f} ms/token", flush=True)
         sizes = sorted({1, *args.batch_sizes})
-        max_ctx = max(args.context, args.batch1_context)
         llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                   skip_tokenizer_init=True, max_num_seqs=max(sizes),
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=max_ctx + max(2 * args.steps + args.warmup,
-                                              args.generate_tokens) + 8,
+                  max_model_len=args.max_model_len or needed_len(args),
                   enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
         eng = llm.llm_engine
         weight_bytes, kv_per_token = _model_bytes(eng)
@@ -215,6 +213,12 @@ def run(args) -> dict[str, Any]:
             "generate": generate_rows, "peer": peer_rows}
 
 
+def needed_len(args) -> int:
+    """The longest sequence the runs make: the longer context, then its steps or generate."""
+    return (max(args.context, args.batch1_context)
+            + max(2 * args.steps + args.warmup, args.generate_tokens) + 8)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench latency")
     p.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
@@ -228,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's max_model_len (default: just what the runs need). The "
+                        "decode graphs are captured for it, and their attention splits keys by "
+                        "it: pass the model's own length (as `pdserve serve` uses by default) "
+                        "to time the steps a server runs")
     p.add_argument("--generate-tokens", type=int, default=512,
                    help="batch-1 LLM.generate of 1 + this many tokens vs 1, per token (0: skip)")
     p.add_argument("--peer", default="none", choices=["none", "hf-static"],
@@ -242,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.peer != "none" and args.generate_tokens <= 0:
         p.error("--peer times batch-1 generate: it needs --generate-tokens > 0")
+    if args.max_model_len is not None and args.max_model_len < needed_len(args):
+        p.error(f"--max-model-len {args.max_model_len} is shorter than the runs need "
+                f"({needed_len(args)} tokens)")
     payload = run(args)
     payload.update(command=["pdserve", "bench", "latency", *(argv if argv is not None else sys.argv[3:])],
                    config=vars(args), hardware=hardware_info(), **git_info())
