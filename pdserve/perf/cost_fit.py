@@ -104,7 +104,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..step_shapes import graph_max_tokens, mixed_sizes, padded_tokens
-from .cost_profile import API_COST_KEYS, SPLIT_CONTEXT_TOKENS, decode_cost_ms
+from .cost_profile import API_COST_KEYS, SPLIT_CONTEXT_TOKENS, decode_cost_ms, splits_keys
 
 QUADRATIC_GAIN = 0.05
 HOST_BOUND_MARGIN = 0.10
@@ -237,9 +237,9 @@ def fit_prefill(rows: list[dict]) -> dict[str, Any]:
 
 # ---- decode -------------------------------------------------------------------------------------
 def _split(rows: list[dict]) -> np.ndarray:
-    """1.0 where a row's decode step splits its keys (cost_profile.SPLIT_CONTEXT_TOKENS)."""
-    return np.array([1.0 if r["ctx_sum"] >= r["b"] * SPLIT_CONTEXT_TOKENS else 0.0
-                     for r in rows])
+    """1.0 where a row's decode step splits its keys (cost_profile.splits_keys: a row's
+    sequences are of one length, so its mean context is its longest)."""
+    return np.array([1.0 if splits_keys(r["b"], r["ctx_sum"]) else 0.0 for r in rows])
 
 
 def split_identifiable(rows: list[dict]) -> bool:

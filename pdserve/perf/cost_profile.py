@@ -391,17 +391,23 @@ def step_kind(b: int, n: int) -> str | None:
     return "decode" if b > 0 else None
 
 
+def splits_keys(b: float, ctx_sum: float, longest: float | None = None) -> bool:
+    """Whether a decode step pays split_ms: its longest sequence reaches SPLIT_CONTEXT_TOKENS
+    (unknown: its mean context per sequence stands for it)."""
+    if longest is not None:
+        return longest >= SPLIT_CONTEXT_TOKENS
+    return ctx_sum >= b * SPLIT_CONTEXT_TOKENS
+
+
 def decode_cost_ms(beta: Mapping[str, float], batch_threshold: float, b: float,
                    ctx_sum: float, longest: float | None = None) -> float:
     """decode_ms (the module docstring) from beta_ms and batch_threshold: the one formula the
     profile and its fit (cost_fit.decode_predict) evaluate."""
     k = batch_threshold
-    splits = (longest >= SPLIT_CONTEXT_TOKENS if longest is not None
-              else ctx_sum >= b * SPLIT_CONTEXT_TOKENS)
     return (beta["fixed_ms"] + beta["per_seq_ms_below"] * min(b, k)
             + beta["per_seq_ms_above"] * max(0, b - k)
             + beta["per_context_token_ms"] * ctx_sum
-            + (beta.get("split_ms", 0.0) if splits else 0.0))
+            + (beta.get("split_ms", 0.0) if splits_keys(b, ctx_sum, longest) else 0.0))
 
 
 def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
@@ -415,9 +421,8 @@ def step_cost_ms(costs: Any, b: int, ctx_sum: float, n: int,
     longest sequence in tokens, prompt chunks included (None: unknown; the decode part's split
     term then goes by the mean context)."""
     kind = step_kind(b, n) or "prefill"
-    extra = {} if longest is None else {"longest": longest}
     if kind == "prefill":
         return kind, costs.prefill_ms(padded_tokens(n, sizes))
     if kind == "decode":
-        return kind, costs.decode_ms(b, ctx_sum, **extra)
-    return kind, costs.mixed_ms(b, ctx_sum, padded_tokens(b + n, sizes) - b, **extra)
+        return kind, costs.decode_ms(b, ctx_sum, longest)
+    return kind, costs.mixed_ms(b, ctx_sum, padded_tokens(b + n, sizes) - b, longest)
