@@ -34,6 +34,14 @@ spy_stop() {  # TAG: stop spy_start's samplers, summarize each into $OUT/pyspy-T
     python3 scripts/pyspy_summary.py "$OUT/pyspy-$1$who.txt" --top 30 --json "$OUT/pyspy-$1$who-summary.json" 2>&1 | head -70
   done
 }
+tier_server_args() {  # the host-tier stages' server flags: $model (TIER_MODEL, default
+  # .qwen-text; TIER_MODEL= : the embedded model) and $common (TIER_COMMON); 1: no model dir
+  local mdir=${TIER_MODEL-.qwen-text}
+  model=""; common=${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"}
+  [ -z "$mdir" ] && return 0
+  [ -d "$mdir" ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; return 1; }
+  model="--model $mdir --load-format dummy"
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -199,12 +207,7 @@ d = json.load(open('$OUT/serve-steps-$rate.json')); print(json.dumps(t.side_summ
            # conversation starts/s, against GPU-only's 2.94 in ~3.14): py-spy on the worker (and the
            # API process) during serve-kv-tier's workload at PROFILE_TIER_RATE, tier side only
            # (carry .whl and .qwen-text)
-           mdir=${TIER_MODEL-.qwen-text}; model=""     # (TIER_MODEL= : the embedded model)
-           if [ -n "$mdir" ]; then
-             [ -d "$mdir" ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
-             model="--model $mdir --load-format dummy"
-           fi
-           common=${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"}
+           tier_server_args || continue
            python3 -m pdserve serve $model $common \
              --port 8000 --enable-prefix-caching --num-kv-blocks ${TIER_BLOCKS:-8192} --swap-space ${TIER_SWAP:-24} \
              > "$OUT/profile-tier-server.log" 2>&1 &
@@ -313,12 +316,7 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            # and 32 and the tier's knee near 40: RESULTS): about 5 min for two sides.
            # A CPU dry run: TIER_MODEL= (empty: the embedded model) TIER_COMMON="--device cpu",
            # small TIER_CONVS/TURNS/USER/OUT/BLOCKS/SWAP.
-           mdir=${TIER_MODEL-.qwen-text}; model=""
-           if [ -n "$mdir" ]; then
-             [ -d "$mdir" ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
-             model="--model $mdir --load-format dummy"
-           fi
-           common=${TIER_COMMON:-"--device cuda --gpu-memory-utilization 0.8"}
+           tier_server_args || continue
            for side in ${TIER_SIDES:-tier gpu}; do
              # (wt: the tier with --kv-offload-policy write-through)
              swap=${TIER_SWAP:-24}; [ $side = gpu ] && swap=0
