@@ -6,8 +6,10 @@ with the KV host tier against GPU-only prefix caching, same GPU pool, same conve
                                       run's result file under "server_metrics"; prints AFTER's
     report DIR [--output FILE]        DIR/tier-mt-<side>-<rate>.json of the two sides: per rate
                                       found on both, each side's output tok/s, goodput, mean and
-                                      p99 TTFT and its host-tier counters over the run, and the
-                                      tier / GPU-only ratios; printed, and written as JSON
+                                      p99 TTFT, its host-tier counters, engine steps and the
+                                      server's mean request phases (TTFT as the server saw it,
+                                      queue, prefill) over the run, and the tier / GPU-only
+                                      ratios; printed, and written as JSON
 
 A ratio with a zero denominator is inf (written "inf"), or null when both are zero; a side
 without goodput (no --goodput) or without server metrics gives null there.
@@ -35,7 +37,17 @@ COUNTERS = ("pdserve:kv_blocks_swapped_total", "pdserve:kv_blocks_offloaded_tota
             # the engine's steps by kind (their count, host and device time, tokens)
             "pdserve:engine_steps_total", "pdserve:engine_step_wall_seconds_total",
             "pdserve:engine_step_gpu_seconds_total", "pdserve:engine_steps_gpu_timed_total",
-            "pdserve:engine_step_tokens_total")
+            "pdserve:engine_step_tokens_total",
+            # the server's own request phases (histograms' sums and counts): where a client's
+            # TTFT goes, split by the server (phase_summary)
+            *(f"{h}_{part}" for h in ("pdserve:time_to_first_token_seconds",
+                                      "pdserve:request_queue_time_seconds",
+                                      "pdserve:request_prefill_time_seconds")
+              for part in ("sum", "count")))
+# phase_summary's fields: the histogram each mean comes from
+PHASES = {"server_ttft_ms": "pdserve:time_to_first_token_seconds",   # admitted -> first output
+          "queue_ms": "pdserve:request_queue_time_seconds",         # engine arrival -> scheduled
+          "prefill_ms": "pdserve:request_prefill_time_seconds"}     # scheduled -> first token
 _SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 _RESULT = re.compile(r"^tier-mt-(?P<side>[A-Za-z0-9_]+)-(?P<rate>[^/]+)\.json$")
@@ -122,6 +134,18 @@ def step_summary(delta: dict[str, float]) -> dict[str, dict[str, float | None]]:
     return out
 
 
+def phase_summary(delta: dict[str, float]) -> dict[str, float | None]:
+    """The server's mean request phases over a run (ms), from metrics_delta's histogram sums
+    and counts (PHASES); None for a phase without an observation. The client's TTFT less
+    server_ttft_ms is what the server's admission (HTTP, tokenizing) and the stream's way back
+    took; server_ttft_ms less queue_ms + prefill_ms is the way to the engine and back."""
+    out: dict[str, float | None] = {}
+    for field, h in PHASES.items():
+        n = delta.get(f"{h}_count", 0.0)
+        out[field] = 1e3 * delta.get(f"{h}_sum", 0.0) / n if n else None
+    return out
+
+
 def side_summary(result: dict[str, Any]) -> dict[str, Any]:
     """One side at one rate: its numbers and the host-tier counters over the run."""
     runs = result.get("runs") or [result]
@@ -129,15 +153,16 @@ def side_summary(result: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"a result of one rate expected, got {len(runs)} runs")
     r = runs[0]
     sm = result.get("server_metrics")
+    delta = None if sm is None else metrics_delta(sm["before"], sm["after"])
     return {"completed": r["completed"], "failed": r["failed"], "duration_s": r["duration"],
             "output_tok_per_s": r["output_throughput"],
             "request_goodput": r.get("request_goodput"),
             "goodput_slos_ms": r.get("goodput_slos_ms"),
             "mean_ttft_ms": r["mean_ttft_ms"], "p99_ttft_ms": r.get("p99_ttft_ms"),
             "cached_token_fraction": r.get("cached_token_fraction"),
-            "server_metrics": None if sm is None else metrics_delta(sm["before"], sm["after"]),
-            "steps": None if sm is None else step_summary(metrics_delta(sm["before"],
-                                                                        sm["after"]))}
+            "server_metrics": delta,
+            "steps": None if delta is None else step_summary(delta),
+            "request_phases": None if delta is None else phase_summary(delta)}
 
 
 def _rate_key(rate: str) -> float:

@@ -209,3 +209,28 @@ def test_proc_cpu_counts_a_process_tree_and_attaches_its_growth(tmp_path, capsys
         child.stdin.write("end\n")
         child.stdin.flush()
         child.wait(timeout=10)
+
+
+def test_the_servers_request_phases_over_a_run(tmp_path):
+    """The request-phase histograms as pdserve's /metrics writes them, before and after a run;
+    their means over the run, by hand. TTFT: 10 and 30 ms before, then 50 and 110 ms: (50 + 110)
+    / 2 = 80 ms; queue: 20 and 40 ms, all in the run: 30 ms; prefill: never observed: None."""
+    from pdserve.server.metrics import Metrics
+
+    m = Metrics("m")
+    for s in (0.010, 0.030):
+        m.ttft.observe(s)
+    before = m.render().decode()
+    for s in (0.050, 0.110):
+        m.ttft.observe(s)
+    for s in (0.020, 0.040):
+        m.queue_time.observe(s)
+    after = m.render().decode()
+    path = write(tmp_path / "tier-mt-gpu-24.json", result("24", 1.0, 1.0, 1.0, 1.0))
+    (tmp_path / "b.txt").write_text(before)
+    (tmp_path / "a.txt").write_text(after)
+    assert tier_report.main(["attach", path, str(tmp_path / "b.txt"), str(tmp_path / "a.txt")]) == 0
+    phases = tier_report.side_summary(json.loads(open(path).read()))["request_phases"]
+    assert phases["server_ttft_ms"] == pytest.approx(80.0)
+    assert phases["queue_ms"] == pytest.approx(30.0)
+    assert phases["prefill_ms"] is None
