@@ -262,15 +262,17 @@ def bench_splits(old: str | None = None, H: int = 12, Hkv: int = 2, bound: int =
                  min_chunks=(128, 256, 512)) -> dict:
     """Decode attention as a CUDA graph captured with max_seq_len = bound (the server's decode
     graphs: the model's max length) for real contexts well below it: graph replay us per
-    (batch, context) for the default (splits of one 64-key tile at least), larger per-split
-    minimums (decode_config min_chunk), and the kernel in `old` when given. Qwen2.5-1.5B heads."""
+    (batch, context) for the default (splits of sqrt(16 keys) at least), splits of one 64-key
+    tile at least (chunk_sqrt=0), fixed per-split minimums (decode_config min_chunk, no sqrt
+    term), and the kernel in `old` when given. Qwen2.5-1.5B heads."""
     other = load_kernel_file(old) if old else None
     rows = []
     for batch in batches:
         for ctx in contexts:
             row = {"batch": batch, "context": ctx, "bound": bound, "H": H, "Hkv": Hkv}
-            variants = [("default", None, None)] + [(f"min_chunk={m}", {"min_chunk": m}, None)
-                                                    for m in min_chunks]
+            variants = ([("default", None, None), ("one-tile", {"chunk_sqrt": 0}, None)]
+                        + [(f"min_chunk={m}", {"min_chunk": m, "chunk_sqrt": 0}, None)
+                           for m in min_chunks])
             if other is not None:
                 variants.append(("old", None, other))
             for name, cfg, impl in variants:

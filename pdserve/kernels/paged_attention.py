@@ -64,7 +64,12 @@ without a window), so splits follow each sequence's real length, not max_seq_len
 ceil((kv_hi - kv_lo) / C) splits hold keys, the others exit at once, and the reduce reads only
 those. That matters under a CUDA graph, whose max_seq_len is the captured bound: a 1,300-token
 decode under a 32k bound is launched with 64 splits, fills 21 of them and is reduced over 21,
-not 64. MIN_CHUNK is one tile unless a config's "min_chunk" says more (`python -m
+not 64. A split also takes at least sqrt(CHUNK_SQRT * (kv_hi - kv_lo)) keys (tile-aligned;
+config "chunk_sqrt", 16 for decode, 0 = off): a split's serial work grows with its chunk C and
+the reduce's with the splits L / C, and a * C + b * L / C is least at C = sqrt(b / a * L). On an
+H100 under the 32k bound (a946dca, batches 1-64) the best of chunk minima 64 / 128 / 256 / 512
+was the one nearest sqrt(16 L) for 600, 4,000 and 16,000 keys: 27 vs 16.5 us a layer at 4,000
+keys, batch 1. MIN_CHUNK (config "min_chunk") is one tile unless it says more (`python -m
 pdserve.kernels.bench --splits` times the choices). S itself is chosen on the host from
 max_seq_len (default_num_kv_splits): 1 for short bounds, growing until B * Hkv * S >= 4 *
 num_SMs with max_seq_len / S >= 256; a sequence shorter than the bound gets smaller splits.
@@ -99,9 +104,9 @@ _NEG = tl.constexpr(-1.0e30)
 # Prefill: 64-row tiles, 32 keys at D=128, 3 stages (~66 KB smem, ~176 regs: 2 programs per SM;
 #   64-key tiles would need ~115 KB smem at 3 stages, i.e. 1 program per SM).
 DECODE_CONFIG = {"block_m": 16, "block_n": None, "block_n_elems": 8192, "num_warps": 4,
-                 "num_stages": 3}
+                 "num_stages": 3, "chunk_sqrt": 16}
 PREFILL_CONFIG = {"block_m": 64, "block_n": None, "block_n_elems": 4096, "num_warps": 4,
-                  "num_stages": 3}
+                  "num_stages": 3, "chunk_sqrt": 0}
 SPLIT_TARGET_PROGRAMS_PER_SM = 4   # decode: aim for B * Hkv * splits >= this * num SMs ...
 MIN_KEYS_PER_SPLIT = 256           # ... with no split shorter than this many keys
 MAX_SPLITS = 64
@@ -204,13 +209,20 @@ def _tile_keys(b, j0, q_len, sl_ptr, stride_sl, window, TPT: tl.constexpr,
 
 
 @triton.jit
-def _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+def _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                 CHUNK_SQRT: tl.constexpr):
     """(keys per split, splits that hold keys) of a tile's key range: the range cut into
-    num_splits BLOCK_N-aligned pieces, none shorter than MIN_CHUNK (a multiple of BLOCK_N), so
-    a short sequence under a long bound uses a few splits and the others exit at once."""
-    chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    num_splits BLOCK_N-aligned pieces, none shorter than MIN_CHUNK (a multiple of BLOCK_N) or
+    sqrt(CHUNK_SQRT * keys) (when CHUNK_SQRT > 0), so a short sequence under a long bound uses
+    a few splits and the others exit at once. Stage 1 and the reduce both call this: the same
+    inputs give the same split count in both."""
+    n = kv_hi - kv_lo
+    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
     chunk = tl.maximum(chunk, MIN_CHUNK)
-    return chunk, tl.cdiv(kv_hi - kv_lo, chunk)
+    if CHUNK_SQRT > 0:
+        root = tl.sqrt(n.to(tl.float32) * CHUNK_SQRT).to(tl.int32)
+        chunk = tl.maximum(chunk, tl.cdiv(root, BLOCK_N) * BLOCK_N)
+    return chunk, tl.cdiv(n, chunk)
 
 
 # Not specialized on the values that change from step to step (Triton would compile a variant
@@ -225,7 +237,7 @@ def _paged_attn_stage1(
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
         ONE_TILE_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
-        DOT_PREC: tl.constexpr, MIN_CHUNK: tl.constexpr):
+        DOT_PREC: tl.constexpr, MIN_CHUNK: tl.constexpr, CHUNK_SQRT: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -240,7 +252,7 @@ def _paged_attn_stage1(
     ctx, n_tok, kv_lo, kv_hi = _tile_keys(b, j0, q_len, sl_ptr, stride_sl, window, TPT, BLOCK_N,
                                           SLIDING)
     if SPLIT:
-        chunk, active = _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N, MIN_CHUNK)
+        chunk, active = _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N, MIN_CHUNK, CHUNK_SQRT)
         if pid_s >= active:                       # no keys here; the reduce reads only `active`
             return
         lo = kv_lo + pid_s * chunk
@@ -322,7 +334,7 @@ def _paged_attn_reduce(
         stride_ot, stride_oh, stride_sl,
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, TPT: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr,
-        SLIDING: tl.constexpr, MIN_CHUNK: tl.constexpr):
+        SLIDING: tl.constexpr, MIN_CHUNK: tl.constexpr, CHUNK_SQRT: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, j0, q_start, q_len = _locate_tile(pid_t, qsl_ptr, num_seqs, TPT, ONE_TILE_PER_SEQ)
@@ -340,7 +352,7 @@ def _paged_attn_reduce(
     base = (pid_t.to(tl.int64) * tl.num_programs(1) + pid_h) * num_splits
     _, _, kv_lo, kv_hi = _tile_keys(b, j0, q_len, sl_ptr, stride_sl, window, TPT, BLOCK_N,
                                     SLIDING)
-    _, active = _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N, MIN_CHUNK)
+    _, active = _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N, MIN_CHUNK, CHUNK_SQRT)
 
     m_tot = tl.full([BLOCK_M], _NEG, tl.float32)
     for s in range(active):
@@ -531,6 +543,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         split = splits > 1
         # the fewest keys a split takes (config "min_chunk"; default one tile), tile-aligned
         min_chunk = -(-(cfg.get("min_chunk") or block_n) // block_n) * block_n
+        chunk_sqrt = int(cfg.get("chunk_sqrt") or 0) if split else 0   # (a constexpr: 0 = off)
         if split:  # partial (m, l, acc) per (tile, kv head, split, row); stream-ordered, graph-safe
             rows = n_tiles * Hkv * splits * block_m
             m_part = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -543,14 +556,15 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             m_part, l_part, acc_part, num_splits=splits, q_skip=q_skip, **common,
             G=G, D=D, D_PAD=D_PAD, BS=BS, BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
             ONE_TILE_PER_SEQ=one_tile, SPLIT=split, SLIDING=sliding, DOT_PREC=dot_prec,
-            MIN_CHUNK=min_chunk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            MIN_CHUNK=min_chunk, CHUNK_SQRT=chunk_sqrt, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
         if split:
             _paged_attn_reduce[(n_tiles, Hkv)](
                 out, seq_lens, query_start_loc, m_part, l_part, acc_part, B, splits, q_skip,
                 common["window"], out.stride(0), out.stride(1), seq_lens.stride(0),
                 G=G, D=D, D_PAD=D_PAD, BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
                 ONE_TILE_PER_SEQ=one_tile, SLIDING=sliding, MIN_CHUNK=min_chunk,
-                num_warps=4, num_stages=1)
+                CHUNK_SQRT=chunk_sqrt, num_warps=4, num_stages=1)
         return tpt
 
     def keys_per_tile(tpt):  # upper bound on the keys one tile reads (host ints only)

@@ -258,22 +258,25 @@ def poisoned_partials(monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 1000])
-@pytest.mark.parametrize("min_chunk", [None, 256])
-def test_splits_follow_each_sequence_under_a_captured_bound(poisoned_partials, window, min_chunk):
+@pytest.mark.parametrize("cfg", [{"chunk_sqrt": 0}, {}, {"min_chunk": 256, "chunk_sqrt": 0}],
+                         ids=["one-tile", "default-sqrt", "min-chunk-256"])
+def test_splits_follow_each_sequence_under_a_captured_bound(poisoned_partials, window, cfg):
     """Under a CUDA graph max_seq_len is the captured bound (here 32k), so the heuristic launches
-    many splits; each sequence uses only the splits its own keys fill (one 16-key tile at least
-    by default, else min_chunk keys) and the reduce reads only those (poisoned partials)."""
+    many splits; each sequence uses only the splits its own keys fill (at least one 16-key tile,
+    sqrt(16 keys) keys by default for decode, or min_chunk keys) and the reduce reads only those
+    (poisoned partials)."""
     # decodes of 1 to ~1,300 keys, a padding row and a prefill chunk over a 2,500-token context
     case = make_case([1, 1, 1, 1, 1, 0, 20], [4, 39, 299, 700, 1290, 0, 2500], 4, 2, D_CPU,
                      BS_CPU, torch.float32, seed=13, pad_tokens=1)
-    cfg = {} if min_chunk is None else {"min_chunk": min_chunk}
     bound = 32768
     if window is None:
         # 38 decode splits launched (4 x 132 SMs / 14 programs); the 1,291-key row fills 27 of
-        # them (48-key splits: 1,291 / 38 rounded up to 16-key tiles), the shorter rows fewer
+        # them with one-tile minima (48-key splits: 1,291 / 38 rounded up to 16-key tiles), 9
+        # with the default (sqrt(16 * 1,291) = 143.7: 144-key splits), the shorter rows fewer
         assert default_num_kv_splits(7 * 2, bound) == 38
     out = run(case, max_query_len=64, max_seq_len=bound, sliding_window=window,
-              decode_config={**SMALL_N, **cfg}, prefill_config={"block_n": 16, **cfg})
+              decode_config={**SMALL_N, **cfg},
+              prefill_config={"block_n": 16, "chunk_sqrt": 16, **cfg})
     check(case, out, torch.float32, window=window)
     # the same with the tight bound (eager: the heuristic sees the real lengths)
     tight = run(case, sliding_window=window, decode_config=SMALL_N,
