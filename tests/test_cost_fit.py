@@ -723,6 +723,50 @@ def test_one_host_bound_row_gives_a_floor_proportional_to_b():
     assert r["serving_host_ms"]["fixed_ms"] == 0.0
 
 
+def test_a_floor_stays_below_the_rows_that_kept_up_with_the_device():
+    """Host-bound rows on the line 2 + 0.05 b (b = 16: 2.8 ms, 64: 5.2 ms), and b = 1 at
+    1.14 ms = its decode_ms (kept up). The line gives 2.05 ms at b = 1, over that TPOT, so the
+    fit keeps f + s <= 1.14; on that edge (f = 1.14 - s) the weighted residuals are
+    (1.14 - y_i + s (b_i - 1)) / y_i, least at s = sum (b_i - 1)(y_i - 1.14) / y_i^2 / sum
+    (b_i - 1)^2 / y_i^2 (an H100 profile's floor, fitted on b = 128 and 256 only, had put
+    2.68 ms under every step where batch 1 measured 1.94)."""
+    rows = [_batch(1, 40, 1.14), _batch(16, 640, 2.8), _batch(64, 2560, 5.2)]
+    r = fit_serving_batch(rows, DECODE)
+    assert [x["host_bound"] for x in r["fit"]["rows"]] == [False, True, True]
+    num = 15 * 1.66 / 2.8 ** 2 + 63 * 4.06 / 5.2 ** 2
+    den = 15 ** 2 / 2.8 ** 2 + 63 ** 2 / 5.2 ** 2
+    host = r["serving_host_ms"]
+    assert host["per_seq_ms"] == pytest.approx(num / den, rel=1e-9)
+    assert host["fixed_ms"] == pytest.approx(1.14 - num / den, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_constrained_host_line_against_a_grid(seed):
+    """Random host-bound points and caps: the fit is feasible and no point of a fine grid
+    over the feasible (f, s) beats its weighted squared error (a naive search)."""
+    from pdserve.perf.cost_fit import _lsq_line_below
+    rng = np.random.default_rng(seed)
+    b = rng.choice([1.0, 4, 16, 64, 128, 256], size=4)
+    y = rng.uniform(1.0, 6.0, size=4)
+    w = 1 / y
+    caps = [(float(rng.choice([1, 8, 32, 96])), float(rng.uniform(0.5, 4.0))) for _ in range(2)]
+    through = bool(seed % 3 == 0)
+    f, s = _lsq_line_below(b, y, w, caps, through)
+
+    def err(f, s):
+        return np.sum((w * (f + s * b - y)) ** 2, axis=-1)
+    assert f >= 0 and s >= 0 and all(f + s * bj <= tj + 1e-9 for bj, tj in caps)
+    if through:
+        assert f == 0
+    F, S = np.meshgrid(np.linspace(0, 0 if through else 6, 1 if through else 601),
+                       np.linspace(0, 0.5, 2001), indexing="ij")
+    ok = np.ones_like(F, dtype=bool)
+    for bj, tj in caps:
+        ok &= F + S * bj <= tj
+    grid = err(F[..., None], S[..., None])[ok]
+    assert err(f, s) <= grid.min() + 1e-9
+
+
 def test_served_batch_rows_are_checked():
     with pytest.raises(ValueError, match="serving_batch fit: needs >= 1 rows"):
         fit_serving_batch([], DECODE)

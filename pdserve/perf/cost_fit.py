@@ -49,7 +49,9 @@ matters from 3 ms steps to 60 ms ones alike):
               host-bound rows when they hold >= 2 distinct b; with one b, through the origin
               (one row: per_seq_ms = tpot / b); with none, both 0 (the server kept up with the
               device). Rows within the margin say nothing about host_ms but that it is below
-              them, so they are left out of its fit.
+              them: they are left out of its fit and bound it (host_ms(b_j) <= tpot_j, a
+              constrained least squares), so a line through large host-bound batches cannot
+              put a floor over a small batch's measured TPOT.
     serving_api  api_cpu_s * 1e3 ~ [requests, prompt_tokens, writes, output_tokens, steps] (no
               intercept: an idle API costs nothing), the coefficients per_request_ms,
               per_prompt_token_ms, per_write_ms, per_output_token_ms and per_step_ms (writes:
@@ -442,19 +444,68 @@ def _host_bound(rows: list[dict], decode: dict[str, Any]) -> list[bool]:
             for r in rows]
 
 
+def _lsq_line_below(b: np.ndarray, y: np.ndarray, w: np.ndarray,
+                    caps: Sequence[tuple[float, float]],
+                    through_origin: bool) -> tuple[float, float]:
+    """(f, s) minimizing sum (w * (f + s * b - y))^2 subject to f >= 0, s >= 0 (f = 0 when
+    through_origin) and f + s * b_j <= t_j for each (b_j, t_j) in caps. The problem is convex,
+    so its optimum is the unconstrained one when that is feasible, else the best point of some
+    constraint's line: each line's 1-D optimum, clipped to the part of the line that every
+    other constraint allows (its ends are the feasible region's vertices)."""
+    cons = [(-1.0, 0.0, 0.0), (0.0, -1.0, 0.0)] + [(1.0, float(bj), float(tj)) for bj, tj in caps]
+    if through_origin:
+        cons.append((1.0, 0.0, 0.0))
+    A = np.stack([np.ones_like(b), b], axis=1) * w[:, None]
+    yw = y * w
+
+    def err(x):
+        r = A @ x - yw
+        return float(r @ r)
+
+    def feasible(x):
+        return all(g0 * x[0] + g1 * x[1] <= h + 1e-9 * max(1.0, abs(h)) for g0, g1, h in cons)
+    cands = []
+    if len(set(b.tolist())) >= 2 and not through_origin:
+        x, *_ = np.linalg.lstsq(A, yw, rcond=None)
+        cands.append(x)
+    for k, (g0, g1, h) in enumerate(cons):
+        p0 = np.array([h / g0, 0.0]) if g0 else np.array([0.0, h / g1])
+        d = np.array([-g1, g0])        # the line g . x = h is p0 + t d
+        ad = A @ d
+        t = 0.0 if not ad @ ad > 0 else float(ad @ (yw - A @ p0) / (ad @ ad))
+        lo, hi = -np.inf, np.inf
+        for j, (c0, c1, hj) in enumerate(cons):
+            if j == k:
+                continue
+            gd, gp = c0 * d[0] + c1 * d[1], c0 * p0[0] + c1 * p0[1]
+            if abs(gd) < 1e-15:
+                if gp > hj + 1e-9 * max(1.0, abs(hj)):
+                    lo, hi = np.inf, -np.inf     # the whole line is outside
+                continue
+            if gd > 0:
+                hi = min(hi, (hj - gp) / gd)
+            else:
+                lo = max(lo, (hj - gp) / gd)
+        if lo <= hi:
+            cands.append(p0 + min(max(t, lo), hi) * d)
+    best = min((x for x in cands if feasible(x)), key=err)   # (0, 0) is always feasible
+    return max(0.0, float(best[0])), max(0.0, float(best[1]))
+
+
 def _host_coef(rows: list[dict], decode: dict[str, Any]) -> tuple[float, float]:
-    """(fixed_ms, per_seq_ms) of host_ms(b), fitted on the host-bound ones of rows."""
-    hb = [r for r, h in zip(rows, _host_bound(rows, decode)) if h]
+    """(fixed_ms, per_seq_ms) of host_ms(b), fitted on the host-bound ones of rows, and kept
+    at or below each other row's TPOT (a step that kept up with the device says the host's
+    work per step is below it: a line through high-b host-bound rows alone could put the
+    floor above the measured TPOT of a small batch)."""
+    bound = _host_bound(rows, decode)
+    hb = [r for r, h in zip(rows, bound) if h]
     if not hb:
         return 0.0, 0.0
     b = np.array([r["b"] for r in hb], dtype=float)
     y = np.array([r["tpot_ms"] for r in hb], dtype=float)
-    w = _rel_weights(y)
-    if len(set(b.tolist())) >= 2:
-        c = nnls(np.stack([np.ones_like(b), b], axis=1), y, w)
-        return float(c[0]), float(c[1])
+    caps = [(float(r["b"]), float(r["tpot_ms"])) for r, h in zip(rows, bound) if not h]
     # one batch size cannot split a fixed part from a per-sequence one: all per sequence
-    return 0.0, float(np.sum(w * w * b * y) / np.sum((w * b) ** 2))
+    return _lsq_line_below(b, y, _rel_weights(y), caps, len(set(b.tolist())) < 2)
 
 
 def fit_serving_batch(rows: list[dict], decode: dict[str, Any]) -> dict[str, Any]:
