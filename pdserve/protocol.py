@@ -151,8 +151,8 @@ class WorkerStats(msgspec.Struct):
 class StepRecord(msgspec.Struct, array_like=True):
     """One engine step as its worker saw it: what ran (tokens and sequences, split into prefill
     and decode), how long the step took on the host (wall_ms: schedule + forward + update, with
-    the device synchronised by the sampled tokens' copy) and on the device (gpu_ms: the
-    forward's CUDA events; None on CPU or when not measured). `t` is time.monotonic() at the
+    the device synchronised by the sampled tokens' copy) and on the device (gpu_ms: CUDA events
+    around the forward, logits and sampling; None on CPU or when not measured). `t` is time.monotonic() at the
     step's end, on the worker's clock. The cost model and the router's load view are built from
     these."""
     t: float

@@ -133,7 +133,8 @@ class Metrics:
         self.step_wall = total("pdserve:engine_step_wall_seconds", "Host time of those steps "
                                "(schedule to tokens applied)", ["worker", "kind"])
         self.step_gpu = total("pdserve:engine_step_gpu_seconds", "Device time of those steps "
-                              "(the forward's CUDA events; GPU workers only)", ["worker", "kind"])
+                              "(CUDA events from the forward through sampling; GPU workers "
+                              "only)", ["worker", "kind"])
         self.step_gpu_steps = total("pdserve:engine_steps_gpu_timed", "Steps whose device time "
                                     "was measured (the denominator of engine_step_gpu_seconds)",
                                     ["worker", "kind"])

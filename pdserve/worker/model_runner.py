@@ -316,11 +316,15 @@ class ModelRunner:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         hidden, qsl = self._forward(chunks, pending)
-        if timed:
-            end.record()
-            self._gpu_pending.append((out.step_id, start, end))
-        elif self.is_driver:
-            self._gpu_settled[out.step_id] = None
+
+        def timed_to_here():
+            # the step's device work ends here: forward, prompt logprobs, logits and sampling
+            # (the LM head and a 150k-vocabulary sampler are ~10% of a 100-row decode step)
+            if timed:
+                end.record()
+                self._gpu_pending.append((out.step_id, start, end))
+            elif self.is_driver:
+                self._gpu_settled[out.step_id] = None
         for i, c in enumerate(chunks):
             st = self.seqs.get(c.request_id)
             if st is not None and st.params.prompt_logprobs is not None and len(c.token_ids) > 1:
@@ -333,6 +337,7 @@ class ModelRunner:
         for f in out.forks:
             rows[f.request_id] = rows[f.parent_id]
         if not rows:
+            timed_to_here()
             return Ready({})
         ids = list(rows)
         where = list(rows.values())
@@ -354,6 +359,7 @@ class ModelRunner:
             self.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
             token_bitmask=self._token_bitmask(seqs))
         res = self.sampler(logits, batch)
+        timed_to_here()
         if self.share_sampled:
             get_tp_group().broadcast(res.token_ids)
         self._last_sampled = (res.token_ids, order)
@@ -410,9 +416,9 @@ class ModelRunner:
             input_ids.index_copy_(0, pending.slots, pending.tokens.index_select(0, pending.rows))
 
     def take_gpu_times(self) -> dict[int, float | None]:
-        """Forward device times (ms) by step id, of the forwards whose end event has completed
-        (Event.query: never a wait; once a step's result() returned, its forward has
-        completed); None for each step on CPU."""
+        """Step device times (ms, forward through sampling) by step id, of the steps whose end
+        event has completed (Event.query: never a wait; once a step's result() returned, its
+        sampling has completed); None for each step on CPU."""
         out, self._gpu_settled = self._gpu_settled, {}
         pending = self._gpu_pending
         while pending and pending[0][2].query():
