@@ -497,14 +497,16 @@ def test_kernels_compile_for_sm90():
                 bn = 32
             const = dict(G=G, D=D, D_PAD=d_pad, BS=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // G,
                          ONE_TILE_PER_SEQ=one, SPLIT=split, SLIDING=sliding,
-                         DOT_PREC="ieee" if dt == "fp32" else "tf32", MIN_CHUNK=4 * bn)
+                         DOT_PREC="ieee" if dt == "fp32" else "tf32", MIN_CHUNK=4 * bn,
+                         CHUNK_SQRT=cfg["chunk_sqrt"] if split else 0)
             k = build(pa._paged_attn_stage1, dt, const, cfg["num_warps"], cfg["num_stages"])
             # default tiles must leave room for >= 2 programs per SM (228 KB of smem on sm_90)
             assert k.metadata.shared <= 112 * 1024, (dt, G, D, one, split, sliding,
                                                      k.metadata.shared)
             if split:
                 rconst = {n: const[n] for n in ("G", "D", "D_PAD", "BLOCK_M", "BLOCK_N", "TPT",
-                                                "ONE_TILE_PER_SEQ", "SLIDING", "MIN_CHUNK")}
+                                                "ONE_TILE_PER_SEQ", "SLIDING", "MIN_CHUNK",
+                                                "CHUNK_SQRT")}
                 build(pa._paged_attn_reduce, dt, rconst, 4, 1)
         print("compiled-ok")
     """)
