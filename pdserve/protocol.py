@@ -152,8 +152,8 @@ class StepRecord(msgspec.Struct, array_like=True):
     """One engine step as its worker saw it: what ran (tokens and sequences, split into prefill
     and decode), how long the step took on the host (wall_ms: schedule + forward + update, with
     the device synchronised by the sampled tokens' copy) and on the device (gpu_ms: CUDA events
-    around the forward, logits and sampling; None on CPU or when not measured). `t` is time.monotonic() at the
-    step's end, on the worker's clock. The cost model and the router's load view are built from
+    around the forward, logits and sampling; None on CPU or when not measured). `t` is
+    time.monotonic() at the step's end, on the worker's clock. The cost model and the router's load view are built from
     these."""
     t: float
     num_prefill_tokens: int        # prompt (or recomputed) tokens fed this step

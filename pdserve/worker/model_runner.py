@@ -318,8 +318,8 @@ class ModelRunner:
         hidden, qsl = self._forward(chunks, pending)
 
         def timed_to_here():
-            # the step's device work ends here: forward, prompt logprobs, logits and sampling
-            # (the LM head and a 150k-vocabulary sampler are ~10% of a 100-row decode step)
+            # the step's device work ends here: forward, prompt logprobs, logits (the LM head)
+            # and sampling over the vocabulary
             if timed:
                 end.record()
                 self._gpu_pending.append((out.step_id, start, end))
