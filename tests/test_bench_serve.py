@@ -598,6 +598,18 @@ def test_multi_turn_starts_follow_the_schedule(server):
     assert all(r.success for r in results)
 
 
+def test_multi_turn_think_time_pauses_after_each_answer(server):
+    """A 0.3 s pause before the second turn: it is sent no sooner than 0.3 s after the first
+    answer's end (and not much later), while the first turn goes at the start."""
+    conv = wl.Conversation("", ["hello there", "and again"], [3, 3], [2, 2], [0.0, 0.3])
+    t = bs.Target(server, extra_body={"ttft_ms": 10, "itl_ms": 2})
+    results, _ = _run(t, [conv], runner=bs.run_multi_turn)
+    assert all(r.success for r in results)
+    first, second = results
+    gap = second.start - (first.start + first.latency)
+    assert 0.3 - 1e-3 <= gap <= 0.3 + TOL_MS / 1e3, gap
+
+
 def test_multi_turn_failed_turn_ends_its_conversation(server):
     convs = [wl.Conversation("", ["hello there", "fail now", "never sent"], [3, 3, 3], [2, 2, 2]),
              wl.Conversation("", ["one", "two", "three"], [2, 2, 2], [1, 1, 1])]
@@ -662,6 +674,7 @@ def test_main_multi_turn_chat(server, tmp_path, capsys):
     (["--multi-turn-output-len", "-3"], "need user and output len >= 1"),
     (["--multi-turn-system-len", "-1"], "system len >= 0"),
     (["--multi-turn-range-ratio", "1.5"], "range ratio must be in [0, 1)"),
+    (["--multi-turn-think-time", "-1"], "think time must be"),
     (["--token-ids"], "multi-turn sends text"),
 ])
 def test_multi_turn_bad_arguments(tmp_path, capsys, args, message):

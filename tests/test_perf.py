@@ -94,6 +94,27 @@ def test_multi_turn_conversations_lengths():
             wl.multi_turn_conversations(*bad)
 
 
+def test_multi_turn_think_times():
+    """No pause by default; with think_time T each turn after the first waits an exponential
+    pause of mean T (the sample mean of 4,000 within 5%: its standard error is T / sqrt(4000),
+    1.6%), the first turn none, and the messages and lengths are think time 0's."""
+    plain = wl.multi_turn_conversations(1000, 5, 10, 6, 0.5, 7, 100, seed=3)
+    assert all(c.think_s == [0.0] * 5 for c in plain)
+    think = wl.multi_turn_conversations(1000, 5, 10, 6, 0.5, 7, 100, seed=3, think_time=2.5)
+    assert [(c.user_messages, c.output_lens) for c in think] == \
+        [(c.user_messages, c.output_lens) for c in plain]
+    assert all(c.think_s[0] == 0.0 and len(c.think_s) == 5 for c in think)
+    pauses = np.array([t for c in think for t in c.think_s[1:]])
+    assert len(pauses) == 4000 and np.all(pauses >= 0)
+    assert pauses.mean() == pytest.approx(2.5, rel=0.05)
+    assert np.median(pauses) == pytest.approx(2.5 * np.log(2), rel=0.08)   # exponential
+    again = wl.multi_turn_conversations(1000, 5, 10, 6, 0.5, 7, 100, seed=3, think_time=2.5)
+    assert [c.think_s for c in again] == [c.think_s for c in think]
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="think time"):
+            wl.multi_turn_conversations(2, 2, 3, 1, think_time=bad)
+
+
 def test_arrival_times_are_poisson_with_the_right_mean():
     n, rate = 20001, 4.0
     t = wl.arrival_times(n, rate, 1.0, seed=0)

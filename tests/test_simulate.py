@@ -272,6 +272,31 @@ def test_a_lone_conversation_turn_by_turn(cache):
         start, history = start + r.latency, prompt + outs[k]
 
 
+def test_think_times_delay_each_turn_after_its_answer():
+    """Think times (0, 0.5, 1.25 s): turn k is sent think_s[k] after turn k - 1's last token,
+    so its start is the previous start + latency + think; everything else is the lone
+    conversation's hand arithmetic without a cache (the whole history prefilled)."""
+    p = profile()
+    system, users, outs, think = 100, [20, 30, 40], [5, 6, 7], (0.0, 0.5, 1.25)
+    rng = np.random.default_rng(3)
+    conv = SimConversation(0.25, rng.integers(1, 30000, size=system).tolist(),
+                           [rng.integers(1, 30000, size=n).tolist() for n in users], outs,
+                           think)
+    res = simulator(enable_prefix_caching=False).run_conversations([conv])
+    start, history = 0.25, system
+    for k, r in enumerate(res.results):
+        prompt = history + users[k]
+        first = p.prefill_ms(prompt)
+        decodes = [p.decode_ms(1, prompt + j) for j in range(1, outs[k])]
+        assert r.start == pytest.approx(start + think[k], abs=1e-12)
+        assert r.ttft * 1e3 == pytest.approx(first, rel=1e-9)
+        assert r.latency * 1e3 == pytest.approx(first + sum(decodes), rel=1e-9)
+        start, history = r.start + r.latency, prompt + outs[k]
+    for bad in ((0.0, 1.0), (0.0, -1.0, 0.0)):
+        with pytest.raises(ValueError, match="think_s"):
+            SimConversation(0.0, [], [[1], [2], [3]], [1, 1, 1], bad)
+
+
 @pytest.mark.parametrize("host", [0, 600])
 def test_a_simulated_host_tier_reports_what_a_worker_does(host):
     """The worker stats' host-tier fields, by name, from a simulated engine. 12 conversations of

@@ -23,7 +23,8 @@ a failed request). The table, the JSON form and the plots are in serve_report.py
 
 Multi-turn (--dataset-name multi-turn): --multi-turn-conversations chats of --multi-turn-turns
 turns. A conversation's start follows the --request-rate schedule; its turn k+1 is sent once the
-answer to turn k has been read to the end, and carries the conversation so far: the system prompt
+answer to turn k has been read to the end (and, with --multi-turn-think-time T, a seeded
+exponential pause of mean T seconds after it), and carries the conversation so far: the system prompt
 (if any), every earlier user message and the server's actual answers, then the new message. On
 the chat endpoint that is a messages list; on /v1/completions the same history as one text,
 "User: ...\nAssistant:" per turn with each answer appended verbatim, so every turn's prompt
@@ -340,6 +341,8 @@ async def _play_all(target: Target, convs: list[Conversation], offsets: np.ndarr
             hist = History(conv.system, target.chat)
             out: list[RequestResult] = []
             for k, (msg, n_out) in enumerate(zip(conv.user_messages, conv.output_lens)):
+                if k and conv.think_s and conv.think_s[k] > 0:   # the user reads and types
+                    await asyncio.sleep(conv.think_s[k])
                 req = hist.next_request(msg, n_out)
                 if sem is None:
                     r = await send_request(client, target, req, t0)
@@ -558,7 +561,7 @@ def build_conversations(a: argparse.Namespace) -> list[Conversation]:
     return multi_turn_conversations(a.multi_turn_conversations, a.multi_turn_turns,
                                     a.multi_turn_user_len, a.multi_turn_output_len,
                                     a.multi_turn_range_ratio, a.multi_turn_system_len,
-                                    a.vocab_size, a.seed)
+                                    a.vocab_size, a.seed, a.multi_turn_think_time)
 
 
 def main(argv: list[str] | None = None) -> int:

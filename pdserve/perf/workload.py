@@ -30,7 +30,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -71,6 +71,8 @@ class Conversation:
     user_messages: list[str]
     output_lens: list[int]
     user_lens: list[int]       # tokens of each user message (one word per token)
+    # seconds the user waits after an answer before sending turn k (turn 0: 0); empty: none
+    think_s: list[float] = field(default_factory=list)
 
 
 def ids_to_text(ids: list[int]) -> str:
@@ -183,21 +185,33 @@ def add_multi_turn_args(group) -> None:
     group.add_argument("--multi-turn-system-len", type=int, default=0,
                        help="multi-turn: tokens (words) of a system prompt shared by all "
                             "conversations (default %(default)s)")
+    group.add_argument("--multi-turn-think-time", type=float, default=0.0,
+                       help="multi-turn: mean seconds a user takes after an answer before the "
+                            "next turn, exponential and seeded (default %(default)s: at once)")
 
 
 def multi_turn_conversations(num: int, turns: int, user_len: int, output_len: int,
                              range_ratio: float = 0.0, system_len: int = 0,
-                             vocab_size: int = 32000, seed: int = 0) -> list[Conversation]:
+                             vocab_size: int = 32000, seed: int = 0,
+                             think_time: float = 0.0) -> list[Conversation]:
     """`num` conversations of `turns` turns: each user message is random words (one per token,
     ids_to_text), its length uniform in length_range(user_len, range_ratio), each answer's length
     likewise around output_len; a system prompt of `system_len` words is shared by all of them.
-    Text only: later turns carry the server's answers, which are text."""
+    Text only: later turns carry the server's answers, which are text. With think_time > 0 the
+    user pauses before each turn after the first, exponentially with that mean (s), from a
+    stream of its own: the messages and lengths are those of think_time 0 for the same seed.
+    A chat's users read and type between turns; without the pause a conversation's history is
+    only ever one answer old, which keeps the live histories few."""
     if num < 1 or turns < 1:
         raise ValueError(f"multi-turn: need >= 1 conversation and >= 1 turn, got {num} "
                          f"conversations x {turns} turns")
     if user_len < 1 or output_len < 1 or system_len < 0 or vocab_size < 1:
         raise ValueError("multi-turn: need user and output len >= 1, system len >= 0, "
                          "vocab size >= 1")
+    if not (math.isfinite(think_time) and think_time >= 0):
+        raise ValueError(f"multi-turn: think time must be a finite number of seconds >= 0, "
+                         f"got {think_time!r}")
+    think_rng = np.random.default_rng([seed, 0x7417])
     rng = np.random.default_rng([seed, 0x3D7])
     u_lo, u_hi = length_range(user_len, range_ratio)
     o_lo, o_hi = length_range(output_len, range_ratio)
@@ -207,7 +221,10 @@ def multi_turn_conversations(num: int, turns: int, user_len: int, output_len: in
         u_lens = rng.integers(u_lo, u_hi + 1, size=turns).tolist()
         o_lens = rng.integers(o_lo, o_hi + 1, size=turns).tolist()
         msgs = [ids_to_text(rng.integers(0, vocab_size, size=n).tolist()) for n in u_lens]
-        out.append(Conversation(system, msgs, o_lens, u_lens))
+        think = [0.0] * turns
+        if think_time > 0:
+            think[1:] = think_rng.exponential(think_time, size=turns - 1).tolist()
+        out.append(Conversation(system, msgs, o_lens, u_lens, think))
     return out
 
 

@@ -215,19 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_conversations(a: argparse.Namespace) -> list[tuple[list[int], list[list[int]],
-                                                              list[int]]]:
-    """multi-turn: (system prompt ids, user messages' ids, answer lengths) per conversation:
-    bench serve's conversations (perf/workload.multi_turn_conversations, the same lengths for
-    the same seed), their words as seeded random token ids (one per word; the system prompt's
-    the same in all of them, as its text is). No chat template around the turns."""
+                                                              list[int], list[float]]]:
+    """multi-turn: (system prompt ids, user messages' ids, answer lengths, think times) per
+    conversation: bench serve's conversations (perf/workload.multi_turn_conversations, the same
+    lengths and pauses for the same seed), their words as seeded random token ids (one per
+    word; the system prompt's the same in all of them, as its text is). No chat template around
+    the turns."""
     convs = multi_turn_conversations(a.multi_turn_conversations, a.multi_turn_turns,
                                      a.multi_turn_user_len, a.multi_turn_output_len,
                                      a.multi_turn_range_ratio, a.multi_turn_system_len,
-                                     a.vocab_size, a.seed)
+                                     a.vocab_size, a.seed, a.multi_turn_think_time)
     rng = np.random.default_rng([a.seed, 0x3D8])
     system = rng.integers(0, a.vocab_size, size=a.multi_turn_system_len).tolist()
     return [(system, [rng.integers(0, a.vocab_size, size=n).tolist() for n in c.user_lens],
-             list(c.output_lens)) for c in convs]
+             list(c.output_lens), list(c.think_s)) for c in convs]
 
 
 def build_requests(a: argparse.Namespace) -> list[tuple[list[int], int]]:
@@ -323,7 +324,7 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
     rates = ", ".join(rate_label(x) for x in a.request_rate)
     if a.dataset_name == "multi-turn":
         convs = build_conversations(a)
-        n = sum(len(u) for _, u, _ in convs)
+        n = sum(len(u) for _, u, _, _ in convs)
         print(f"pdserve simulate: {len(convs)} conversations, {n} turns, on {dep.label} "
               f"({policy_name}); conversation starts at {rates} /s, burstiness "
               f"{a.burstiness:g}", flush=True)
@@ -354,8 +355,8 @@ def simulate(a: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], li
                         api_cost_ms=api)
         if a.dataset_name == "multi-turn":
             offsets = arrival_times(len(convs), rate, a.burstiness, a.seed)
-            res = sim.run_conversations([SimConversation(float(t), s, u, o)
-                                         for (s, u, o), t in zip(convs, offsets)])
+            res = sim.run_conversations([SimConversation(float(t), s, u, o, tuple(th))
+                                         for (s, u, o, th), t in zip(convs, offsets)])
         else:
             offsets = arrival_times(len(reqs), rate, a.burstiness, a.seed)
             res = sim.run([SimRequest(p, o, float(t)) for (p, o), t in zip(reqs, offsets)])

@@ -171,20 +171,26 @@ class SimRequest:
 @dataclass(frozen=True)
 class SimConversation:
     """A multi-turn chat of a simulated run, as `bench serve --dataset-name multi-turn` plays
-    one: it starts at `start` (s), turn k is sent when the answer to turn k - 1 has ended, and
-    its prompt is the conversation so far: the system prompt, then each earlier turn's user
-    message and answer (the tokens the simulated engine produced), then this turn's message
-    (token ids; no chat template around them)."""
+    one: it starts at `start` (s), turn k is sent when the answer to turn k - 1 has reached
+    the client, think_s[k] seconds later (empty: at once), and its prompt is the conversation so
+    far: the system prompt, then each earlier turn's user message and answer (the tokens the
+    simulated engine produced), then this turn's message (token ids; no chat template around
+    them)."""
     start: float
     system: list[int]
     user_messages: list[list[int]]
     output_lens: list[int]
+    think_s: tuple[float, ...] = ()
 
     def __post_init__(self):
         if not self.user_messages or len(self.user_messages) != len(self.output_lens):
             raise ValueError("conversation: need one output length per user message, and at "
                              f"least one turn (got {len(self.user_messages)} messages, "
                              f"{len(self.output_lens)} output lengths)")
+        if self.think_s and (len(self.think_s) != len(self.user_messages)
+                             or not all(t >= 0 for t in self.think_s)):
+            raise ValueError("conversation: think_s needs one pause >= 0 s per turn, got "
+                             f"{list(self.think_s)!r} for {len(self.user_messages)} turns")
 
 
 @dataclass
@@ -544,7 +550,9 @@ class Simulator:
                     answer = [RETOKENIZED_ID] * (len(o.token_ids) + 1) \
                         if self.retokenized_answers else list(o.token_ids)
                     seen = self._delivered.get(sequence_id(out.request_id, 0))
-                    self._send_turn(i, k + 1, prompt + answer, seen[-1] if seen else self.now)
+                    think = self._convs[i].think_s[k + 1] if self._convs[i].think_s else 0.0
+                    self._send_turn(i, k + 1, prompt + answer,
+                                    (seen[-1] if seen else self.now) + think)
 
     def _token_times(self) -> None:
         """Each finished request's token times: when its client saw them (_delivered)."""
