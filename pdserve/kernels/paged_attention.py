@@ -220,7 +220,12 @@ def _split_chunk(kv_lo, kv_hi, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.
     chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
     chunk = tl.maximum(chunk, MIN_CHUNK)
     if CHUNK_SQRT > 0:
-        root = tl.sqrt(n.to(tl.float32) * CHUNK_SQRT).to(tl.int32)
+        # floor(sqrt(x)) exactly: the float root, whatever its rounding (an approximate sqrt
+        # on the GPU), corrected by one either way, so both kernels agree on every count
+        x = n * CHUNK_SQRT
+        root = tl.sqrt(x.to(tl.float32)).to(tl.int32)
+        root = tl.where(root * root > x, root - 1, root)
+        root = tl.where((root + 1) * (root + 1) <= x, root + 1, root)
         chunk = tl.maximum(chunk, tl.cdiv(root, BLOCK_N) * BLOCK_N)
     return chunk, tl.cdiv(n, chunk)
 

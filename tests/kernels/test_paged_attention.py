@@ -285,6 +285,49 @@ def test_splits_follow_each_sequence_under_a_captured_bound(poisoned_partials, w
     assert torch.allclose(out[:n], tight[:n], atol=1e-5, rtol=0)
 
 
+_HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("dev", [
+    pytest.param("cpu", marks=pytest.mark.skipif(_HAS_CUDA, reason="interpreter runs only")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not _HAS_CUDA, reason="needs CUDA")])])
+def test_split_chunk_rule_against_a_python_reference(dev):
+    """_split_chunk's (keys per split, splits holding keys) over key ranges up to 70k, against
+    the rule written in Python with math.isqrt: chunk = the range over num_splits rounded up to
+    the tile, at least MIN_CHUNK and at least floor(sqrt(16 keys)) rounded up to the tile. On a
+    GPU (where tl.sqrt may be approximate) as on the interpreter."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(lo_ptr, hi_ptr, out_ptr, num_splits, BLOCK_N: tl.constexpr,
+              MIN_CHUNK: tl.constexpr, CHUNK_SQRT: tl.constexpr):
+        i = tl.program_id(0)
+        chunk, active = pa._split_chunk(tl.load(lo_ptr + i), tl.load(hi_ptr + i), num_splits,
+                                        BLOCK_N, MIN_CHUNK, CHUNK_SQRT)
+        tl.store(out_ptr + 2 * i, chunk)
+        tl.store(out_ptr + 2 * i + 1, active)
+
+    def ref(n, splits, bn, min_chunk, k):
+        chunk = max(-(-(-(-n // splits)) // bn) * bn, min_chunk)
+        if k:
+            chunk = max(chunk, -(-math.isqrt(k * n) // bn) * bn)
+        return chunk, -(-n // chunk)
+    gen = torch.Generator().manual_seed(0)
+    hi = torch.cat([torch.arange(1, 300), torch.tensor([1291, 4000, 4095, 4096, 4097, 16000,
+                                                         65536, 70000]),
+                    torch.randint(1, 70000, (200,), generator=gen)]).to(torch.int32)
+    lo = torch.where(hi > 2000, hi // 3, 0).to(torch.int32)   # windows start past 0 too
+    for splits, bn, min_chunk, k in [(64, 64, 64, 16), (38, 16, 16, 16), (5, 64, 256, 16),
+                                     (64, 64, 64, 0)]:
+        out = torch.zeros(2 * len(hi), dtype=torch.int32, device=dev)
+        probe[(len(hi),)](lo.to(dev), hi.to(dev), out, splits, BLOCK_N=bn, MIN_CHUNK=min_chunk,
+                          CHUNK_SQRT=k)
+        want = [ref(int(h - l), splits, bn, min_chunk, k) for l, h in zip(lo, hi)]
+        assert out.view(-1, 2).tolist() == [list(w) for w in want]
+
+
 def test_pure_decode_with_decode_bound_only():
     # max_query_len = 1 (a captured decode graph): only the decode launch runs
     case = make_case([1, 1, 0, 1], [5, 44, 0, 16], 8, 2, D_CPU, BS_CPU, torch.float16, seed=9)
