@@ -315,7 +315,9 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
            # the starts over 5-11 s (the simulator puts the GPU-only side's collapse between 28
            # and 32 and the tier's knee near 40: RESULTS): about 5 min for two sides.
            # A CPU dry run: TIER_MODEL= (empty: the embedded model) TIER_COMMON="--device cpu",
-           # small TIER_CONVS/TURNS/USER/OUT/BLOCKS/SWAP.
+           # small TIER_CONVS/TURNS/USER/OUT/BLOCKS/SWAP. TIER_BENCH_ARGS: more bench serve flags
+           # (users who pause: TIER_BENCH_ARGS="--multi-turn-think-time 1" TIER_BLOCKS=4096
+           # TIER_RATES="16 32 64", the simulated case in RESULTS).
            tier_server_args || continue
            for side in ${TIER_SIDES:-tier gpu}; do
              # (wt: the tier with --kv-offload-policy write-through)
@@ -334,7 +336,8 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
                python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --dataset-name multi-turn \
                  --multi-turn-conversations ${TIER_CONVS:-256} --multi-turn-turns ${TIER_TURNS:-8} \
                  --multi-turn-user-len ${TIER_USER:-256} --multi-turn-output-len ${TIER_OUT:-64} \
-                 --request-rate $rate --goodput ttft:${TIER_TTFT:-500} --disable-tqdm --result-file "$res" 2>&1 | tail -3
+                 --request-rate $rate --goodput ttft:${TIER_TTFT:-500} --disable-tqdm --result-file "$res" \
+                 ${TIER_BENCH_ARGS:-} 2>&1 | tail -3
                curl -s localhost:8000/metrics | python3 scripts/tier_report.py attach "$res" $before -
              done
              rm -f $before
