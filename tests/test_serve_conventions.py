@@ -282,6 +282,26 @@ def test_request_phases_from_the_engines_times():
     assert request_phases({"arrival": 1.0, "first_token": 2.0, "finished": 3.0}) is None
 
 
+def test_the_server_ttft_starts_at_admission_not_at_the_first_read():
+    """A stream read 0.2 s after its request was handed to the engine: the TTFT histogram
+    counts those 0.2 s (RequestTimer starts at the stream's `added` time, as the server passes
+    it), and a timer given no start counts from its creation."""
+    import time
+    from types import SimpleNamespace
+
+    from pdserve.server.metrics import Metrics, RequestTimer
+    from .utils import metric_value
+    out = SimpleNamespace(outputs=[SimpleNamespace(new_token_ids=[7])], finished=False)
+    m = Metrics("m")
+    added = time.perf_counter() - 0.2
+    RequestTimer(m, added).on_output(out)
+    first = metric_value(m.render().decode(), "pdserve:time_to_first_token_seconds_sum")
+    assert 0.2 <= first < 0.3
+    RequestTimer(m).on_output(out)
+    both = metric_value(m.render().decode(), "pdserve:time_to_first_token_seconds_sum")
+    assert 0 <= both - first < 0.05
+
+
 def test_the_event_loop_flag_picks_the_loop(monkeypatch):
     """--loop: asyncio runs asyncio's own loop; auto and uvloop run uvloop's (a dependency on
     this platform); uvloop when it cannot be imported is a ValueError, auto falls back."""

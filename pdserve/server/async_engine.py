@@ -17,6 +17,8 @@ import os
 import queue
 import select
 import threading
+import time
+
 from ..protocol import AddRequest
 from ..outputs import RequestOutput
 from ..routing import EngineProtocol, Unavailable
@@ -30,8 +32,12 @@ class RequestStream:
     request (its worker died, the server shuts down). aclose() before the final output aborts
     the request (whether iteration started or not)."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, queue_: asyncio.Queue):
+    def __init__(self, engine: "AsyncEngine", request_id: str, queue_: asyncio.Queue,
+                 added: float | None = None):
         self._engine, self.request_id, self._queue = engine, request_id, queue_
+        # time.perf_counter() when the request was handed to the engine: its latencies start
+        # there, not when a consumer begins to read (a response body starts a little later)
+        self.added = time.perf_counter() if added is None else added
         self.finished = False
         self._closed = False
         self._error: BaseException | None = None  # to raise after the outputs before it
@@ -111,6 +117,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         accepted = self.loop.create_future()
         self._streams[req.request_id] = stream
+        added = time.perf_counter()
         self._command(("add", req, accepted))
         try:
             error = await accepted
@@ -123,7 +130,7 @@ class AsyncEngine:
             if isinstance(error, Unavailable):
                 raise EngineDeadError(error)
             raise ValueError(error)
-        return RequestStream(self, req.request_id, stream)
+        return RequestStream(self, req.request_id, stream, added)
 
     def end_all(self, why: str) -> int:
         """Ends every stream now with EngineDeadError(why) and aborts its request (the drain

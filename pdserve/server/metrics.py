@@ -256,9 +256,10 @@ def request_phases(times: dict[str, float]) -> RequestPhases | None:
 class RequestTimer:
     """One engine request's latencies, fed with each output as it arrives."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, start: float | None = None):
+        """start: time.perf_counter() of the request's admission (default: now)."""
         self.m = metrics
-        self.arrival = self.last = time.perf_counter()
+        self.arrival = self.last = time.perf_counter() if start is None else start
         self.first: float | None = None
         self.tokens = 0
 

@@ -202,7 +202,7 @@ class OpenAIServing:
     async def outputs(self, stream: RequestStream) -> AsyncIterator[list[RequestOutput]]:
         """An admitted request's output batches, timed for the metrics; leaving early aborts
         the request."""
-        timer = RequestTimer(self.metrics)
+        timer = RequestTimer(self.metrics, stream.added)
         try:
             async for batch in stream:
                 self.waiting.discard(stream)
