@@ -311,20 +311,11 @@ class ModelRunner:
         # Decode rows (one token) first: attention backends batch them.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
         pending = self._pending_inputs(chunks, last)
-        timed = self.is_driver and self.device.type == "cuda"
-        if timed:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = None
+        if self.is_driver and self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
             start.record()
         hidden, qsl = self._forward(chunks, pending)
-
-        def timed_to_here():
-            # the step's device work ends here: forward, prompt logprobs, logits (the LM head)
-            # and sampling over the vocabulary
-            if timed:
-                end.record()
-                self._gpu_pending.append((out.step_id, start, end))
-            elif self.is_driver:
-                self._gpu_settled[out.step_id] = None
         for i, c in enumerate(chunks):
             st = self.seqs.get(c.request_id)
             if st is not None and st.params.prompt_logprobs is not None and len(c.token_ids) > 1:
@@ -337,7 +328,7 @@ class ModelRunner:
         for f in out.forks:
             rows[f.request_id] = rows[f.parent_id]
         if not rows:
-            timed_to_here()
+            self._step_timed(out.step_id, start)
             return Ready({})
         ids = list(rows)
         where = list(rows.values())
@@ -359,7 +350,7 @@ class ModelRunner:
             self.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
             token_bitmask=self._token_bitmask(seqs))
         res = self.sampler(logits, batch)
-        timed_to_here()
+        self._step_timed(out.step_id, start)
         if self.share_sampled:
             get_tp_group().broadcast(res.token_ids)
         self._last_sampled = (res.token_ids, order)
@@ -414,6 +405,16 @@ class ModelRunner:
         after they were staged, before the forward): every forward path calls this."""
         if pending is not None:
             input_ids.index_copy_(0, pending.slots, pending.tokens.index_select(0, pending.rows))
+
+    def _step_timed(self, step_id: int, start: torch.cuda.Event | None) -> None:
+        """The step's device work ends here (forward, prompt logprobs, logits and sampling):
+        its end event after `start` (the driver on CUDA), or no time (the driver elsewhere)."""
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._gpu_pending.append((step_id, start, end))
+        elif self.is_driver:
+            self._gpu_settled[step_id] = None
 
     def take_gpu_times(self) -> dict[int, float | None]:
         """Step device times (ms, forward through sampling) by step id, of the steps whose end
