@@ -153,8 +153,8 @@ class StepRecord(msgspec.Struct, array_like=True):
     and decode), how long the step took on the host (wall_ms: schedule + forward + update, with
     the device synchronised by the sampled tokens' copy) and on the device (gpu_ms: CUDA events
     around the forward, logits and sampling; None on CPU or when not measured). `t` is
-    time.monotonic() at the step's end, on the worker's clock. The cost model and the router's load view are built from
-    these."""
+    time.monotonic() at the step's end, on the worker's clock. The cost model and the router's
+    load view are built from these."""
     t: float
     num_prefill_tokens: int        # prompt (or recomputed) tokens fed this step
     num_decode_tokens: int         # one per decoding sequence

@@ -45,7 +45,7 @@ COUNTERS = ("pdserve:kv_blocks_swapped_total", "pdserve:kv_blocks_offloaded_tota
                                       "pdserve:request_prefill_time_seconds")
               for part in ("sum", "count")))
 # phase_summary's fields: the histogram each mean comes from
-PHASES = {"server_ttft_ms": "pdserve:time_to_first_token_seconds",   # admitted -> first output
+PHASES = {"server_ttft_ms": "pdserve:time_to_first_token_seconds",   # to engine -> 1st output
           "queue_ms": "pdserve:request_queue_time_seconds",         # engine arrival -> scheduled
           "prefill_ms": "pdserve:request_prefill_time_seconds"}     # scheduled -> first token
 _SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)')
@@ -139,9 +139,10 @@ def phase_summary(delta: dict[str, float]) -> dict[str, float | None]:
     and counts (PHASES); None for a phase without an observation. queue_ms + prefill_ms is
     the engine's part of a request's TTFT (its arrival at the router to its first token, on the
     engine's clock); the client's TTFT less that is the API's admission (HTTP, tokenizing), the
-    way to the engine and the stream's way back. server_ttft_ms is the API's own timer, which
-    starts when the response's output iteration does, after admission: it is not nested with
-    the engine's phases (a CPU dry run gave a mean 238 ms against a 240 ms prefill phase)."""
+    way to the engine and the stream's way back. server_ttft_ms is the API's own timer, from
+    the hand-off to the engine to the first output there: it holds queue_ms + prefill_ms and
+    the trip to the worker and back (before bc2399e it started when the response body began to
+    read, and a CPU dry run gave a mean 238 ms against a 240 ms prefill phase)."""
     out: dict[str, float | None] = {}
     for field, h in PHASES.items():
         n = delta.get(f"{h}_count", 0.0)

@@ -24,8 +24,8 @@ a failed request). The table, the JSON form and the plots are in serve_report.py
 Multi-turn (--dataset-name multi-turn): --multi-turn-conversations chats of --multi-turn-turns
 turns. A conversation's start follows the --request-rate schedule; its turn k+1 is sent once the
 answer to turn k has been read to the end (and, with --multi-turn-think-time T, a seeded
-exponential pause of mean T seconds after it), and carries the conversation so far: the system prompt
-(if any), every earlier user message and the server's actual answers, then the new message. On
+exponential pause of mean T seconds after it), and carries the conversation so far: the system
+prompt (if any), every earlier user message and the server's actual answers, then the new message. On
 the chat endpoint that is a messages list; on /v1/completions the same history as one text,
 "User: ...\nAssistant:" per turn with each answer appended verbatim, so every turn's prompt
 starts with the previous turn's prompt and answer (what a prefix cache can reuse). A failed turn

@@ -13,8 +13,8 @@ Three kinds of step are timed, each on its own, through the public engine API
 Every timed step has a device sync before and after it; wall_ms is the host's
 perf_counter around step() with those syncs, gpu_ms the CUDA-event time (forward through
 sampling) from the engine's StepRecord (None on CPU), host_share = 1 - gpu_ms / wall_ms.
-Each timed step (warm-up ones too) is checked against its StepRecord: exactly one record, with the
-prefill tokens, prefill and decode sequences and empty queue the row means. A step that
+Each timed step (warm-up ones too) is checked against its StepRecord: exactly one record,
+with the prefill tokens, prefill and decode sequences and empty queue the row means. A step that
 does not match makes the row an error (its message says what ran instead); it is never
 recorded as if it were the step meant.
 

@@ -853,8 +853,8 @@ def device_time_profile(profile):
     the forward through sampling; in profiles made before that change, of the forward alone,
     which leaves out the LM head and the sampler) in place of their synced wall time: the step
     period when async scheduling hides the host's part of a step behind the device's (the
-    host's work per step is shorter than the device's, and a server runs steps back to back). The bracket includes the input staging
-    done after its start event, so it is an upper bound of the device's time. Transfer terms
+    host's work per step is shorter than the device's, and a server runs steps back to back).
+    The bracket includes the input staging done after its start event, so it is an upper bound of the device's time. Transfer terms
     are carried over. The serving overhead is refitted against the device-time prefill (its
     definition: the measured TTFT less the profile's own lone-prefill time), so a lone
     request's TTFT stays the measured one: the host's part of that first step, which nothing
