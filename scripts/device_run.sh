@@ -4,6 +4,8 @@
 # skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), profile-tier (py-spy on the host-tier server's worker during the multi-turn run), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# (an earlier call's `wheels` stage on this warm machine: its packages, for this call too)
+[ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 wait_up() {  # PID: until the server answers /health (0), or the process is gone / 300 s pass (1)
