@@ -26,6 +26,7 @@ from typing import Any
 
 from pdserve.bench.serve_report import jsonable
 from pdserve.perf.files import read_json_object, write_json
+from pdserve.routing.router_core import StepTotals, summarize_steps
 
 # The series kept from /metrics. Gauges (a level now) are reported as they were after the run;
 # counters (totals since the server started) as what they grew by over the run.
@@ -106,32 +107,29 @@ def attach(result_path: str, before_path: str, after_path: str) -> dict[str, Any
 
 def step_summary(delta: dict[str, float]) -> dict[str, dict[str, float | None]]:
     """Per step kind over a run (every worker's steps together, from metrics_delta's counters):
-    steps, mean host and device ms per step (device: over the steps it was measured on; None
-    without any), and prompt / decode tokens per step."""
-    by: dict[str, dict[str, float]] = {}
+    router_core.summarize_steps of the counters' totals."""
+    totals: dict[tuple[str, str], StepTotals] = {}
     for key, v in delta.items():
         name, _, labels = key.partition("{")
         lab = dict(x.split("=", 1) for x in labels.rstrip("}").split(",") if "=" in x)
         kind = lab.get("kind")
         if kind is None or not name.startswith("pdserve:engine_step"):
             continue
-        field = {"pdserve:engine_steps_total": "steps",
-                 "pdserve:engine_step_wall_seconds_total": "wall_s",
-                 "pdserve:engine_step_gpu_seconds_total": "gpu_s",
-                 "pdserve:engine_steps_gpu_timed_total": "gpu_steps",
-                 "pdserve:engine_step_tokens_total": f"{lab.get('phase')}_tokens"}.get(name)
-        if field is not None:
-            d = by.setdefault(kind, {})
-            d[field] = d.get(field, 0.0) + v
-    out = {}
-    for kind, d in sorted(by.items()):
-        n, g = d.get("steps", 0.0), d.get("gpu_steps", 0.0)
-        out[kind] = {"steps": n,
-                     "mean_wall_ms": 1e3 * d.get("wall_s", 0.0) / n if n else None,
-                     "mean_gpu_ms": 1e3 * d.get("gpu_s", 0.0) / g if g else None,
-                     "prefill_tokens_per_step": d.get("prefill_tokens", 0.0) / n if n else None,
-                     "decode_tokens_per_step": d.get("decode_tokens", 0.0) / n if n else None}
-    return out
+        t = totals.setdefault((lab.get("worker", ""), kind), StepTotals())
+        if name == "pdserve:engine_steps_total":
+            t.steps += v
+        elif name == "pdserve:engine_step_wall_seconds_total":
+            t.wall_ms += 1e3 * v
+        elif name == "pdserve:engine_step_gpu_seconds_total":
+            t.gpu_ms += 1e3 * v
+        elif name == "pdserve:engine_steps_gpu_timed_total":
+            t.gpu_steps += v
+        elif name == "pdserve:engine_step_tokens_total":
+            if lab.get("phase") == "prefill":
+                t.prefill_tokens += v
+            elif lab.get("phase") == "decode":
+                t.decode_tokens += v
+    return summarize_steps(totals)
 
 
 def phase_summary(delta: dict[str, float]) -> dict[str, float | None]:

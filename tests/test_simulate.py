@@ -97,6 +97,30 @@ def test_a_lone_request_takes_the_profiles_step_times(L):
     assert r.output_len == O
 
 
+@pytest.mark.parametrize("L", [100, 5000])
+def test_the_steps_a_lone_request_takes_by_kind(L):
+    """The run's steps per kind, as a served run's step counters give them: the prompt's chunks
+    of at most 2048 tokens are prefill steps at the profile's prefill cost each (the last one
+    samples the first token), then O - 1 decode steps of one sequence at the context so far;
+    no mixed step."""
+    prof = profile()
+    O = 6
+    res = simulator().run([SimRequest(prompts(1, L)[0], O, 0.0)])
+    chunks = [min(2048, L - i) for i in range(0, L, 2048)]
+    decodes = service_ms(prof, L, O)[1]
+    steps = res.facts["steps"]
+    assert set(steps) == {"prefill", "decode"}
+    assert steps["prefill"]["steps"] == len(chunks)
+    assert steps["prefill"]["prefill_tokens_per_step"] == pytest.approx(L / len(chunks))
+    assert steps["prefill"]["decode_tokens_per_step"] == 0
+    assert steps["prefill"]["mean_wall_ms"] == pytest.approx(
+        np.mean([prof.prefill_ms(n) for n in chunks]), rel=1e-9)
+    assert steps["decode"]["steps"] == O - 1
+    assert steps["decode"]["decode_tokens_per_step"] == 1
+    assert steps["decode"]["prefill_tokens_per_step"] == 0
+    assert steps["decode"]["mean_wall_ms"] == pytest.approx(np.mean(decodes), rel=1e-9)
+
+
 @pytest.mark.parametrize("L,padded", [(100, [128]), (5000, [2048, 2048, 1024])])
 def test_a_profile_fitted_per_graph_shape_costs_steps_at_the_deployments_buckets(L, padded):
     """A profile measured with CUDA graphs (fit_graph_sizes) on a budget of 8192: the simulated

@@ -106,6 +106,31 @@ class StepTotals:
         self.decode_tokens += r.num_decode_tokens
 
 
+def summarize_steps(steps: dict[tuple[str, str], StepTotals]) -> dict[str, dict[str, float | None]]:
+    """Per step kind, every worker's steps together: steps, mean host and device ms per step
+    (device: over the steps it was measured on; None without any) and prompt / decode tokens
+    per step. What a served run's step counters say (scripts/tier_report.py) and what a
+    simulated run's router core saw, in one form."""
+    by: dict[str, StepTotals] = {}
+    for (_, kind), t in steps.items():
+        a = by.setdefault(kind, StepTotals())
+        a.steps += t.steps
+        a.wall_ms += t.wall_ms
+        a.gpu_steps += t.gpu_steps
+        a.gpu_ms += t.gpu_ms
+        a.prefill_tokens += t.prefill_tokens
+        a.decode_tokens += t.decode_tokens
+    out = {}
+    for kind, a in sorted(by.items()):
+        n = a.steps
+        out[kind] = {"steps": n,
+                     "mean_wall_ms": a.wall_ms / n if n else None,
+                     "mean_gpu_ms": a.gpu_ms / a.gpu_steps if a.gpu_steps else None,
+                     "prefill_tokens_per_step": a.prefill_tokens / n if n else None,
+                     "decode_tokens_per_step": a.decode_tokens / n if n else None}
+    return out
+
+
 @dataclass
 class RouterStats:
     requests: dict[str, int] = field(default_factory=lambda: {"collocated": 0, "disagg": 0})

@@ -73,7 +73,7 @@ from ..perf.cost_profile import deployment_graph_sizes
 from ..perf.metrics import RequestResult
 from ..protocol import AddRequest, WorkerStats
 from ..routing import actions as act
-from ..routing.router_core import RouterCore
+from ..routing.router_core import RouterCore, summarize_steps
 from ..sampling_params import SamplingParams
 from .api_process import ApiProcess
 from .runner import SIM_TOKEN_ID, CostModelRunner, SimClock
@@ -603,4 +603,6 @@ class Simulator:
         return {"simulated_s": self.now, "events": self.num_events, "wall_s": wall_s,
                 "requests": dict(st.requests), "transfers": st.transfers,
                 "transfer_bytes": st.transfer_bytes, "transfer_seconds": st.transfer_seconds,
-                "transfer_failures": st.transfer_failures, "workers": per}
+                "transfer_failures": st.transfer_failures, "workers": per,
+                # (as a served run's step counters give them: scripts/tier_report.py)
+                "steps": summarize_steps(st.steps)}
