@@ -325,6 +325,68 @@ def test_1p1d_equals_collocated(tmp_path, reference, mode, connector):
     assert_processes_gone(pids)
 
 
+def test_submitted_requests_are_answered_with_later_steps(tmp_path, reference):
+    """Router.submit, the server's way of adding: it sends without waiting for the workers'
+    answers (a worker gives them between two of its steps). Right after it no answer is known;
+    they come with later steps: None for each request a worker queued, the worker's own error
+    for one it rejected (n above max_num_seqs: the engine checks that, not the router). A
+    request aborted before its answer never streams and is aborted once admitted. Hand-offs to
+    the decode worker do not wait either (1P1D). Outputs equal one engine's; nothing is left."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, prefill=1, decode=1, max_num_seqs=8, **ENGINE) as llm:
+        router = llm.llm_engine
+        reqs = [AddRequest(f"r{i}", {"prompt_token_ids": p}, GREEDY) for i, p in enumerate(PROMPTS)]
+        bad = AddRequest("bad", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(n=9, max_tokens=2))
+        gone = AddRequest("gone", {"prompt_token_ids": PROMPTS[3]},
+                          SamplingParams(max_tokens=200, ignore_eos=True))
+        assert router.submit(reqs + [bad, gone]) == [None] * (len(reqs) + 2)
+        assert router.take_answers() == {}
+        router.abort_request("gone")
+        answers, finals = {}, {}
+        while router.has_unfinished_requests():
+            # (a call that waits for a reply keeps what comes meanwhile, answers and outputs,
+            # for step() to hand on in the order they came: an output before its request's
+            # answer would find no route and be dropped)
+            router.check_workers()
+            outs = router.step(timeout_s=5)
+            answers.update(router.take_answers())
+            for o in outs:
+                assert o.request_id != "gone"
+                if o.finished:
+                    finals[o.request_id] = o.outputs[0]
+        assert set(answers) == {r.request_id for r in reqs} | {"bad", "gone"}
+        assert all(answers[r.request_id] is None for r in reqs) and answers["gone"] is None
+        assert "n=9" in answers["bad"] and "max_num_seqs=8" in answers["bad"]
+        assert sorted(finals) == sorted(r.request_id for r in reqs)
+        _assert_same_model(reference["LlamaForCausalLM"], [finals[r.request_id] for r in reqs])
+        assert router.route_stats.transfers in (len(reqs), len(reqs) + 1)  # (+ gone's, if it was
+        _assert_clean(router)                                  # prefilled before the abort)
+
+
+def test_submitted_requests_to_a_worker_that_died_unanswered_go_to_another(tmp_path, reference):
+    """The prefill worker is killed before the router knows; requests submitted then go to it
+    and are never answered. Its death is found by a later step: they are placed again (on the
+    decode worker, whole), admitted there, and give one engine's outputs."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, prefill=1, decode=1, worker_restarts=0, **ENGINE) as llm:
+        router = llm.llm_engine
+        p = router.workers["prefill-0"].client
+        os.kill(p.pids[0], signal.SIGKILL)
+        p._procs[0].join(10)
+        reqs = [AddRequest(f"r{i}", {"prompt_token_ids": q}, GREEDY) for i, q in enumerate(PROMPTS)]
+        assert router.submit(reqs) == [None] * len(reqs)
+        answers, finals = {}, {}
+        while router.has_unfinished_requests():
+            outs = router.step(timeout_s=5)
+            answers.update(router.take_answers())
+            finals.update({o.request_id: o.outputs[0] for o in outs if o.finished})
+        assert not router.workers["prefill-0"].alive
+        assert answers == {r.request_id: None for r in reqs}
+        _assert_same_model(reference["LlamaForCausalLM"], [finals[r.request_id] for r in reqs])
+        assert router.route_stats.requests["collocated"] == len(reqs)
+        _assert_clean(router)
+
+
 class _Recording(DisaggPolicy):
     def __init__(self):
         self.paths = []

@@ -10,6 +10,9 @@ prefill worker's pools; two-sided: a pair group per (prefill, decode) at a TCPSt
 here), and restarts dead workers (RestartPolicy, workers.py) in the background:
 
     add_requests ─> core.add ─> Send ─> client.add_requests ─> core.accepted / core.worker_died
+    submit       ─> core.add ─> Send ─> client.submit_requests; its answer with a later step:
+                    client.take_answers ─> core.accepted ─> take_answers (the server's way:
+                    its I/O thread never waits for a worker's step boundary)
     step ─> client.step(0) per readable worker ─> core.output / loads_done ─> Deliver, Release
         ─> core.flush_handoffs ─> Send (with kv_source) to decode workers ─> SendKV (two-sided)
 
@@ -100,6 +103,16 @@ class Router:
                         for s, c in zip(specs, clients)}
         self._store = None
         self._orphans: list[RequestOutput] = []  # outputs produced outside step()
+        # Submitted adds (submit): each worker's Sends not answered yet (batch ids, oldest
+        # first); the submitted requests whose answer is not known yet, those to abort once
+        # admitted, rejections found meanwhile, and the answers for take_answers.
+        # Once submit is used, every Send goes without waiting (hand-offs too).
+        self.pipelined = False
+        self._sent: dict[str, deque[int]] = {s.name: deque() for s in specs}
+        self._awaiting: set[str] = set()
+        self._abort_when_admitted: set[str] = set()
+        self._rejected: dict[str, str] = {}
+        self._answers: dict[str, str | None] = {}
         try:
             self._connect_kv()
         except BaseException:  # a bad pairing, or a worker that died on the way: stop them all
@@ -212,8 +225,8 @@ class Router:
     # ---- carrying out the core's actions -----------------------------------------------------
     def _run(self, actions: list, results: list[RequestOutput], rejected: dict | None = None,
              raise_if_none_left: bool = True) -> None:
-        """Carry out actions in order; what an action leads to (a Send's answer, a worker found
-        dead) is carried out before the next one."""
+        """Carry out actions in order; what an action leads to (a Send's answer when it waits
+        for it, a worker found dead) is carried out before the next one."""
         todo = deque(actions)
         while todo:
             a = todo.popleft()
@@ -227,12 +240,23 @@ class Router:
         if isinstance(a, act.Reject):
             if rejected is not None:
                 rejected[a.request_id] = a.error
+            elif a.request_id in self._awaiting:
+                self._rejected[a.request_id] = a.error
             return []
         w = self.workers[a.worker]
         if not w.alive:  # found dead by an earlier action: the core has moved its work on
             return []
         if isinstance(a, act.Send):
             try:
+                # (add_requests passes `rejected` and waits for its answers; submit, step and
+                # abort do not, once pipelined)
+                if self.pipelined and rejected is None:
+                    try:  # (the answer comes with a later step: _take_answers)
+                        w.client.submit_requests(a.requests)
+                        self._sent[a.worker].append(a.batch)
+                        return []
+                    except ValueError:  # the batch does not encode: below, each alone
+                        pass
                 try:
                     errors = w.client.add_requests(a.requests)
                 except ValueError:  # the batch does not encode: each alone, only the bad fails
@@ -262,12 +286,33 @@ class Router:
     def _observe(self, w: Worker) -> None:
         self.core.observe(w.spec.name, w.client.stats, w.client.take_step_records())
 
+    def _observe_all(self) -> None:
+        for w in self.workers.values():
+            if w.alive:
+                self._observe(w)
+
     # ---- requests ---------------------------------------------------------------------------
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
         """Routes each request; returns, per request, None or why it was rejected. A worker
         found dead while sending leaves routing and its share is routed again."""
         self._check_open()
         errors: list[str | None] = [None] * len(requests)
+        todo = self._checked(requests, errors)
+        if not todo:
+            return errors
+        self._observe_all()
+        rejected: dict[str, str] = {}
+        # (found dead while adding: its requests' final outputs go out with the next step's)
+        self._run(self.core.add([(r, text) for _, r, text in todo]), self._orphans, rejected,
+                  raise_if_none_left=False)
+        for i, r, _ in todo:
+            errors[i] = rejected.get(r.request_id)
+        return errors
+
+    def _checked(self, requests: list[AddRequest], errors: list[str | None]
+                 ) -> list[tuple[int, AddRequest, str | None]]:
+        """The requests that pass the router's checks, each as (index, the request with its
+        prompt as token ids and its arrival time, its text); the others' errors set."""
         now = time.monotonic()
         todo: list[tuple[int, AddRequest, str | None]] = []
         ids = set()
@@ -286,25 +331,58 @@ class Router:
             except Exception as e:  # noqa: BLE001 - whatever a request carries (a tokenizer's
                 # TypeError on a lone surrogate...) is that request's error, never the router's
                 errors[i] = f"the prompt cannot be processed: {type(e).__name__}: {e}"
+        return todo
+
+    def submit(self, requests: list[AddRequest]) -> list[str | None]:
+        """add_requests without waiting for the workers' answers: per request, why it was
+        rejected at once, or None: sent, and its answer (None: admitted, or why a worker
+        rejected it) comes from take_answers() after a later step(), which returns as soon as
+        it has one. From the first call on, hand-offs to decode workers do not wait either."""
+        self.pipelined = True
+        self._check_open()
+        errors: list[str | None] = [None] * len(requests)
+        todo = self._checked(requests, errors)
         if not todo:
             return errors
-        for w in self.workers.values():
-            if w.alive:
-                self._observe(w)
-        rejected: dict[str, str] = {}
-        # (found dead while adding: its requests' final outputs go out with the next step's)
-        self._run(self.core.add([(r, text) for _, r, text in todo]), self._orphans, rejected,
+        self._observe_all()
+        self._awaiting.update(r.request_id for _, r, _ in todo)
+        self._run(self.core.add([(r, text) for _, r, text in todo]), self._orphans,
                   raise_if_none_left=False)
-        for i, r, _ in todo:
-            errors[i] = rejected.get(r.request_id)
+        self._settle()
+        for i, r, _ in todo:   # rejected at once (no worker left...): said here, not answered
+            if self._answers.get(r.request_id) is not None:
+                errors[i] = self._answers.pop(r.request_id)
         return errors
+
+    def take_answers(self) -> dict[str, str | None]:
+        """The answers to submitted requests known since the last call: None (admitted) or
+        why it was rejected (an Unavailable when no worker could take it)."""
+        out, self._answers = self._answers, {}
+        return out
+
+    def _take_answers(self, w: Worker, results: list[RequestOutput]) -> None:
+        """w's answers to Sends that did not wait, in order (each to the oldest unanswered)."""
+        for errors in w.client.take_answers():
+            self._run(self.core.accepted(self._sent[w.spec.name].popleft(), errors), results)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Submitted requests whose fate is known now: admitted (a route of the core) or
+        rejected; an admitted one aborted while it waited is aborted now."""
+        for rid in [r for r in self._awaiting if r in self._rejected or r in self.core.routes]:
+            self._awaiting.discard(rid)
+            self._answers[rid] = self._rejected.pop(rid, None)
+            if rid in self._abort_when_admitted:
+                self._abort_when_admitted.discard(rid)
+                self._run(self.core.abort([rid]), self._orphans)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._abort_when_admitted.update(i for i in ids if i in self._awaiting)
         self._run(self.core.abort(ids), self._orphans)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.core.routes or self._orphans)
+        return bool(self.core.routes or self._orphans or self._awaiting)
 
     # ---- progress ---------------------------------------------------------------------------
     def step(self, timeout_s: float | None = None, wakeup_fd: int | None = None
@@ -316,7 +394,7 @@ class Router:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             outs = self._collect()
-            if outs or (not self.core.routes and deadline is None):
+            if outs or self._answers or (not self.has_unfinished_requests() and deadline is None):
                 return outs
             poller = zmq.Poller()
             for w in self.workers.values():
@@ -341,13 +419,8 @@ class Router:
             if not w.alive:
                 continue
             try:
-                for _ in range(1000):
-                    if not w.client.readable():
-                        break
-                    for out in w.client.step(0):
-                        self._run(self.core.output(name, out), results)
+                self._drain(w, results)
                 self._observe(w)
-                self._on_loads(w, results)
             except EngineDeadError as e:
                 self._run(self._worker_died(w, e), results)
         if self.core.handoffs:
@@ -355,10 +428,22 @@ class Router:
         return results
 
     def _flush_handoffs(self, results: list[RequestOutput]) -> None:
-        """Send the prefilled requests on to their decode workers: one message (and one reply,
-        which waits for the worker's next step boundary) per decode worker per collect."""
+        """Send the prefilled requests on to their decode workers: one message per decode worker
+        per collect, and its answer (the worker gives it between two of its steps): waited for
+        here, unless pipelined (submit): then it comes with a later step."""
         exited = [n for n, w in self.workers.items() if w.alive and w.client.exited()]
         self._run(self.core.flush_handoffs(exited), results)
+
+    def _drain(self, w: Worker, results: list[RequestOutput]) -> None:
+        """What w has reported, in the order it came (outputs, answers to sends that did not
+        wait, each before what came after it), then the KV loads those outputs carried."""
+        for _ in range(1000):
+            if not w.client.readable():
+                break
+            for out in w.client.step(0):
+                self._run(self.core.output(w.spec.name, out), results)
+            self._take_answers(w, results)
+        self._on_loads(w, results)
 
     def _on_loads(self, d: Worker, results: list[RequestOutput]) -> None:
         events = d.client.take_kv_events()
@@ -373,6 +458,7 @@ class Router:
         if not w.alive:
             return []
         w.error = str(error)
+        self._sent[w.spec.name].clear()   # (the core places those sends' requests again)
         actions = self.core.worker_died(w.spec.name, str(error))
         w.client.shutdown(1.0)
         self._schedule_restart(w)
@@ -445,7 +531,10 @@ class Router:
         for name, w in sorted(self.workers.items(), key=lambda kv: kv[1].spec.role != "decode"):
             for d in self.workers.values():
                 if d.alive:
-                    self._on_loads(d, self._orphans)
+                    try:
+                        self._drain(d, self._orphans)
+                    except EngineDeadError as e:
+                        self._run(self._worker_died(d, e), self._orphans)
             if w.alive:
                 try:
                     out[name] = w.client.check_integrity()
@@ -490,7 +579,7 @@ class Router:
         """No more requests: finish the ones in flight, then stop every worker."""
         collected = []
         deadline = time.monotonic() + timeout_s
-        while self.core.routes and time.monotonic() < deadline:
+        while self.has_unfinished_requests() and time.monotonic() < deadline:
             try:
                 collected += self.step(timeout_s=max(0.0, deadline - time.monotonic()))
             except EngineDeadError:

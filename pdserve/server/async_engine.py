@@ -2,7 +2,10 @@
 
 zmq sockets belong to one thread, so one I/O thread owns the Router. It sends the adds and
 aborts that coroutines queue, waits for the workers' outputs (woken early by a pipe when a
-command arrives) and hands each request's outputs to that request's asyncio queue. A request
+command arrives) and hands each request's outputs to that request's asyncio queue. Adds go
+out without waiting for a worker's answer (Router.submit; a worker answers between two of its
+steps): the adding coroutine waits for it, the I/O thread does not, so a request that arrives
+meanwhile is sent at once and can join the worker's next step. A request
 whose consumer goes away (client disconnect, cancellation) is aborted, which frees its blocks on
 the worker at its next step.
 
@@ -101,6 +104,7 @@ class AsyncEngine:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._streams: dict[str, asyncio.Queue] = {}
+        self._awaiting: dict[str, asyncio.Future] = {}   # (I/O thread) sent, answer to come
         self._thread = threading.Thread(target=self._run, name="pdserve-engine-io", daemon=True)
         self._thread.start()
 
@@ -219,20 +223,36 @@ class AsyncEngine:
     def _die(self, why: str) -> None:
         self.dead = why
         self._post(self._fail_all, EngineDeadError(why))
+        awaiting, self._awaiting = self._awaiting, {}
+        for fut in awaiting.values():
+            self._post(self._resolve, fut, None, EngineDeadError(why))
 
     def _add(self, adds: list) -> None:
+        """Sends the adds without waiting for the workers' answers (a worker answers between
+        two of its steps; requests that come meanwhile are sent at once, not after it): a
+        request's future is resolved when its answer comes (_answered), or now if the router
+        rejects it at once."""
         try:
-            errors = self.client.add_requests([c[1] for c in adds])
+            errors = self.client.submit([c[1] for c in adds])
         except EngineDeadError as e:
             self._die(str(e))
             errors = [e] * len(adds)
         except Exception as e:  # noqa: BLE001 - a bug reached by one request's content must
             # not end the others: the batch fails, the engine stays
             errors = [f"the request could not be added: {type(e).__name__}: {e}"] * len(adds)
-        for (_, _, fut), err in zip(adds, errors):
+        for (_, req, fut), err in zip(adds, errors):
             if isinstance(err, BaseException):
                 self._post(self._resolve, fut, None, EngineDeadError(str(err)))
+            elif err is not None:
+                self._post(self._resolve, fut, err)
             else:
+                self._awaiting[req.request_id] = fut
+        self._answered()
+
+    def _answered(self) -> None:
+        for rid, err in self.client.take_answers().items():
+            fut = self._awaiting.pop(rid, None)
+            if fut is not None:
                 self._post(self._resolve, fut, err)
 
     def _run(self) -> None:
@@ -279,6 +299,7 @@ class AsyncEngine:
                 # idle: still wait on the workers (a death, a restart) but at most a second
                 outs = client.step(timeout_s=None if client.has_unfinished_requests() else 1.0,
                                    wakeup_fd=self._wake_r)
+                self._answered()   # (before the outputs: a stream exists once admitted)
                 if outs:
                     self._post(self._deliver, outs)
             except EngineDeadError as e:

@@ -41,6 +41,14 @@ class EngineDeadError(RuntimeError):
     """The worker behind this client is gone; requests in flight are lost."""
 
 
+class _Answer:
+    """The worker's answer to a submitted add, queued where it arrived among the outputs."""
+    __slots__ = ("errors",)
+
+    def __init__(self, errors: list[str | None]):
+        self.errors = errors
+
+
 def _stop_processes(procs: list[RankHandle], grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     for p in procs:
@@ -133,7 +141,12 @@ class EngineClient:
         for p in self._procs:
             self._poller.register(p.sentinel, zmq.POLLIN)
         self._pending: set[str] = set()
-        self._ready: deque[list[RequestOutput]] = deque()
+        # what arrived while a call waited for something else, in arrival order: Outputs
+        # messages and answers to submitted adds (_Answer), which step() hands on in turn (an
+        # Outputs' KV loads with its outputs: never before the answer to the add they load for)
+        self._ready: deque[m.Outputs | _Answer] = deque()
+        self._unanswered: deque[list[str]] = deque()  # submitted adds' ids, oldest first
+        self._answers: deque[list[str | None]] = deque()  # their answers, for take_answers
         self._dead: str | None = None
         self.name = name
         self.stats: m.WorkerStats | None = None  # as of the last Outputs received
@@ -215,28 +228,70 @@ class EngineClient:
 
     # ---- the LLMEngine request API -----------------------------------------------------------
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
+        """Sends the requests and waits for the worker's answer: None (queued) or an error per
+        request. The worker answers between two of its steps."""
+        self.submit_requests(requests)
+        mine = self._unanswered[-1]
+        while True:
+            reply = self._recv(None)
+            if isinstance(reply, m.Accepted) and self._unanswered:
+                ids = self._unanswered[0]
+                self._answer(reply)
+                if ids is mine:
+                    self._ready.pop()   # (the answer just queued: returned here instead)
+                    return reply.errors
+            elif isinstance(reply, m.Outputs):
+                self._ready.append(reply)
+            else:
+                raise EngineDeadError(f"unexpected {type(reply).__name__} from the worker")
+
+    def submit_requests(self, requests: list[AddRequest]) -> None:
+        """Sends the requests without waiting for the worker's answer, which arrives between
+        two of its steps: step() returns [] for it, and take_answers() then has it (answers come
+        in the order the requests were submitted). Until then the requests count as pending
+        (abort_request reaches them). ValueError if they cannot be encoded (nothing is sent)."""
         try:
             payload = self._encoder.encode(m.AddRequests(list(requests)))
         except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an int over 64 bits
             raise ValueError(f"a request cannot be sent to the worker: {e}") from None
-        msg = self._request(payload, m.Accepted)
-        for r, err in zip(requests, msg.errors):
-            if err is None:
-                self._pending.add(r.request_id)
-        return msg.errors
+        self._check_alive()
+        self._send(payload)
+        ids = [r.request_id for r in requests]
+        self._pending.update(ids)
+        self._unanswered.append(ids)
+
+    def take_answers(self) -> list[list[str | None]]:
+        """The answers to submitted adds that step() has passed since the last call, oldest
+        first: None (queued) or an error per request, in the order submitted."""
+        out = list(self._answers)
+        self._answers.clear()
+        return out
+
+    def _answer(self, msg: m.Accepted) -> None:
+        """An answer to the oldest submitted add: its rejected requests are not pending; the
+        answer is queued among the outputs, where it arrived."""
+        ids = self._unanswered.popleft()
+        for rid, err in zip(ids, msg.errors):
+            if err is not None:
+                self._pending.discard(rid)
+        self._ready.append(_Answer(msg.errors))
 
     def _request(self, msg, reply_type):
         """Sends msg (a message, or one already encoded) and returns the worker's reply of
-        reply_type; Outputs arriving meanwhile are kept for step()."""
+        reply_type; Outputs and answers to submitted adds arriving meanwhile are kept for
+        step() (the worker answers in order: an Accepted while adds are unanswered is theirs)."""
         self._check_alive()
         self._send(msg)
         while True:
             reply = self._recv(None)
+            if isinstance(reply, m.Accepted) and self._unanswered:
+                self._answer(reply)
+                continue
             if isinstance(reply, reply_type):
                 return reply
             if not isinstance(reply, m.Outputs):
                 raise EngineDeadError(f"unexpected {type(reply).__name__} from the worker")
-            self._ready.append(reply.outputs)
+            self._ready.append(reply)
 
     def check_integrity(self) -> m.WorkerStats:
         """Checks the worker's invariants (AssertionError naming the broken one) and returns its
@@ -270,19 +325,28 @@ class EngineClient:
              ) -> list[RequestOutput]:
         """The outputs of the worker's next step that reported anything (blocks until then, or
         until timeout_s, or until wakeup_fd is readable: then []). Outputs of aborted requests
-        are dropped."""
-        if not self._pending and timeout_s != 0:
+        are dropped. An answer to submitted adds that arrives first returns [] (take_answers
+        has it): it is handed on before any output that came after it."""
+        if not self._pending and not self._ready and timeout_s != 0:
             return []
         if self._ready:
-            outs = self._ready.popleft()
+            msg = self._ready.popleft()
         else:
             self._check_alive()
             msg = self._recv(timeout_s, wakeup_fd=wakeup_fd)
             if msg is None:
                 return []
-            if not isinstance(msg, m.Outputs):
+            if isinstance(msg, m.Accepted) and self._unanswered:
+                self._answer(msg)
+                msg = self._ready.pop()
+            elif not isinstance(msg, m.Outputs):
                 raise EngineDeadError(f"unexpected {type(msg).__name__} from the worker")
-            outs = msg.outputs
+        if isinstance(msg, _Answer):  # (take_answers has it now; outputs after it come next)
+            self._answers.append(msg.errors)
+            return []
+        if msg.kv_loads:
+            self.kv_events.extend(msg.kv_loads)
+        outs = msg.outputs
         # outputs travel as deltas: rebuild the cumulative ones (only for requests still
         # wanted; an aborted request's state is already gone)
         live = [self._deltas.decode(o) for o in outs if o.request_id in self._pending]
@@ -389,8 +453,6 @@ class EngineClient:
             if isinstance(msg, m.Outputs):
                 if msg.stats is not None:
                     self.stats = msg.stats
-                if msg.kv_loads:
-                    self.kv_events.extend(msg.kv_loads)
                 if msg.steps:
                     self.step_records.extend(msg.steps)
             if not isinstance(msg, m.Failed):
@@ -419,5 +481,7 @@ class EngineClient:
         self._dead = why
         self._pending.clear()
         self._ready.clear()
+        self._unanswered.clear()
+        self._answers.clear()
         self._closed = True
         self._finalizer()
