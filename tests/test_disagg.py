@@ -387,6 +387,23 @@ def test_submitted_requests_to_a_worker_that_died_unanswered_go_to_another(tmp_p
         _assert_clean(router)
 
 
+def test_a_submitted_request_is_answered_unavailable_when_no_worker_is_left(tmp_path):
+    """One worker, killed before the router knows, with a restart to come: a request
+    submitted then is placed again when a step finds the death, finds no live worker and is
+    answered Unavailable at once (not left waiting for the restart, nor forever)."""
+    path = _folder(tmp_path, LLAMA_8Q_2KV)
+    with LLM(path, collocated=1, worker_restarts=1, restart_backoff_s=30.0, **ENGINE) as llm:
+        router = llm.llm_engine
+        w = router.workers["collocated-0"].client
+        os.kill(w.pids[0], signal.SIGKILL)
+        w._procs[0].join(10)
+        assert router.submit([AddRequest("r", {"prompt_token_ids": PROMPTS[0]}, GREEDY)]) == [None]
+        router.step(timeout_s=10)
+        answers = router.take_answers()
+        assert list(answers) == ["r"] and isinstance(answers["r"], Unavailable)
+        assert not router.has_unfinished_requests()
+
+
 class _Recording(DisaggPolicy):
     def __init__(self):
         self.paths = []

@@ -85,3 +85,58 @@ def test_ready_after_an_error_and_after_close():
         with pytest.raises(StopAsyncIteration):
             await st2.__anext__()
     asyncio.run(main())
+
+
+class _Unanswering:
+    """A router whose workers never answer (each is between two long steps): submit sends,
+    step waits until woken, no answer ever comes."""
+    tokenizer = None
+    max_model_len = 64
+
+    def __init__(self):
+        self.submitted, self.aborted = [], []
+
+    def submit(self, requests):
+        self.submitted += [r.request_id for r in requests]
+        return [None] * len(requests)
+
+    def take_answers(self):
+        return {}
+
+    def has_unfinished_requests(self):
+        return bool(self.submitted)
+
+    def step(self, timeout_s=None, wakeup_fd=None):
+        import select
+        select.select([wakeup_fd], [], [], timeout_s)
+        return []
+
+    def abort_request(self, ids):
+        self.aborted += [ids] if isinstance(ids, str) else ids
+
+    def shutdown(self, timeout_s=0.0):
+        pass
+
+
+def test_an_add_still_waiting_for_its_answer_at_shutdown_gets_engine_dead():
+    """The I/O thread sends adds without waiting for the worker's answer; the adding coroutine
+    waits for it. A shutdown before the answer comes ends that wait with EngineDeadError
+    instead of leaving it waiting forever."""
+    from pdserve.protocol import AddRequest
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.server.async_engine import AsyncEngine
+
+    async def main():
+        router = _Unanswering()
+        engine = AsyncEngine(router, asyncio.get_running_loop())
+        add = asyncio.ensure_future(engine.add(AddRequest("r", [1, 2], SamplingParams())))
+        for _ in range(200):   # until the I/O thread has sent it
+            if router.submitted:
+                break
+            await asyncio.sleep(0.01)
+        assert router.submitted == ["r"] and not add.done()
+        await engine.shutdown(1.0)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(add, 5)
+
+    asyncio.run(main())

@@ -76,7 +76,9 @@ class EngineProtocol(Protocol):
 class WorkerClient(EngineProtocol, Protocol):
     """One worker as the router drives it. `name` is the incarnation's KV name (peers address
     its pools by it). readable(): step(0) has news; pollables(): what to wait on for that;
-    exited(): a process ended, noticed or not. The P/D calls send no reply but connect_kv,
+    exited(): a process ended, noticed or not. submit_requests: add_requests without waiting;
+    step() returns [] when its answer comes first, and take_answers() then has the answers,
+    one list per submit in order (before any output that came after them). The P/D calls send no reply but connect_kv,
     which answers an error or None per peer."""
 
     @property
@@ -87,6 +89,10 @@ class WorkerClient(EngineProtocol, Protocol):
     def readable(self) -> bool: ...
 
     def exited(self) -> bool: ...
+
+    def submit_requests(self, requests: list[AddRequest]) -> None: ...
+
+    def take_answers(self) -> list[list[str | None]]: ...
 
     def connect_kv(self, peers: list) -> list[str | None]: ...
 

@@ -113,6 +113,7 @@ class Router:
         self._abort_when_admitted: set[str] = set()
         self._rejected: dict[str, str] = {}
         self._answers: dict[str, str | None] = {}
+        self._unsettled = False   # a submitted request may have been admitted or rejected
         try:
             self._connect_kv()
         except BaseException:  # a bad pairing, or a worker that died on the way: stop them all
@@ -232,16 +233,18 @@ class Router:
             a = todo.popleft()
             more = self._do(a, results, rejected, raise_if_none_left)
             todo.extendleft(reversed(more))
+        self._settle()
 
     def _do(self, a, results, rejected, raise_if_none_left) -> list:
         if isinstance(a, act.Deliver):
             results.append(a.output)
             return []
         if isinstance(a, act.Reject):
-            if rejected is not None:
-                rejected[a.request_id] = a.error
-            elif a.request_id in self._awaiting:
+            if a.request_id in self._awaiting:   # (submitted: its answer, whoever placed it)
                 self._rejected[a.request_id] = a.error
+                self._unsettled = True
+            elif rejected is not None:
+                rejected[a.request_id] = a.error
             return []
         w = self.workers[a.worker]
         if not w.alive:  # found dead by an earlier action: the core has moved its work on
@@ -255,14 +258,17 @@ class Router:
                         w.client.submit_requests(a.requests)
                         self._sent[a.worker].append(a.batch)
                         return []
-                    except ValueError:  # the batch does not encode: below, each alone
-                        pass
+                    except ValueError:  # the batch does not encode: below, each alone, once
+                        # the worker's earlier sends are answered (the core takes a worker's
+                        # answers in the order it admitted them: two-sided KV sends follow it)
+                        self._await_answers(w, results)
                 try:
                     errors = w.client.add_requests(a.requests)
                 except ValueError:  # the batch does not encode: each alone, only the bad fails
                     errors = [self._add_one(w, r) for r in a.requests]
             except EngineDeadError as e:
                 return self._worker_died(w, e, raise_if_none_left)
+            self._unsettled = True
             return self.core.accepted(a.batch, errors)
         if isinstance(a, act.Abort):
             w.client.abort_request(a.request_ids)
@@ -348,7 +354,6 @@ class Router:
         self._awaiting.update(r.request_id for _, r, _ in todo)
         self._run(self.core.add([(r, text) for _, r, text in todo]), self._orphans,
                   raise_if_none_left=False)
-        self._settle()
         for i, r, _ in todo:   # rejected at once (no worker left...): said here, not answered
             if self._answers.get(r.request_id) is not None:
                 errors[i] = self._answers.pop(r.request_id)
@@ -363,12 +368,25 @@ class Router:
     def _take_answers(self, w: Worker, results: list[RequestOutput]) -> None:
         """w's answers to Sends that did not wait, in order (each to the oldest unanswered)."""
         for errors in w.client.take_answers():
+            self._unsettled = True
             self._run(self.core.accepted(self._sent[w.spec.name].popleft(), errors), results)
-        self._settle()
+
+    def _await_answers(self, w: Worker, results: list[RequestOutput]) -> None:
+        """Waits until w has answered every Send that did not wait (what it reports meanwhile
+        is carried out as step() would)."""
+        while self._sent[w.spec.name]:
+            for out in w.client.step(None):
+                self._run(self.core.output(w.spec.name, out), results)
+            self._take_answers(w, results)
+        self._on_loads(w, results)
 
     def _settle(self) -> None:
-        """Submitted requests whose fate is known now: admitted (a route of the core) or
-        rejected; an admitted one aborted while it waited is aborted now."""
+        """Submitted requests whose fate is known now (after an answer or a rejection, from
+        whatever carried it out): admitted (a route of the core) or rejected; an admitted one
+        aborted while it waited is aborted now."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
         for rid in [r for r in self._awaiting if r in self._rejected or r in self.core.routes]:
             self._awaiting.discard(rid)
             self._answers[rid] = self._rejected.pop(rid, None)
@@ -388,9 +406,9 @@ class Router:
     def step(self, timeout_s: float | None = None, wakeup_fd: int | None = None
              ) -> list[RequestOutput]:
         """Outputs of whatever the workers reported next (blocks until something, timeout_s or
-        wakeup_fd readable: then []). With nothing in flight it returns at once, unless
-        timeout_s is given: then it waits as long, noticing idle workers' deaths and
-        restarts meanwhile."""
+        wakeup_fd readable: then []; an answer to a submitted request is something: take_answers
+        has it). With nothing in flight it returns at once, unless timeout_s is given: then it
+        waits as long, noticing idle workers' deaths and restarts meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             outs = self._collect()
@@ -580,6 +598,7 @@ class Router:
         collected = []
         deadline = time.monotonic() + timeout_s
         while self.has_unfinished_requests() and time.monotonic() < deadline:
+            self._answers.clear()   # (no one takes answers while draining: step would return)
             try:
                 collected += self.step(timeout_s=max(0.0, deadline - time.monotonic()))
             except EngineDeadError:
@@ -591,6 +610,11 @@ class Router:
         if self.core.closed:
             return
         self.core.close()
+        # (submitted requests not answered yet: nobody will answer them now)
+        for state in (self._awaiting, self._abort_when_admitted, self._rejected, self._answers):
+            state.clear()
+        for sent in self._sent.values():
+            sent.clear()
         abandon_all([w.starting for w in self.workers.values() if w.starting is not None])
         for w in self.workers.values():
             w.starting, w.restart_at = None, None

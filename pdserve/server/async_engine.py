@@ -21,11 +21,15 @@ import queue
 import select
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ..protocol import AddRequest
 from ..outputs import RequestOutput
-from ..routing import EngineProtocol, Unavailable
+from ..routing import Unavailable
 from ..worker.client import EngineDeadError
+
+if TYPE_CHECKING:
+    from ..routing import Router   # (submit / take_answers: the router's, not EngineProtocol's)
 
 
 class RequestStream:
@@ -93,7 +97,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, client: EngineProtocol, loop: asyncio.AbstractEventLoop):
+    def __init__(self, client: "Router", loop: asyncio.AbstractEventLoop):
         self.client = client
         self.tokenizer = client.tokenizer
         self.max_model_len = client.max_model_len
@@ -167,8 +171,8 @@ class AsyncEngine:
         self._cmds.put(cmd)
         try:
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
+        except OSError:
+            pass  # the pipe is full of wake-ups already, or closed (shut down: nobody reads)
 
     async def call(self, fn, *args):
         """Runs fn(client, *args) on the I/O thread between two steps; its result (or its
@@ -223,6 +227,10 @@ class AsyncEngine:
     def _die(self, why: str) -> None:
         self.dead = why
         self._post(self._fail_all, EngineDeadError(why))
+        self._fail_awaiting(why)
+
+    def _fail_awaiting(self, why: str) -> None:
+        """Adds still waiting for their answer get none: EngineDeadError(why)."""
         awaiting, self._awaiting = self._awaiting, {}
         for fut in awaiting.values():
             self._post(self._resolve, fut, None, EngineDeadError(why))
@@ -295,6 +303,7 @@ class AsyncEngine:
                     except Exception as e:  # noqa: BLE001 - the caller's to handle
                         self._post(self._resolve, fut, None, e)
                 if stop:
+                    self._fail_awaiting("the engine is shutting down")
                     return
                 # idle: still wait on the workers (a death, a restart) but at most a second
                 outs = client.step(timeout_s=None if client.has_unfinished_requests() else 1.0,

@@ -192,7 +192,8 @@ class EngineClient:
         return any(not p.is_alive() for p in self._procs)
 
     def readable(self) -> bool:
-        """True when step(0) has something: buffered or arrived outputs, or a rank's exit."""
+        """True when step(0) has something: buffered or arrived outputs or answers, or a rank's
+        exit."""
         return bool(self._ready) or bool(self._outputs.poll(0)) or any(
             not p.is_alive() for p in self._procs)
 
@@ -262,7 +263,8 @@ class EngineClient:
 
     def take_answers(self) -> list[list[str | None]]:
         """The answers to submitted adds that step() has passed since the last call, oldest
-        first: None (queued) or an error per request, in the order submitted."""
+        first, one per submit_requests call: None (queued) or an error per request, in the
+        order submitted. (Router.take_answers is by request id: the router's answer.)"""
         out = list(self._answers)
         self._answers.clear()
         return out
@@ -327,7 +329,7 @@ class EngineClient:
         until timeout_s, or until wakeup_fd is readable: then []). Outputs of aborted requests
         are dropped. An answer to submitted adds that arrives first returns [] (take_answers
         has it): it is handed on before any output that came after it."""
-        if not self._pending and not self._ready and timeout_s != 0:
+        if not self._pending and not self._ready and not self._unanswered and timeout_s != 0:
             return []
         if self._ready:
             msg = self._ready.popleft()
