@@ -5,9 +5,9 @@ aborts that coroutines queue, waits for the workers' outputs (woken early by a p
 command arrives) and hands each request's outputs to that request's asyncio queue. Adds go
 out without waiting for a worker's answer (Router.submit; a worker answers between two of its
 steps): the adding coroutine waits for it, the I/O thread does not, so a request that arrives
-meanwhile is sent at once and can join the worker's next step. A request
-whose consumer goes away (client disconnect, cancellation) is aborted, which frees its blocks on
-the worker at its next step.
+meanwhile is sent at once and can join the worker's next step. A request whose consumer goes
+away (client disconnect, cancellation) is aborted, which frees its blocks on the worker at its
+next step.
 
 The I/O thread outlives anything a request or a worker can do: a command that raises fails that
 command alone; when the whole deployment is gone (every worker dead, no restart left) every
