@@ -363,6 +363,13 @@ def test_submitted_requests_are_answered_with_later_steps(tmp_path, reference):
         _assert_clean(router)                                  # prefilled before the abort)
 
 
+def _kill_unnoticed(router, name):
+    """Kills worker `name`'s process and waits until it is gone; the router is not told."""
+    client = router.workers[name].client
+    os.kill(client.pids[0], signal.SIGKILL)
+    client._procs[0].join(10)
+
+
 def test_submitted_requests_to_a_worker_that_died_unanswered_go_to_another(tmp_path, reference):
     """The prefill worker is killed before the router knows; requests submitted then go to it
     and are never answered. Its death is found by a later step: they are placed again (on the
@@ -370,9 +377,7 @@ def test_submitted_requests_to_a_worker_that_died_unanswered_go_to_another(tmp_p
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     with LLM(path, prefill=1, decode=1, worker_restarts=0, **ENGINE) as llm:
         router = llm.llm_engine
-        p = router.workers["prefill-0"].client
-        os.kill(p.pids[0], signal.SIGKILL)
-        p._procs[0].join(10)
+        _kill_unnoticed(router, "prefill-0")
         reqs = [AddRequest(f"r{i}", {"prompt_token_ids": q}, GREEDY) for i, q in enumerate(PROMPTS)]
         assert router.submit(reqs) == [None] * len(reqs)
         answers, finals = {}, {}
@@ -394,9 +399,7 @@ def test_a_submitted_request_is_answered_unavailable_when_no_worker_is_left(tmp_
     path = _folder(tmp_path, LLAMA_8Q_2KV)
     with LLM(path, collocated=1, worker_restarts=1, restart_backoff_s=30.0, **ENGINE) as llm:
         router = llm.llm_engine
-        w = router.workers["collocated-0"].client
-        os.kill(w.pids[0], signal.SIGKILL)
-        w._procs[0].join(10)
+        _kill_unnoticed(router, "collocated-0")
         assert router.submit([AddRequest("r", {"prompt_token_ids": PROMPTS[0]}, GREEDY)]) == [None]
         router.step(timeout_s=10)
         answers = router.take_answers()
