@@ -854,8 +854,8 @@ def device_time_profile(profile):
     which leaves out the LM head and the sampler) in place of their synced wall time: the step
     period when async scheduling hides the host's part of a step behind the device's (the
     host's work per step is shorter than the device's, and a server runs steps back to back).
-    The bracket includes the input staging done after its start event, so it is an upper bound of the device's time. Transfer terms
-    are carried over. The serving overhead is refitted against the device-time prefill (its
+    The bracket includes the input staging done after its start event, so it is an upper bound
+    of the device's time. Transfer terms are carried over. The serving overhead is refitted against the device-time prefill (its
     definition: the measured TTFT less the profile's own lone-prefill time), so a lone
     request's TTFT stays the measured one: the host's part of that first step, which nothing
     hides for a request that finds the worker idle, moves into the overhead. The served-batch

@@ -292,33 +292,23 @@ class Router:
     def _observe(self, w: Worker) -> None:
         self.core.observe(w.spec.name, w.client.stats, w.client.take_step_records())
 
-    def _observe_all(self) -> None:
-        for w in self.workers.values():
-            if w.alive:
-                self._observe(w)
-
     # ---- requests ---------------------------------------------------------------------------
     def add_requests(self, requests: list[AddRequest]) -> list[str | None]:
         """Routes each request; returns, per request, None or why it was rejected. A worker
         found dead while sending leaves routing and its share is routed again."""
+        return self._add(requests, wait=True)
+
+    def submit(self, requests: list[AddRequest]) -> list[str | None]:
+        """add_requests without waiting for the workers' answers: per request, why it was
+        rejected at once, or None: sent, and its answer (None: admitted, or why a worker
+        rejected it) comes from take_answers() after a later step(), which returns as soon as
+        it has one. From the first call on, hand-offs to decode workers do not wait either."""
+        self.pipelined = True
+        return self._add(requests, wait=False)
+
+    def _add(self, requests: list[AddRequest], wait: bool) -> list[str | None]:
         self._check_open()
         errors: list[str | None] = [None] * len(requests)
-        todo = self._checked(requests, errors)
-        if not todo:
-            return errors
-        self._observe_all()
-        rejected: dict[str, str] = {}
-        # (found dead while adding: its requests' final outputs go out with the next step's)
-        self._run(self.core.add([(r, text) for _, r, text in todo]), self._orphans, rejected,
-                  raise_if_none_left=False)
-        for i, r, _ in todo:
-            errors[i] = rejected.get(r.request_id)
-        return errors
-
-    def _checked(self, requests: list[AddRequest], errors: list[str | None]
-                 ) -> list[tuple[int, AddRequest, str | None]]:
-        """The requests that pass the router's checks, each as (index, the request with its
-        prompt as token ids and its arrival time, its text); the others' errors set."""
         now = time.monotonic()
         todo: list[tuple[int, AddRequest, str | None]] = []
         ids = set()
@@ -337,26 +327,22 @@ class Router:
             except Exception as e:  # noqa: BLE001 - whatever a request carries (a tokenizer's
                 # TypeError on a lone surrogate...) is that request's error, never the router's
                 errors[i] = f"the prompt cannot be processed: {type(e).__name__}: {e}"
-        return todo
-
-    def submit(self, requests: list[AddRequest]) -> list[str | None]:
-        """add_requests without waiting for the workers' answers: per request, why it was
-        rejected at once, or None: sent, and its answer (None: admitted, or why a worker
-        rejected it) comes from take_answers() after a later step(), which returns as soon as
-        it has one. From the first call on, hand-offs to decode workers do not wait either."""
-        self.pipelined = True
-        self._check_open()
-        errors: list[str | None] = [None] * len(requests)
-        todo = self._checked(requests, errors)
         if not todo:
             return errors
-        self._observe_all()
-        self._awaiting.update(r.request_id for _, r, _ in todo)
-        self._run(self.core.add([(r, text) for _, r, text in todo]), self._orphans,
+        for w in self.workers.values():
+            if w.alive:
+                self._observe(w)
+        rejected: dict[str, str] | None = {} if wait else None
+        if not wait:
+            self._awaiting.update(r.request_id for _, r, _ in todo)
+        # (found dead while adding: its requests' final outputs go out with the next step's)
+        self._run(self.core.add([(r, text) for _, r, text in todo]), self._orphans, rejected,
                   raise_if_none_left=False)
-        for i, r, _ in todo:   # rejected at once (no worker left...): said here, not answered
-            if self._answers.get(r.request_id) is not None:
-                errors[i] = self._answers.pop(r.request_id)
+        for i, r, _ in todo:
+            if wait:
+                errors[i] = rejected.get(r.request_id)
+            elif self._answers.get(r.request_id) is not None:   # rejected at once (no worker
+                errors[i] = self._answers.pop(r.request_id)      # left...): said here
         return errors
 
     def take_answers(self) -> dict[str, str | None]:

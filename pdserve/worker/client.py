@@ -265,6 +265,8 @@ class EngineClient:
         """The answers to submitted adds that step() has passed since the last call, oldest
         first, one per submit_requests call: None (queued) or an error per request, in the
         order submitted. (Router.take_answers is by request id: the router's answer.)"""
+        if not self._answers:   # (the router asks after every message it reads)
+            return []
         out = list(self._answers)
         self._answers.clear()
         return out
