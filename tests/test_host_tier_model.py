@@ -7,7 +7,7 @@ from pdserve import LLM, SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [(i * 37 + j * 11) % 4000 + 10 for j in range(60 + i * 7)]}
            for i in range(8)]
-GREEDY = SamplingParams(max_tokens=40, temperature=0)
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
 def _tokens(llm, prompts=PROMPTS):
