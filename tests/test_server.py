@@ -5,10 +5,6 @@ stream freeing its blocks, 100 concurrent streams, and SIGTERM draining in-fligh
 import asyncio
 import json
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
@@ -17,51 +13,10 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from .utils import assert_processes_gone  # noqa: E402
+from .utils import start_server as _start, stop_server as _stop  # noqa: E402,F401
+from .utils import stopped_cleanly as _stopped_cleanly  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(args: list[str], timeout_s: float = 180.0):
-    port = _free_port()
-    # stderr to a file, not a pipe: a pipe nobody reads fills up with the server's log and
-    # then blocks the server (a hang that is the test's, not the server's)
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args],
-                            stdout=subprocess.DEVNULL, stderr=log, text=True)
-    proc.log = log
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited: {log.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not come up")
-
-
-def _stopped_cleanly(code: int) -> bool:
-    # uvicorn drains, then re-raises the SIGTERM it caught: the conventional "killed by TERM"
-    return code in (0, -signal.SIGTERM)
-
-
-def _stop(proc) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module", params=["single", "1p1d"])

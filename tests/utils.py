@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 
 import torch
 
@@ -75,6 +82,52 @@ def assert_processes_gone(pids, timeout_s: float = 15.0) -> None:
         while _running(pid):
             assert time.monotonic() < deadline, f"worker pid {pid} still running"
             time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], timeout_s: float = 180.0):
+    """`pdserve serve --port <free> *args` as a process, once /health answers: (proc, base URL).
+    The server's stderr goes to proc.log (a file, not a pipe: a pipe nobody reads fills up with
+    the server's log and then blocks the server, a hang that is the test's, not the server's)."""
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited: {log.read()}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, base
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+def stopped_cleanly(code: int) -> bool:
+    # uvicorn drains, then re-raises the SIGTERM it caught: the conventional "killed by TERM"
+    return code in (0, -signal.SIGTERM)
+
+
+def stop_server(proc) -> int:
+    """SIGTERM, then the exit code (killed if it takes over 60 s)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    finally:
+        proc.kill()
 
 
 def run_compiled(script: str) -> None:
