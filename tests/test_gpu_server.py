@@ -15,16 +15,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 transformers = pytest.importorskip("transformers")
 
-from .test_gpu_model import assert_greedy_matches_hf, hf_dir  # noqa: E402,F401
+from .test_gpu_model import _prompts, assert_greedy_matches_hf, hf_dir  # noqa: E402,F401
 from .utils import assert_processes_gone, start_server, stop_server, stopped_cleanly  # noqa: E402
 
 MAX_TOKENS = 24
-
-
-def _prompts(n: int, seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(20, 700, (n,), generator=g).tolist()
-    return [torch.randint(1, 4096, (k,), generator=g).tolist() for k in lens]
 
 
 def _post(base: str, body: dict) -> dict:
@@ -59,11 +53,6 @@ def _completion(base: str, prompt: list[int], stream: bool) -> list[int]:
     return [int(t) for t in _post(base, body)["choices"][0]["logprobs"]["tokens"]]
 
 
-class _Out:          # (the shape assert_greedy_matches_hf reads: o.outputs[0].token_ids)
-    def __init__(self, ids):
-        self.outputs = [type("C", (), {"token_ids": ids})()]
-
-
 @pytest.mark.parametrize("deployment", ["single", "1p1d"])
 def test_concurrent_requests_match_hf_greedy(hf_dir, deployment):
     d, hf = hf_dir
@@ -76,12 +65,12 @@ def test_concurrent_requests_match_hf_greedy(hf_dir, deployment):
     try:
         with urllib.request.urlopen(base + "/admin/check", timeout=60) as r:
             pids = json.loads(r.read())["worker_pids"]
-        prompts = _prompts(24)
+        prompts = _prompts(24, 20, 700, seed=1)
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(pool.map(lambda ip: _completion(base, ip[1], ip[0] % 2 == 1),
                                  enumerate(prompts)))
         assert all(len(o) == MAX_TOKENS for o in outs), [len(o) for o in outs]
-        assert_greedy_matches_hf(hf, prompts, [_Out(o) for o in outs], MAX_TOKENS)
+        assert_greedy_matches_hf(hf, prompts, outs, MAX_TOKENS)
         with urllib.request.urlopen(base + "/admin/check", timeout=60) as r:
             check = json.loads(r.read())
         assert check["ok"] and check["num_running"] == 0 and check["num_waiting"] == 0, check
