@@ -6,7 +6,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [(i * 37 + j * 11) % 4000 + 10 for j in range(60 + i * 7)]}
-           for i in range(8)]
+           for i in range(6)]
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
@@ -22,8 +22,8 @@ def reference():
 
 @pytest.mark.parametrize("mode", ["swap", None])
 def test_swap_preemption_keeps_outputs(reference, mode):
-    # 40 blocks of 16 hold about two of the eight sequences: preemption is certain
-    llm = LLM(device="cpu", num_kv_blocks=40, swap_space_gb=0.05, preemption_mode=mode,
+    # 30 blocks of 16 hold about four of the six sequences (6-8 blocks each): preemption is certain
+    llm = LLM(device="cpu", num_kv_blocks=30, swap_space_gb=0.05, preemption_mode=mode,
               enable_prefix_caching=False)
     assert _tokens(llm) == reference
     core = llm.llm_engine
@@ -36,7 +36,7 @@ def test_swap_preemption_keeps_outputs(reference, mode):
 
 @pytest.mark.parametrize("policy", ["on-eviction", "write-through"])
 def test_prefix_offload_and_load_back_keep_outputs(reference, policy):
-    llm = LLM(device="cpu", num_kv_blocks=40, swap_space_gb=0.05, kv_offload_policy=policy)
+    llm = LLM(device="cpu", num_kv_blocks=30, swap_space_gb=0.05, kv_offload_policy=policy)
     first = _tokens(llm)
     assert first == reference
     # the same prompts again: their prefixes were pushed to the host tier by the later ones
