@@ -855,15 +855,16 @@ def device_time_profile(profile):
     period when async scheduling hides the host's part of a step behind the device's (the
     host's work per step is shorter than the device's, and a server runs steps back to back).
     The bracket includes the input staging done after its start event, so it is an upper bound
-    of the device's time. Transfer terms are carried over. The serving overhead is refitted against the device-time prefill (its
-    definition: the measured TTFT less the profile's own lone-prefill time), so a lone
-    request's TTFT stays the measured one: the host's part of that first step, which nothing
-    hides for a request that finds the worker idle, moves into the overhead. The served-batch
-    floor (serving_host_ms) is refitted against the device-time decode terms the same way:
-    the served TPOTs stay what was measured, and a step the device no longer explains is the
-    host's. The API process's CPU (api_cost_ms) is no step time: its rows are refitted as
-    they are (a term without rows is carried over). ValueError when a prefill, decode or mixed
-    row has no gpu_ms (a CPU profile: nothing runs beside the host there)."""
+    of the device's time. Transfer terms are carried over. The serving overhead is refitted
+    against the device-time prefill (its definition: the measured TTFT less the profile's own
+    lone-prefill time), so a lone request's TTFT stays the measured one: the host's part of
+    that first step, which nothing hides for a request that finds the worker idle, moves into
+    the overhead. The served-batch floor (serving_host_ms) is refitted against the
+    device-time decode terms the same way: the served TPOTs stay what was measured, and a step
+    the device no longer explains is the host's. The API process's CPU (api_cost_ms) is no
+    step time: its rows are refitted as they are (a term without rows is carried over).
+    ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile: nothing runs
+    beside the host there)."""
     samples: dict[str, list[dict]] = {}
     for term in ("prefill", "decode", "mixed"):
         rows = []

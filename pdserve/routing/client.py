@@ -78,8 +78,8 @@ class WorkerClient(EngineProtocol, Protocol):
     its pools by it). readable(): step(0) has news; pollables(): what to wait on for that;
     exited(): a process ended, noticed or not. submit_requests: add_requests without waiting;
     step() returns [] when its answer comes first, and take_answers() then has the answers,
-    one list per submit in order (before any output that came after them). The P/D calls send no reply but connect_kv,
-    which answers an error or None per peer."""
+    one list per submit in order (before any output that came after them). The P/D calls send
+    no reply but connect_kv, which answers an error or None per peer."""
 
     @property
     def name(self) -> str: ...
