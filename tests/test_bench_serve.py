@@ -8,7 +8,6 @@ import asyncio
 import importlib.util
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pdserve.bench import serve as bs  # noqa: E402
 from pdserve.perf import slo, workload as wl  # noqa: E402
 from pdserve.perf.metrics import compute_metrics  # noqa: E402
 from pdserve.perf.workload import SampleRequest  # noqa: E402
+
+from .utils import free_port  # noqa: E402
 
 TTFT_MS = 100.0    # the synthetic server's default first-chunk delay
 ITL_MS = 20.0      # and gap between chunks
@@ -151,17 +152,11 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", l
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     script = tmp_path_factory.mktemp("fake_server") / "server.py"
     script.write_text(SERVER_SRC)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(script), str(port), str(TTFT_MS), str(ITL_MS),
                              str(SLOW_TTFT_MS), str(SLOW_ITL_MS)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -417,7 +412,7 @@ def test_main_chat_sharegpt_single_run(server, tmp_path):
 
 
 def test_refused_connection_is_a_clear_error(tmp_path, capsys):
-    base = f"http://127.0.0.1:{_free_port()}"
+    base = f"http://127.0.0.1:{free_port()}"
     assert bs.main(["--base-url", base, "--num-prompts", "3", "--disable-tqdm",
                     "--result-file", str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err
@@ -678,7 +673,7 @@ def test_main_multi_turn_chat(server, tmp_path, capsys):
     (["--token-ids"], "multi-turn sends text"),
 ])
 def test_multi_turn_bad_arguments(tmp_path, capsys, args, message):
-    rc = bs.main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--dataset-name", "multi-turn",
+    rc = bs.main(["--base-url", f"http://127.0.0.1:{free_port()}", "--dataset-name", "multi-turn",
                   "--result-file", str(tmp_path / "x.json"), *args])
     assert rc == 2
     assert message in capsys.readouterr().err

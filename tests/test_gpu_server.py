@@ -21,36 +21,24 @@ from .utils import assert_processes_gone, start_server, stop_server, stopped_cle
 MAX_TOKENS = 24
 
 
-def _post(base: str, body: dict) -> dict:
+def _completion(base: str, prompt: list[int], stream: bool) -> list[int]:
+    """The completion's token ids, read from its logprobs tokens (with no tokenizer a token's
+    text is its id); streamed: from every chunk's."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stream": stream}
     req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
-def _stream(base: str, body: dict) -> list[int]:
-    """A streamed completion's token ids, read from its chunks' logprobs tokens (with no
-    tokenizer a token's text is its id)."""
-    req = urllib.request.Request(base + "/v1/completions",
-                                 json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
-    ids: list[int] = []
-    with urllib.request.urlopen(req, timeout=300) as r:
+        if not stream:
+            return [int(t) for t in json.loads(r.read())["choices"][0]["logprobs"]["tokens"]]
+        ids: list[int] = []
         for line in r:
             line = line.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             for c in json.loads(line[5:])["choices"]:
                 ids += [int(t) for t in (c.get("logprobs") or {}).get("tokens", [])]
-    return ids
-
-
-def _completion(base: str, prompt: list[int], stream: bool) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logprobs": 1}
-    if stream:
-        return _stream(base, body)
-    return [int(t) for t in _post(base, body)["choices"][0]["logprobs"]["tokens"]]
+        return ids
 
 
 @pytest.mark.parametrize("deployment", ["single", "1p1d"])
