@@ -1,6 +1,6 @@
 """`pdserve bench step` on CPU with the embedded model at tiny sizes: each row times the step it
 claims. What a step ran is read independently of the benchmark and of the engine's StepRecord,
-from the SchedulerOutputs the model runner was given (a wrapper around ModelRunner.execute
+from the SchedulerOutputs the model runner was given (a wrapper around ModelRunner.execute_async
 counts the prompt tokens and decoding sequences of every forward); a timed step is matched to
 its forward by time (the forward returns before the step's record time `t`, the next forward
 after it)."""
@@ -22,8 +22,9 @@ CONTEXT, CHUNK, BUDGET = 32, 16, 32
 
 class ForwardLog:
     """Every forward's (end time, prompt tokens, prompt sequences, decoding sequences, the
-    prompt chunks' token ids, the positions the decoding sequences attend over), counted from
-    the scheduler's chunks."""
+    prompt chunks' token ids, the positions the decoding sequences attend over, the chunks fed
+    a token the step before sampled and the host has not read yet), counted from the
+    scheduler's chunks."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -31,7 +32,7 @@ class ForwardLog:
         self.prompt_len: dict[str, int] = {}
 
     def wrap(self, orig):
-        def execute(runner, out):
+        def execute_async(runner, out):
             for d in out.new_requests:
                 self.prompt_len[d.request_id] = len(d.prompt_token_ids)
             res = orig(runner, out)
@@ -41,9 +42,10 @@ class ForwardLog:
             self.times.append(time.monotonic())
             self.entries.append((sum(len(c.token_ids) for c in pre), len(pre), len(dec),
                                  [tuple(c.token_ids) for c in pre],
-                                 sum(c.start_pos + 1 for c in dec)))
+                                 sum(c.start_pos + 1 for c in dec),
+                                 sum(bool(c.last_pending) for c in out.chunks)))
             return res
-        return execute
+        return execute_async
 
     def at(self, t: float):
         """The forward of the step whose record time is t."""
@@ -56,7 +58,7 @@ def _run(tmp_path, name, args, log):
     out = tmp_path / f"{name}.json"
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ModelRunner, "execute", log.wrap(ModelRunner.execute))
+        mp.setattr(ModelRunner, "execute_async", log.wrap(ModelRunner.execute_async))
         try:
             with frozen_heap():
                 rc = main(["bench", "step", "--device", "cpu", "--threads", "1",
@@ -115,7 +117,7 @@ def test_prefill_rows_time_one_lone_prefill(run):
         _check_timing(r)
         prompts = []
         for t in r["samples"]["t"]:
-            tokens, seqs, decodes, chunks, _ = log.at(t)
+            tokens, seqs, decodes, chunks, *_ = log.at(t)
             assert (tokens, seqs, decodes) == (n, 1, 0)
             prompts.append(chunks[0])
         assert len(set(prompts)) == len(prompts)   # a fresh prompt every rep
@@ -144,6 +146,37 @@ def test_decode_rows_time_decode_only_steps(run):
             assert log.at(t)[:3] == (0, 0, b)
             assert log.at(t)[4] == ctx     # the context the row says its decodes attended over
         assert CONTEXT * b < r["ctx_sum"] == sum(r["samples"]["ctx_sum"]) / 2
+
+
+def _check_queued(log, r, shape):
+    """The row's queued steps are the three forwards after its last synced one (then one
+    more, a synchronous decode step that applies the last): each the step meant; all but the first started
+    before the host read the step before's tokens (their decodes fed the pending token, which
+    no synced step does); each one's record made only after the next forward had started."""
+    assert "queued_error" not in r and r["queued_reps"] == 3
+    assert r["queued_wall_ms"] > 0 and r["queued_gpu_ms"] is None      # CPU: no device time
+    synced = r["samples"]["t"][-1]
+    last = bisect.bisect_right(log.times, synced) - 1
+    assert log.entries[last][5] == 0
+    queued = log.entries[last + 1:last + 5]
+    assert [e[:3] for e in queued] == [shape] * 3 + [(0, 0, shape[2])]   # (then a decode step)
+    assert [e[5] for e in queued] == [0] + [shape[2]] * 3
+    ts = r["queued_samples"]["t"]
+    assert [bisect.bisect_right(log.times, t) - 1 for t in ts] == [last + 2, last + 3, last + 4]
+
+
+def test_decode_rows_also_run_queued(run):
+    _, payload, log = run
+    rows = _rows(payload, "decode")
+    for b in (1, 4):
+        _check_queued(log, rows[(0, b)], (0, 0, b))
+    for t in rows[(0, 4)]["samples"]["t"]:   # the synced steps fed no pending token
+        assert log.at(t)[5] == 0
+
+
+def test_mixed_rows_also_run_queued(run):
+    _, payload, log = run
+    _check_queued(log, _rows(payload, "mixed")[(CHUNK, 2)], (CHUNK, 1, 2))
 
 
 def test_mixed_row_times_decodes_plus_one_chunk(run):

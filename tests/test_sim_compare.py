@@ -86,6 +86,34 @@ def test_device_time_profile_fits_the_gpu_ms_rows():
     assert dev.extra["step_time"].startswith("device")
 
 
+def test_queued_device_times_replace_the_synced_ones_for_decode_and_mixed_rows():
+    """Rows measured queued too (queued_gpu_ms, here a third exact model: 1.5 + 0.001 S for
+    decode, + 0.01 ms per chunk token for mixed) are fitted on that; a prefill row's queued
+    time is not used (a lone prefill starts on an idle device), nor a queued time that is not
+    a positive number."""
+    rows = _rows()
+    for r in rows["decode"]:
+        r["queued_gpu_ms"] = 1.5 + 0.001 * r["ctx_sum"]
+    for r in rows["mixed"]:
+        r["queued_gpu_ms"] = 1.5 + 0.001 * r["ctx_sum"] + 0.01 * r["n"]
+    for r in rows["prefill"]:
+        r["queued_gpu_ms"] = 0.5
+    est = {"transfer_fixed_ms": 1.0, "transfer_gb_per_s": 2.0, "kv_bytes_per_token": 100,
+           "note": "test"}
+    dev = device_time_profile(profile_from_samples(rows, model="m", hardware="hw",
+                                                   engine_config={}, commit="c",
+                                                   transfer_estimate=est))
+    assert dev.prefill_ms(1000) == pytest.approx(6.0, rel=1e-6)
+    assert dev.decode_ms(8, 4000) == pytest.approx(5.5, rel=1e-6)
+    assert dev.mixed_ms(8, 800, 300) == pytest.approx(1.5 + 0.8 + 3.0, rel=1e-6)
+    for r in rows["decode"]:
+        r["queued_gpu_ms"] = None
+    dev = device_time_profile(profile_from_samples(rows, model="m", hardware="hw",
+                                                   engine_config={}, commit="c",
+                                                   transfer_estimate=est))
+    assert dev.decode_ms(8, 4000) == pytest.approx(6.0, rel=1e-6)
+
+
 def test_a_profile_without_device_times_is_refused(tmp_path, capsys):
     p = _profile(samples={"prefill": [{"n": 16, "wall_ms": 3.0}]})
     with pytest.raises(ValueError, match="no gpu_ms"):

@@ -10,6 +10,13 @@ Three kinds of step are timed, each on its own, through the public engine API
              scheduled in the same step (aborted after); each rep also times one
              decode-only step at the same B just before it, for the ratio
 
+Decode and mixed rows then run the same number of steps again, queued as a server runs them
+(async scheduling for their duration: the host prepares a step while the device runs the one
+before; a mixed step gets a fresh prompt each): queued_wall_ms is their period, queued_gpu_ms
+the median device bracket of those started behind another step. A synced step's bracket also
+holds the device's idle time while the host stages its inputs and sets up sampling; a queued
+one's does not, so queued_gpu_ms is the device time a busy server's steps take.
+
 Every timed step has a device sync before and after it; wall_ms is the host's
 perf_counter around step() with those syncs, gpu_ms the CUDA-event time (forward through
 sampling) from the engine's StepRecord (None on CPU), host_share = 1 - gpu_ms / wall_ms.
@@ -26,7 +33,8 @@ ctx_sum, the tokens the decoding requests attend over in a timed step, read from
 scheduler, mean over the reps), wall_ms with
 wall_ms_p10 / wall_ms_p90, gpu_ms, host_share, reps; record_wall_ms (the engine's own
 step time, without the syncs) and `samples` (each timed rep's numbers); mixed rows add
-decode_wall_ms / decode_gpu_ms / mixed_over_decode. Rows that do not fit the engine
+decode_wall_ms / decode_gpu_ms / mixed_over_decode; decode and mixed rows carry queued_wall_ms,
+queued_gpu_ms, queued_reps and queued_samples, or queued_error. Rows that do not fit the engine
 (token budget, sequence slots, max_model_len, KV pool) carry `skipped` with the reason;
 rows whose steps were not the ones meant carry `error`.
 """
@@ -123,7 +131,9 @@ def token_budget(a: argparse.Namespace) -> int:
 
 
 def seq_slots(a: argparse.Namespace) -> int:
-    return max([1, *a.decode_batches, *(b + 1 for b in a.mixed_decodes)])
+    """Sequence slots that admit every row, a mixed row's queued steps included (b decodes,
+    the new prompt, and the one before it until its token is read)."""
+    return max([1, *a.decode_batches, *(b + 2 for b in a.mixed_decodes)])
 
 
 class StepMismatch(Exception):
@@ -184,6 +194,55 @@ class StepBench:
         if bad:
             raise StepMismatch("the step ran " + ", ".join(bad))
         return wall, rec
+
+    def _queued(self, want: dict[str, int], steps: int, before_each=None) -> dict[str, Any]:
+        """`steps` steps run back to back as a server runs them: async scheduling for their
+        duration, so each step() starts its step before it applies the one in flight and the
+        host's work for a step overlaps the device's for the step before (before_each() runs
+        before every step() call; the request id it returns is aborted at the end if it is
+        still there). Returns queued_wall_ms (wall time from the first start to
+        the last step's end on the device, per step: the period the host and the device
+        sustain together), queued_gpu_ms (the median device bracket of the steps started
+        behind another: the device's own period, without the gaps a synced step leaves for
+        the host's staging and sampling setup; None on CPU) and queued_reps; or queued_error,
+        never a number, when a step was not the one meant or the engine cannot run steps
+        asynchronously. One more step runs synchronously after them (it applies the last
+        one's tokens) and is not counted."""
+        eng = self.eng
+        if not hasattr(eng.executor, "execute_async"):
+            return {"queued_error": f"the executor ({type(eng.executor).__name__}) cannot "
+                                    "start a step asynchronously"}
+        sync(self.device)
+        eng.take_step_records()
+        eng.async_scheduling = True
+        added = []
+        try:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                if before_each is not None:
+                    added.append(before_each())
+                eng.step()
+            sync(self.device)
+            wall = (time.perf_counter() - t0) * 1e3 / steps
+        finally:
+            eng.async_scheduling = False
+            eng.step()   # applies the step in flight (and runs one more, synchronously)
+            sync(self.device)
+            eng.abort_request(added)   # (a prompt still queued when a step was not the one meant)
+        recs = sorted(eng.take_step_records(), key=lambda r: r.t)
+        if len(recs) != steps + 1:
+            return {"queued_error": f"expected the records of {steps + 1} steps, got {len(recs)}"}
+        for i, rec in enumerate(recs[:steps]):
+            bad = [f"{k}={getattr(rec, k)} (meant {v})" for k, v in want.items()
+                   if getattr(rec, k) != v]
+            if bad:
+                return {"queued_error": f"queued step {i} ran " + ", ".join(bad)}
+        gpus = [r.gpu_ms for r in recs[1:steps] if r.gpu_ms is not None]
+        return {"queued_wall_ms": wall, "queued_reps": steps,
+                "queued_gpu_ms": statistics.median(gpus) if gpus else None,
+                "queued_samples": {"gpu_ms": [None if r.gpu_ms is None else round(r.gpu_ms, 4)
+                                              for r in recs[:steps]],
+                                   "t": [r.t for r in recs[:steps]]}}
 
     def _prefill_steps(self, b: int, context: int | None = None) -> int:
         """At most how many steps prefilling b requests of `context` (default --context) tokens
@@ -310,7 +369,8 @@ class StepBench:
         c = self.args.context if context is None else context
         steps = self.args.warmup + self.args.reps
         row = self._base("decode", 0, b, c)
-        max_tokens = self._prefill_steps(b, c) + steps + 2   # (never reached: aborted first)
+        # (never reached: aborted first; the timed steps, the queued ones and the one after)
+        max_tokens = self._prefill_steps(b, c) + 2 * steps + 3
         seq_len = c + max_tokens
         why = self._unfit(step_tokens=b, seqs=b, seq_len=seq_len, blocks=b * self._blocks(seq_len))
         if why:
@@ -330,7 +390,9 @@ class StepBench:
                 if i >= self.args.warmup:
                     samples.append(sample)
                     ctx.append(before)
-            return self._with_ctx(self._summary(samples), ctx)
+            out = self._with_ctx(self._summary(samples), ctx)
+            out.update(self._queued(want, steps))
+            return out
         return self._run_row(row, body)
 
     def mixed(self, b: int, context: int | None = None, chunk: int | None = None) -> dict:
@@ -341,7 +403,7 @@ class StepBench:
         k = a.chunk if chunk is None else chunk
         steps = a.warmup + a.reps
         row = self._base("mixed", k, b, c)
-        max_tokens = self._prefill_steps(b, c) + 2 * steps + 2
+        max_tokens = self._prefill_steps(b, c) + 3 * steps + 3
         seq_len = max(c + max_tokens, k + 1)
         why = self._unfit(step_tokens=b + k, seqs=b + 1, seq_len=seq_len,
                           blocks=b * self._blocks(seq_len) + self._blocks(k + 1))
@@ -376,6 +438,15 @@ class StepBench:
                        mixed_over_decode_gpu=(None if out["gpu_ms"] is None or not d["gpu_ms"]
                                               else out["gpu_ms"] / d["gpu_ms"]),
                        decode_samples=d["samples"])
+            # the same steps queued: a fresh prompt of k tokens before each (one token
+            # wanted: it is done with its prefill, never a decode in the next step; it holds
+            # its slot and blocks until that token is read, while the next prompt runs)
+            if b + 2 > self.max_seqs:
+                out["queued_error"] = (f"not run: its steps need {b + 2} sequence slots "
+                                       f"> max_num_seqs {self.max_seqs}")
+            else:
+                out.update(self._queued(want_mix, steps, lambda: self._add(
+                    self._prompts(1, k)[0], max_tokens=1)))
             return out
         return self._run_row(row, body)
 
@@ -409,6 +480,11 @@ def _line(r: dict) -> str:
     elif r["kind"] == "mixed":
         note = (f"decode-only {_fmt(r['decode_wall_ms'], '.3f')} ms, mixed/decode "
                 f"x{r['mixed_over_decode']:.2f}")
+    if "queued_error" in r:
+        note += f" queued: ERROR {r['queued_error']}"
+    elif "queued_wall_ms" in r:
+        note += (f" queued: {r['queued_wall_ms']:.3f} ms a step, "
+                 f"gpu {_fmt(r['queued_gpu_ms'], '.3f')}")
     return (f"{r['model']:>14} {r['kind']:>7} {r['num_tokens']:>6} {r['num_decodes']:>7} "
             f"{r['context']:>5} {_fmt(r['wall_ms'], '.3f', 9)} {_fmt(r['wall_ms_p10'], '.3f', 9)} "
             f"{_fmt(r['wall_ms_p90'], '.3f', 9)} {_fmt(r['gpu_ms'], '.3f', 9)} "

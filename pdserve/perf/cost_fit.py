@@ -863,6 +863,10 @@ def device_time_profile(profile):
     device-time decode terms the same way: the served TPOTs stay what was measured, and a step
     the device no longer explains is the host's. The API process's CPU (api_cost_ms) is no
     step time: its rows are refitted as they are (a term without rows is carried over).
+    A decode or mixed row measured queued as well (queued_gpu_ms: its steps run back to back
+    under async scheduling, each bracket opening when the step before ends on the device)
+    gives that time instead: a synced step's bracket also holds the device's idle time while
+    the host stages the step's inputs and sets up its sampling, which a busy server hides.
     ValueError when a prefill, decode or mixed row has no gpu_ms (a CPU profile: nothing runs
     beside the host there)."""
     samples: dict[str, list[dict]] = {}
@@ -873,6 +877,9 @@ def device_time_profile(profile):
             if not isinstance(g, (int, float)) or not g > 0:
                 raise ValueError(f"profile {term} row {i} has no gpu_ms (device time): "
                                  "--step-time device needs a GPU profile")
+            q = r.get("queued_gpu_ms")
+            if term != "prefill" and isinstance(q, (int, float)) and q > 0:
+                g = q
             row = {k: v for k, v in r.items() if k not in ("wall_ms_samples", "decode_wall_ms")}
             row["wall_ms"], row["synced_wall_ms"] = float(g), r["wall_ms"]
             rows.append(row)
@@ -881,6 +888,6 @@ def device_time_profile(profile):
         if profile.samples.get(term):
             samples[term] = list(profile.samples[term])
     extra = dict(profile.extra)
-    extra["step_time"] = "device (gpu_ms rows)"
+    extra["step_time"] = "device (gpu_ms rows; queued_gpu_ms where measured)"
     return _refitted(profile, samples, extra, profile.fit_graph_sizes,
                      "carried over from the profile")

@@ -9,6 +9,9 @@ What runs, in order:
        decode   decode-only steps for each batch size (--decode-batches) at each context
                 (--contexts); ctx_sum read from the engine's scheduler
        mixed    b decodes at --mixed-context plus one n-token prompt, per B:N in --mixed
+     decode and mixed rows are also run queued (async scheduling, as a server runs them):
+     their queued_gpu_ms is the device time of a step started behind another, which the
+     device-time refit (cost_fit.device_time_profile) takes over the synced bracket
   2. the KV hand-off: a 1-prefill / 1-decode deployment of the same engine config with the
      connector given (--kv-connector, default "shared": a shared file on CPU, CUDA IPC on one
      GPU, the peer / relay path across GPUs), one request of each --transfer-tokens length at
@@ -276,9 +279,10 @@ def served_batch_sizes(a, serving_cfg) -> tuple[list[int], list[int]]:
 
 
 def _budget(a) -> tuple[int, int]:
-    """(token budget, sequence slots) that admit every row."""
+    """(token budget, sequence slots) that admit every row (a mixed row's queued steps hold
+    b + 2 sequences: the new prompt's and the one before it until its token is read)."""
     tokens = max([*a.prefill_tokens, *a.decode_batches, *(b + n for b, n in a.mixed_pairs)])
-    seqs = max([1, *a.decode_batches, *(b + 1 for b, _ in a.mixed_pairs)])
+    seqs = max([1, *a.decode_batches, *(b + 2 for b, _ in a.mixed_pairs)])
     return tokens, seqs
 
 
@@ -489,6 +493,9 @@ def _samples(rows: list[dict]) -> tuple[dict[str, list[dict]], list[dict]]:
         base = {"wall_ms": r["wall_ms"], "reps": r["reps"], "wall_ms_p10": r["wall_ms_p10"],
                 "wall_ms_p90": r["wall_ms_p90"], "gpu_ms": r["gpu_ms"],
                 "wall_ms_samples": r["samples"]["wall_ms"]}
+        for k in ("queued_gpu_ms", "queued_wall_ms"):
+            if r.get(k) is not None:
+                base[k] = r[k]
         if r["kind"] == "prefill":
             out["prefill"].append({"n": r["num_tokens"], **base})
         elif r["kind"] == "decode":
