@@ -440,13 +440,15 @@ class StepBench:
                        decode_samples=d["samples"])
             # the same steps queued: a fresh prompt of k tokens before each (one token
             # wanted: it is done with its prefill, never a decode in the next step; it holds
-            # its slot and blocks until that token is read, while the next prompt runs)
+            # its slot and blocks until that token is read, while the next prompt runs). The
+            # prompts are drawn first: drawing one takes the host longer than a step.
             if b + 2 > self.max_seqs:
                 out["queued_error"] = (f"not run: its steps need {b + 2} sequence slots "
                                        f"> max_num_seqs {self.max_seqs}")
             else:
-                out.update(self._queued(want_mix, steps, lambda: self._add(
-                    self._prompts(1, k)[0], max_tokens=1)))
+                fresh = iter(self._prompts(steps, k))
+                out.update(self._queued(want_mix, steps,
+                                        lambda: self._add(next(fresh), max_tokens=1)))
             return out
         return self._run_row(row, body)
 
