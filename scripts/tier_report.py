@@ -41,12 +41,14 @@ COUNTERS = ("pdserve:kv_blocks_swapped_total", "pdserve:kv_blocks_offloaded_tota
             "pdserve:engine_step_tokens_total",
             # the server's own request phases (histograms' sums and counts): where a client's
             # TTFT goes, split by the server (phase_summary)
-            *(f"{h}_{part}" for h in ("pdserve:time_to_first_token_seconds",
+            *(f"{h}_{part}" for h in ("pdserve:request_admission_seconds",
+                                      "pdserve:time_to_first_token_seconds",
                                       "pdserve:request_queue_time_seconds",
                                       "pdserve:request_prefill_time_seconds")
               for part in ("sum", "count")))
 # phase_summary's fields: the histogram each mean comes from
-PHASES = {"server_ttft_ms": "pdserve:time_to_first_token_seconds",   # to engine -> 1st output
+PHASES = {"admission_ms": "pdserve:request_admission_seconds",       # HTTP in -> to engine
+          "server_ttft_ms": "pdserve:time_to_first_token_seconds",   # to engine -> 1st output
           "queue_ms": "pdserve:request_queue_time_seconds",         # engine arrival -> scheduled
           "prefill_ms": "pdserve:request_prefill_time_seconds"}     # scheduled -> first token
 _SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)')
@@ -140,7 +142,10 @@ def phase_summary(delta: dict[str, float]) -> dict[str, float | None]:
     way to the engine and the stream's way back. server_ttft_ms is the API's own timer, from
     the hand-off to the engine to the first output there: it holds queue_ms + prefill_ms and
     the trip to the worker and back (before bc2399e it started when the response body began to
-    read, and a CPU dry run gave a mean 238 ms against a 240 ms prefill phase)."""
+    read, and a CPU dry run gave a mean 238 ms against a 240 ms prefill phase). admission_ms
+    is the API's time before that hand-off, from the HTTP request's headers read (body,
+    parsing, tokenizing); the client's TTFT less admission_ms and server_ttft_ms is the
+    connection, the HTTP server's own queue and the client's."""
     out: dict[str, float | None] = {}
     for field, h in PHASES.items():
         n = delta.get(f"{h}_count", 0.0)
@@ -236,7 +241,8 @@ def format_summary(s: dict[str, Any]) -> str:
                              f"{f(k['decode_tokens_per_step'], 0)} decode tokens")
             ph = x.get("request_phases")
             if ph:
-                lines.append(f"{'':>5}   {side} server's means: TTFT {f(ph['server_ttft_ms'])} ms, "
+                lines.append(f"{'':>5}   {side} server's means: admission "
+                             f"{f(ph.get('admission_ms'))} ms, TTFT {f(ph['server_ttft_ms'])} ms, "
                              f"queue {f(ph['queue_ms'])} ms, prefill {f(ph['prefill_ms'])} ms")
     return "\n".join(lines)
 

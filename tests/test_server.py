@@ -153,6 +153,21 @@ def test_metrics_move(server, client):
         assert _metric(server, "pdserve:requests_after_worker_death_total") == 0
 
 
+def test_admission_time_is_observed_once_per_engine_request(server, client):
+    """pdserve:request_admission_seconds (HTTP request received to its engine request added):
+    a completion of two prompts is two engine requests, a chat one; their times fall inside
+    the client's wall time around the calls."""
+    count = _metric(server, "pdserve:request_admission_seconds_count")
+    total = _metric(server, "pdserve:request_admission_seconds_sum")
+    t0 = time.perf_counter()
+    client.completions.create(model=MODEL, prompt=["One,", "Two,"], max_tokens=2, temperature=0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                   max_tokens=2, temperature=0)
+    wall = time.perf_counter() - t0
+    assert _metric(server, "pdserve:request_admission_seconds_count") == count + 3
+    added = _metric(server, "pdserve:request_admission_seconds_sum") - total
+    assert 0 < added < wall
+
 
 def test_admin_check_says_where_each_rank_runs(server):
     """Each worker's ranks with their pids (the same as worker_pids), node and address: this

@@ -214,7 +214,8 @@ def test_proc_cpu_counts_a_process_tree_and_attaches_its_growth(tmp_path, capsys
 def test_the_servers_request_phases_over_a_run(tmp_path):
     """The request-phase histograms as pdserve's /metrics writes them, before and after a run;
     their means over the run, by hand. TTFT: 10 and 30 ms before, then 50 and 110 ms: (50 + 110)
-    / 2 = 80 ms; queue: 20 and 40 ms, all in the run: 30 ms; prefill: never observed: None."""
+    / 2 = 80 ms; queue: 20 and 40 ms, all in the run: 30 ms; prefill: never observed: None;
+    admission: one 4 ms observation."""
     from pdserve.server.metrics import Metrics
 
     m = Metrics("m")
@@ -225,6 +226,7 @@ def test_the_servers_request_phases_over_a_run(tmp_path):
         m.ttft.observe(s)
     for s in (0.020, 0.040):
         m.queue_time.observe(s)
+    m.admission.observe(0.004)
     after = m.render().decode()
     path = write(tmp_path / "tier-mt-gpu-24.json", result("24", 1.0, 1.0, 1.0, 1.0))
     (tmp_path / "b.txt").write_text(before)
@@ -234,3 +236,4 @@ def test_the_servers_request_phases_over_a_run(tmp_path):
     assert phases["server_ttft_ms"] == pytest.approx(80.0)
     assert phases["queue_ms"] == pytest.approx(30.0)
     assert phases["prefill_ms"] is None
+    assert phases["admission_ms"] == pytest.approx(4.0)

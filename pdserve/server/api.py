@@ -36,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..worker.client import EngineDeadError
 from .async_engine import AsyncEngine
 from .console import StatsLine, log_stats
-from .http import (BearerAuth, BodyLimit, BodyTooLarge, Busy, ServeOptions, error_response,
-                   too_large, validation_message)
+from .http import (ArrivalStamp, BearerAuth, BodyLimit, BodyTooLarge, Busy, ServeOptions,
+                   error_response, too_large, validation_message)
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        ErrorResponse, TokenizeRequest)
 from .serving import OpenAIServing
@@ -69,11 +69,12 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServeOptions | None
     app.add_middleware(BodyLimit, limit=options.max_request_bytes)
     if options.api_key is not None:
         app.add_middleware(BearerAuth, api_key=options.api_key)
-    if options.allowed_origins:   # (added last: outermost, so preflights need no key)
+    if options.allowed_origins:   # (added after the key: outside it, so preflights need none)
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_credentials=options.allow_credentials,
                            allow_methods=list(options.allowed_methods),
                            allow_headers=list(options.allowed_headers))
+    app.add_middleware(ArrivalStamp)   # (added last: outermost)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):

@@ -3,6 +3,7 @@ the API key check and the options that protect the server and its clients (Serve
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -112,6 +113,22 @@ class BearerAuth:
                     401, "invalid or missing API key (send Authorization: Bearer <key>)",
                     headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+ARRIVAL = "pdserve_arrival"    # the request's scope["state"] key (Request.state.pdserve_arrival)
+
+
+class ArrivalStamp:
+    """ASGI middleware, outermost: stamps each HTTP request with time.perf_counter() when the
+    app first sees it (its headers parsed, before its body is read), for the admission time."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[ARRIVAL] = time.perf_counter()
+        return await self.app(scope, receive, send)
 
 
 class BodyLimit:

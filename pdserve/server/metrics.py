@@ -107,6 +107,10 @@ class Metrics:
                           "Time between two chunks of a stream", buckets=_LATENCY_BUCKETS)
         self.e2e = metric(Histogram, "pdserve:e2e_request_latency_seconds",
                           "Arrival to last token", buckets=_LATENCY_BUCKETS)
+        self.admission = metric(Histogram, "pdserve:request_admission_seconds",
+                                "HTTP request received (headers read) to its engine request "
+                                "added: the body, parsing, checks, tokenizing and templates",
+                                buckets=_LATENCY_BUCKETS)
         # vLLM's request phases, from the engine's times (RequestOutput.metrics)
         self.queue_time = metric(Histogram, "pdserve:request_queue_time_seconds",
                                  "Arrival to first scheduled (time in the waiting queue)",

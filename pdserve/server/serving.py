@@ -21,7 +21,7 @@ from ..outputs import RequestOutput
 from ..protocol import AddRequest
 from ..worker.client import EngineDeadError
 from .async_engine import AsyncEngine, RequestStream
-from .http import Busy, ServeOptions, error_event, sse
+from .http import ARRIVAL, Busy, ServeOptions, error_event, sse
 from .metrics import Metrics, RequestTimer
 from .protocol import ChatCompletionRequest, CompletionRequest, ToolMode
 from .tool_parsers import (StreamDelta, ToolParser, ToolSpec, get_tool_parser, new_call_id,
@@ -34,6 +34,13 @@ _ids = itertools.count()
 # may exceed the whole text's by a few tokens cut at its end.
 _HEAD_CHARS_PER_TOKEN = 16
 _HEAD_MARGIN = 16
+
+
+def _arrival(raw) -> float | None:
+    """The HTTP request's arrival stamp (http.ArrivalStamp); None without one (an app built
+    without the middleware, or a request object that is not Starlette's)."""
+    state = getattr(raw, "scope", {}).get("state") or {}
+    return state.get(ARRIVAL)
 
 
 def _template_tool_calls(calls, where: str):
@@ -174,10 +181,13 @@ class OpenAIServing:
                              f"prompt has {num_prompt} tokens and max_model_len is {limit}, so "
                              f"at most {limit - num_prompt} can be generated")
 
-    async def admit(self, reqs: list[AddRequest]) -> list[RequestStream]:
+    async def admit(self, reqs: list[AddRequest], arrival: float | None = None
+                    ) -> list[RequestStream]:
         """Admits every engine request of one HTTP request, or none: the first rejection is
         raised (ValueError: 400; EngineDeadError: 503) and the admitted ones are aborted.
-        Each admitted stream counts as waiting until its first output or its close()."""
+        Each admitted stream counts as waiting until its first output or its close().
+        arrival: the HTTP request's time.perf_counter() stamp (http.ArrivalStamp), for the
+        admission time of each admitted request."""
         if self.draining:
             raise EngineDeadError("the server is shutting down")
         limit = self.options.max_queued_requests
@@ -187,6 +197,9 @@ class OpenAIServing:
         got = await asyncio.gather(*(self.engine.add(r) for r in reqs), return_exceptions=True)
         streams = [g for g in got if isinstance(g, RequestStream)]
         self.waiting.update(streams)
+        if arrival is not None:
+            for st in streams:
+                self.metrics.admission.observe(st.added - arrival)
         error = next((g for g in got if isinstance(g, BaseException)), None)
         if error is not None:
             await self.close(streams)
@@ -340,7 +353,7 @@ class OpenAIServing:
             self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         cid = f"cmpl-{next(_ids)}"
         streams = await self.admit([AddRequest(f"{cid}-{i}", p, params)
-                                    for i, p in enumerate(prompts)])
+                                    for i, p in enumerate(prompts)], _arrival(raw))
         n = params.n
         if req.stream:
             offsets: dict = {}
@@ -470,7 +483,8 @@ class OpenAIServing:
         self.check_length(len(ids), params.max_tokens)
         parser = self.tool_parser if mode.parse else None
         cid = f"chatcmpl-{next(_ids)}"
-        streams = await self.admit([AddRequest(cid, {"prompt_token_ids": ids}, params)])
+        streams = await self.admit([AddRequest(cid, {"prompt_token_ids": ids}, params)],
+                                   _arrival(raw))
         if req.stream:
             calls = _StreamedCalls(parser, req.parallel_tool_calls is False)
             return self.stream(streams, lambda i, out: self.chat_chunks(cid, req, out, calls),
