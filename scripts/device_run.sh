@@ -2,6 +2,9 @@
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), splits, kernel-tests, latency-bound, ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
 # skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), profile-tier (py-spy on the host-tier server's worker during the multi-turn run), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
+# Results' git_commit: the device's copy of the repo reports the commit its session started at,
+# whatever was committed since (seen 2026-12-06: a4d4b7f's and 224fc1a's profiles read c825257).
+# Name the commit that runs in the call: PDSERVE_GIT_COMMIT=$(git rev-parse HEAD, here) bash ...
 set -u
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # (an earlier call's `wheels` stage on this warm machine: its packages, for this call too)
