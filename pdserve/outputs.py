@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .protocol import KVSource
 
@@ -55,3 +56,23 @@ class RequestOutput:
     # Set when the deployment, not the request, ended it (its worker died with it, the server
     # shut down): why. The outputs then finish with finish_reason "abort".
     error: str | None = None
+
+
+class RequestPhases(NamedTuple):
+    """A finished request's phases (s), as vLLM's request_*_time_seconds measure them."""
+    queue: float       # arrival -> first scheduled
+    prefill: float     # first scheduled -> first token
+    decode: float      # first token -> last token
+    inference: float   # first scheduled -> last token
+
+
+def request_phases(times: dict[str, float]) -> RequestPhases | None:
+    """From a finished RequestOutput's metrics (the engine's times, one clock; in P/D the
+    router's arrival and the prefill worker's scheduled and first token); None when one is
+    missing (the request ended before it was scheduled or before its first token)."""
+    try:
+        arrival, scheduled = times["arrival"], times["scheduled"]
+        first, last = times["first_token"], times["finished"]
+    except KeyError:
+        return None
+    return RequestPhases(scheduled - arrival, first - scheduled, last - first, last - scheduled)

@@ -252,7 +252,8 @@ def test_request_phases_from_the_engines_times():
     histograms hold these sums (by hand: queue 60, prefill 20, decode 40, inference 60)."""
     from pdserve.engine.core import EngineCore
     from pdserve.sampling_params import SamplingParams
-    from pdserve.server.metrics import Metrics, RequestPhases, RequestTimer, request_phases
+    from pdserve.outputs import RequestPhases, request_phases
+    from pdserve.server.metrics import Metrics, RequestTimer
     from .utils import metric_value
     now = [0.0]
     core = EngineCore(EngineConfig(block_size=4, max_num_batched_tokens=4, max_num_seqs=1,

@@ -268,6 +268,24 @@ def test_queues_form_behind_the_serving_overhead():
     assert r2.ttft * 1e3 == pytest.approx(o + prof.prefill_ms(2 * L + O), rel=1e-9)
 
 
+def test_the_request_phases_of_a_queue_by_hand():
+    """The two requests of the test above (service D each, one at a time, overhead o), their
+    phases as the served histograms name them: each reaches the router o after its arrival
+    (admission o); the first is scheduled at once and the second when the first ends, D / 2
+    after it reached the router (queue 0 and D / 2); each prefill is its prefill step (first);
+    the first token's delivery is its prefill after reaching the router, plus its queue. The
+    facts hold the means (ms)."""
+    prof, L, O, o = profile(), 64, 3, 4.0
+    first, decodes = service_ms(prof, L, O)
+    D = first + sum(decodes)
+    p = prompts(2, L)
+    res = simulator(overhead_ms=o, max_num_seqs=1, enable_prefix_caching=False).run(
+        [SimRequest(p[0], O, 0.0), SimRequest(p[1], O, D / 2e3)])
+    assert res.facts["request_phases"] == pytest.approx(
+        {"admission_ms": o, "queue_ms": D / 4, "prefill_ms": first,
+         "server_ttft_ms": first + D / 4}, rel=1e-9)
+
+
 @pytest.mark.parametrize("cache", [True, False])
 def test_a_lone_conversation_turn_by_turn(cache):
     """One conversation of three turns on one worker: turn k is sent when turn k - 1's last

@@ -7,9 +7,10 @@ totals from the router."""
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..outputs import request_phases
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -235,26 +236,6 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class RequestPhases(NamedTuple):
-    """A finished request's phases (s), as vLLM's request_*_time_seconds measure them."""
-    queue: float       # arrival -> first scheduled
-    prefill: float     # first scheduled -> first token
-    decode: float      # first token -> last token
-    inference: float   # first scheduled -> last token
-
-
-def request_phases(times: dict[str, float]) -> RequestPhases | None:
-    """From a finished RequestOutput's metrics (the engine's times, one clock; in P/D the
-    router's arrival and the prefill worker's scheduled and first token); None when one is
-    missing (the request ended before it was scheduled or before its first token)."""
-    try:
-        arrival, scheduled = times["arrival"], times["scheduled"]
-        first, last = times["first_token"], times["finished"]
-    except KeyError:
-        return None
-    return RequestPhases(scheduled - arrival, first - scheduled, last - first, last - scheduled)
 
 
 class RequestTimer:

@@ -421,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         s = run["simulation"]
         print(f"rate {w['request_rate']}: simulated {s['simulated_s']:.2f} s, {s['events']} events, "
               f"{s['transfers']} KV transfers, wall {w['wall_s']:.2f} s (CPU {w['cpu_s']:.2f} s)")
+        ph = s.get("request_phases") or {}
+        if ph.get("queue_ms") is not None:
+            print(f"  phases (means): admission {ph['admission_ms']:.1f} ms, TTFT from the router "
+                  f"{ph['server_ttft_ms']:.1f} ms, queue {ph['queue_ms']:.1f} ms, prefill "
+                  f"{ph['prefill_ms']:.1f} ms")
         if s.get("api"):
             api = s["api"]
             util = "-" if api["utilization"] is None else f"{api['utilization']:.0%}"

@@ -68,7 +68,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from ..config import EngineConfig
 from ..engine.core import EngineCore
 from ..engine.request import sequence_id
-from ..outputs import RequestOutput
+from ..outputs import RequestOutput, request_phases
 from ..perf.cost_profile import deployment_graph_sizes
 from ..perf.metrics import RequestResult
 from ..protocol import AddRequest, WorkerStats
@@ -217,6 +217,8 @@ class _Track:
     # multi-turn: (conversation index, turn, prompt token ids) of this request
     turn: tuple[int, int, list[int]] | None = None
     cached: int | None = None       # prompt tokens the engine found cached (usage's)
+    # (its arrival at the router, queue s, prefill s): the engine's times of it (request_phases)
+    phases: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -394,6 +396,7 @@ class Simulator:
         duration = max(ends) - first_arrival if ends else 0.0
         facts = self._facts(time.perf_counter() - wall0)
         facts["api"] = self.api.facts(duration) if self.api is not None else None
+        facts["request_phases"] = self._phase_means()
         facts["cpu_s"] = time.process_time() - cpu0
         return SimResult(results, duration, facts)
 
@@ -542,6 +545,9 @@ class Simulator:
             tr.seen = len(o.token_ids)
             tr.done = True
             tr.cached = out.num_cached_tokens
+            ph = request_phases(out.metrics)
+            if ph is not None:
+                tr.phases = (out.metrics["arrival"], ph.queue, ph.prefill)
             if out.error or o.finish_reason == "abort":
                 tr.error = out.error or "aborted"
             elif tr.turn is not None:   # the next turn goes when the client has the answer
@@ -580,6 +586,21 @@ class Simulator:
         else:
             r.error = tr.error or "not finished (the simulation ran out of events)"
         return r
+
+    def _phase_means(self) -> dict[str, float | None]:
+        """The mean phases of the requests that finished, in ms, named as a served run's
+        (scripts/tier_report.py phase_summary): admission_ms, the request's arrival to its
+        arrival at the router (the API process's queue and admit cost, or the serving
+        overhead); server_ttft_ms, from there to its first token's delivery; queue_ms and
+        prefill_ms, the engine's (request_phases). None each without a finished request."""
+        rows = [(reach - tr.arrival, tr.first - reach, queue, prefill)
+                for tr in self._tracks.values()
+                if tr.phases is not None and tr.first is not None and not tr.error
+                for reach, queue, prefill in (tr.phases,)]
+        names = ("admission_ms", "server_ttft_ms", "queue_ms", "prefill_ms")
+        if not rows:
+            return dict.fromkeys(names)
+        return {k: 1e3 * sum(col) / len(rows) for k, col in zip(names, zip(*rows))}
 
     def _facts(self, wall_s: float) -> dict[str, Any]:
         st = self.router.stats
