@@ -136,6 +136,12 @@ def seq_slots(a: argparse.Namespace) -> int:
     return max([1, *a.decode_batches, *(b + 2 for b in a.mixed_decodes)])
 
 
+def _unmeant(rec, want: dict[str, int]) -> str:
+    """The fields of a StepRecord that differ from what its row means ("" when none)."""
+    return ", ".join(f"{k}={getattr(rec, k)} (meant {v})" for k, v in want.items()
+                     if getattr(rec, k) != v)
+
+
 class StepMismatch(Exception):
     """A timed step was not the step its row means."""
 
@@ -189,10 +195,9 @@ class StepBench:
         if len(recs) != 1:
             raise StepMismatch(f"expected the record of one step, got {len(recs)}")
         rec = recs[0]
-        bad = [f"{k}={getattr(rec, k)} (meant {v})" for k, v in want.items()
-               if getattr(rec, k) != v]
+        bad = _unmeant(rec, want)
         if bad:
-            raise StepMismatch("the step ran " + ", ".join(bad))
+            raise StepMismatch("the step ran " + bad)
         return wall, rec
 
     def _queued(self, want: dict[str, int], steps: int, before_each=None) -> dict[str, Any]:
@@ -233,10 +238,9 @@ class StepBench:
         if len(recs) != steps + 1:
             return {"queued_error": f"expected the records of {steps + 1} steps, got {len(recs)}"}
         for i, rec in enumerate(recs[:steps]):
-            bad = [f"{k}={getattr(rec, k)} (meant {v})" for k, v in want.items()
-                   if getattr(rec, k) != v]
+            bad = _unmeant(rec, want)
             if bad:
-                return {"queued_error": f"queued step {i} ran " + ", ".join(bad)}
+                return {"queued_error": f"queued step {i} ran " + bad}
         gpus = [r.gpu_ms for r in recs[1:steps] if r.gpu_ms is not None]
         return {"queued_wall_ms": wall, "queued_reps": steps,
                 "queued_gpu_ms": statistics.median(gpus) if gpus else None,

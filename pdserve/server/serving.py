@@ -36,11 +36,9 @@ _HEAD_CHARS_PER_TOKEN = 16
 _HEAD_MARGIN = 16
 
 
-def _arrival(raw) -> float | None:
-    """The HTTP request's arrival stamp (http.ArrivalStamp); None without one (an app built
-    without the middleware, or a request object that is not Starlette's)."""
-    state = getattr(raw, "scope", {}).get("state") or {}
-    return state.get(ARRIVAL)
+def _arrival(raw: Request) -> float | None:
+    """The HTTP request's arrival stamp (http.ArrivalStamp); None in an app built without it."""
+    return getattr(raw.state, ARRIVAL, None)
 
 
 def _template_tool_calls(calls, where: str):
