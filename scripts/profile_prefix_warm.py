@@ -1,0 +1,79 @@
+"""Where issue 16 case 1's warm TTFT goes (one-token LLM.generate of a 2,083-token system prompt,
+seen once, + a 30-50-token question), against the cold one: wall per call (median of 8), the
+device kernels of the warm and the cold call (torch.profiler, 8 calls each) and the device busy
+time per call. Writes prefix-warm-prof.txt (tables) and prefix-warm-prof.json (numbers) to --out.
+
+    python scripts/profile_prefix_warm.py --model qwen2.5-1.5b --out /tmp/prof
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.common import random_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-1.5b")
+    p.add_argument("--system-len", type=int, default=2083)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--out", default=".")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    llm = LLM(a.model, device=a.device, load_format=a.load_format, skip_tokenizer_init=True)
+    vocab = min(100000, llm.llm_engine.model_config.vocab_size)
+    system = random_prompts(1, a.system_len, a.system_len, vocab, 0)[0]
+    qs = random_prompts(8, 30, 51, vocab, 1)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    def call(prompt):
+        sync()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    call(random_prompts(1, 64, 64, vocab, 2)[0])
+    activity = ProfilerActivity.CUDA if a.device == "cuda" else ProfilerActivity.CPU  # (a CPU dry run)
+    out = {}
+    lines = []
+    for label in ("cold", "warm"):
+        walls, kernels = [], {}
+        for i, q in enumerate(qs * 2):        # the first 8: wall alone; the next 8: profiled
+            llm.reset_prefix_cache()
+            if label == "warm":
+                call(system)                  # the system prompt seen once
+            if i < len(qs):
+                walls.append(call(system + q))
+                continue
+            with profile(activities=[activity]) as prof:
+                call(system + q)
+            for e in prof.key_averages():
+                t = e.self_device_time_total if a.device == "cuda" else e.self_cpu_time_total
+                if t > 0:
+                    kernels[e.key] = kernels.get(e.key, 0.0) + t / len(qs)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])
+        out[label] = {"wall_ms_median": statistics.median(walls), "wall_ms": walls,
+                      "device_us_per_call": sum(kernels.values()),
+                      "kernels_us_per_call": {k: round(v, 2) for k, v in top[:40]}}
+        lines.append(f"==== {label}: wall median {statistics.median(walls):.3f} ms, device "
+                     f"{sum(kernels.values()):.1f} us per call")
+        lines += [f"{v:10.1f} us  {k[:110]}" for k, v in top[:30]]
+    open(os.path.join(a.out, "prefix-warm-prof.txt"), "w").write("\n".join(lines) + "\n")
+    json.dump(out, open(os.path.join(a.out, "prefix-warm-prof.json"), "w"), indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
