@@ -4,6 +4,9 @@
     python -m pdserve.kernels.bench --tune  # also sweep DECODE_CONFIG / PREFILL_CONFIG variants
     python -m pdserve.kernels.bench --skinny --output f.json
                                             # skinny_linear configs vs cuBLAS at decode shapes
+    python -m pdserve.kernels.bench --extend --output f.json
+                                            # a prompt chunk over cached context (a prefix hit's
+                                            # step) as a mixed graph runs it, per prefill config
     python -m pdserve.kernels.bench --splits --output f.json [--old FILE]
                                             # decode under a captured 32k bound: split minimums
                                             # (and an older paged_attention.py, FILE) compared
@@ -291,6 +294,80 @@ def bench_splits(old: str | None = None, H: int = 12, Hkv: int = 2, bound: int =
     return {"rows": rows, "device": torch.cuda.get_device_name(0), "bound": bound}
 
 
+def bench_extend(chunk: int, context: int, H: int = 12, Hkv: int = 2, D: int = 128, BS: int = 16,
+                 *, max_seqs: int = 256, max_model_len: int = 32768, prefill_config: dict | None = None,
+                 iters: int = 50, warmup: int = 10, seed: int = 0) -> dict:
+    """One prompt chunk of `chunk` new tokens over `context` cached ones, as the server's mixed
+    CUDA graph runs its attention (worker/cuda_graph.py): the step padded to its token bucket T
+    (step_shapes.mixed_sizes), min(T, max_seqs) sequences of which all but one are padding
+    (q_len 0), max_query_len T, max_seq_len the captured context tier. A prefix-cache hit's step
+    (a question after a cached system prompt) and a long prompt's later chunks have this shape.
+    Graph replay median us, and the K/V bytes the chunk must read once at least."""
+    from ..step_shapes import graph_bucket, mixed_sizes
+    from ..worker.cuda_graph import MIXED_TIER_RATIO, context_tiers
+    from . import paged_attention as pa
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    T = graph_bucket(chunk, mixed_sizes(8192))
+    tier = next(t for t in context_tiers(max_model_len, MIXED_TIER_RATIO) if t >= context + chunk)
+    B = min(T, max_seqs)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = -(-(context + chunk) // BS)
+    kv = torch.randn(2, n + 1, BS, Hkv, D, dtype=dtype, device=dev)
+    bt = torch.zeros(B, -(-tier // BS), dtype=torch.int32)
+    bt[0, :n] = (torch.randperm(n, generator=g) + 1).int()
+    bt = bt.to(dev)
+    q = torch.randn(T, H, D, dtype=dtype, device=dev)
+    qsl = torch.tensor([0] + [chunk] * B, dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor([context + chunk] + [0] * (B - 1), dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+
+    def step():
+        pa._paged_attention(q, kv[0], kv[1], bt, seq_lens, qsl, D ** -0.5, max_query_len=T,
+                            max_seq_len=tier, out=out, prefill_config=prefill_config)
+
+    ref = pa.paged_attention_ref(q[:chunk], kv[0], kv[1], bt[:1], seq_lens[:1], qsl[:2], D ** -0.5)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    err = (out[:chunk].float() - ref.float()).abs().max().item()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    us = _median_ms(graph.replay, iters, warmup) * 1e3
+    kv_bytes = 2 * (context + chunk) * Hkv * D * 2
+    return dict(chunk=chunk, context=context, T=T, tier=tier, seqs=B, H=H, Hkv=Hkv, D=D,
+                graph_us=us, max_abs_err=err, kv_bytes=kv_bytes,
+                prefill_config={**pa.PREFILL_CONFIG, **(prefill_config or {})})
+
+
+EXTEND_SHAPES = ((42, 2083), (42, 8000), (128, 2048), (512, 4096), (76, 2048), (2048, 0))
+EXTEND_VARIANTS = ({}, {"num_kv_splits": 1}, {"num_kv_splits": 2}, {"num_kv_splits": 4},
+                   {"block_n": 64}, {"block_n": 64, "num_kv_splits": 4},
+                   {"block_n": 64, "num_stages": 2}, {"num_warps": 8, "block_n": 64},
+                   {"block_m": 128, "num_warps": 8}, {"block_m": 128, "num_warps": 8, "block_n": 64})
+
+
+def bench_extends(shapes=EXTEND_SHAPES, variants=EXTEND_VARIANTS) -> dict:
+    """bench_extend for each (chunk, context) shape and PREFILL_CONFIG variant."""
+    rows = []
+    for chunk, ctx in shapes:
+        for cfg in variants:
+            try:
+                r = bench_extend(chunk, ctx, prefill_config=cfg or None)
+            except Exception as e:   # report, keep sweeping
+                r = dict(chunk=chunk, context=ctx, prefill_config=cfg,
+                         error=f"{type(e).__name__}: {e}"[:300])
+            r["variant"] = cfg
+            rows.append(r)
+            print(f"chunk {chunk:5d} over {ctx:6d}: "
+                  + (f"{r['graph_us']:8.1f} us  err {r['max_abs_err']:.3g}  T {r['T']} tier {r['tier']}"
+                     if "graph_us" in r else r["error"]) + f"  {cfg}", flush=True)
+    return {"rows": rows, "device": torch.cuda.get_device_name(0)}
+
+
 def _row(r: dict) -> str:
     gt = "-" if r["graph_time_us"] is None else f"{r['graph_time_us']:9.1f}"
     return (f"{r['batch']:5d} {r['context']:6d} {r['H']:3d}/{r['Hkv']:<2d} {r['D']:4d} "
@@ -307,8 +384,18 @@ def main(argv=None) -> None:
     ap.add_argument("--splits", action="store_true",
                     help="only decode under a captured 32k bound, per split minimum")
     ap.add_argument("--old", default=None, help="--splits: an older paged_attention.py to compare")
+    ap.add_argument("--extend", action="store_true",
+                    help="only prompt chunks over cached context as a mixed CUDA graph runs them, "
+                         "per PREFILL_CONFIG variant")
     ap.add_argument("--output", default=None, help="--skinny / --splits: write the rows as JSON")
     args = ap.parse_args(argv)
+    if args.extend:
+        import json
+        res = bench_extends()
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if args.splits:
         import json
         res = bench_splits(args.old)
