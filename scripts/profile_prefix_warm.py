@@ -8,8 +8,11 @@ time per call. Writes prefix-warm-prof.txt (tables) and prefix-warm-prof.json (n
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -70,9 +73,30 @@ def main() -> None:
         lines.append(f"==== {label}: wall median {statistics.median(walls):.3f} ms, device "
                      f"{sum(kernels.values()):.1f} us per call")
         lines += [f"{v:10.1f} us  {k[:110]}" for k, v in top[:30]]
+    # the host side of the warm call: cProfile over the 8 warm calls (each after the system
+    # prompt was seen once), by own time and by cumulative time
+    prof = cProfile.Profile()
+    for q in qs:
+        llm.reset_prefix_cache()
+        call(system)
+        prof.enable()
+        call(system + q)
+        prof.disable()
+    for order in ("tottime", "cumtime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(35)
+        lines.append(f"==== warm call, host (cProfile, 8 calls) by {order}")
+        lines.append(buf.getvalue())
+    # one warm call's timeline, host and device (a Chrome trace): where the device waits
+    llm.reset_prefix_cache()
+    call(system)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    with profile(activities=acts, with_stack=False) as tl:
+        call(system + qs[0])
+    tl.export_chrome_trace(os.path.join(a.out, "prefix-warm-trace.json"))
     open(os.path.join(a.out, "prefix-warm-prof.txt"), "w").write("\n".join(lines) + "\n")
     json.dump(out, open(os.path.join(a.out, "prefix-warm-prof.json"), "w"), indent=1)
-    print("\n".join(lines))
+    print("\n".join(lines[:70]))
 
 
 if __name__ == "__main__":
