@@ -111,6 +111,13 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
         engine.step()   # arrivals spread over steps: mixed prefill + decode batches
     while engine.has_unfinished_requests():
         engine.step()
+    # prefix-cache hits that end inside a block: each copies that block on write (kv_pull)
+    shared = torch.randint(2, 500, (1001,), generator=g).tolist()
+    for i in range(5):
+        engine.add_request(f"p{i}", {"prompt_token_ids": shared + [3 + i] * (1 + 7 * i)},
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
     assert kernel_variants(kernels) == before
 
 
@@ -192,3 +199,26 @@ def test_step_records_carry_forward_gpu_times(tmp_path, async_scheduling):
     assert sum(r.num_prefill_tokens for r in records) == 345
     for r in records:
         assert r.gpu_ms is not None and 0 < r.gpu_ms <= r.wall_ms + 0.05, r
+
+
+def test_prefix_hits_copy_on_write_greedy_matches_hf(hf_dir):
+    """Prompts that share a 101-token prefix, which ends inside a block: each hit shares that
+    block and copies it on write (ModelRunner._copy_blocks: one launch of the pull kernel over
+    every layer) before writing its own tokens there. fp32 greedy still equals HF's."""
+    d, hf = hf_dir
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, 4096, (101,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 4096, (k,), generator=g).tolist() for k in (7, 30, 64, 3)]
+    llm = LLM(str(d), device="cuda", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=1024)
+    runner = llm.llm_engine.runner
+    assert runner._copier is not None
+    copies, copy = [], runner._copy_blocks
+    runner._copy_blocks = lambda pairs: (copies.append(list(pairs)), copy(pairs))[1]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp, use_tqdm=False)
+    assert [o.num_cached_tokens for o in rest] == [101] * 3
+    assert sum(len(c) for c in copies) == 3, copies      # one shared partial block each
+    assert_greedy_matches_hf(hf, prompts, first + rest, 16)
+    llm.llm_engine.check_integrity()
+

@@ -158,6 +158,14 @@ class ModelRunner:
             tp = get_tp_group()
             self.connector = cls(self.kv_cache, tp.rank, tp.size, cfg.num_kv_heads)
         model.bind_kv_cache(self.kv_cache)
+        # Copy-on-write copies (a shared partial block, a fork): every layer's blocks in one
+        # launch of the P/D pull kernel, the pool on both sides. Indexing the pool instead
+        # (kv_cache[:, :, dst] = kv_cache[:, :, src]) cost 32 launches on an H100: the view spans
+        # more than 2**31 elements, so torch cuts the copy into pieces it can index in 32 bits.
+        self._copier = None
+        if self.device.type == "cuda" and self.kv_cache.is_contiguous():
+            from ..kernels.kv_pull import KVPull
+            self._copier = KVPull(self.kv_cache, self.kv_cache)
         self.kv_block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
         self.host_tier = KVHostTier(self.kv_cache, num_host_blocks) if num_host_blocks else None
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
@@ -210,8 +218,22 @@ class ModelRunner:
 
         for batch in ([chunk(1, 3), chunk(q, 0)], [chunk(1, longest - 1), chunk(q, longest - q)]):
             self._forward(batch)
+        self._copy_blocks([(self.scratch_block, self.scratch_block)])   # (the copy-on-write kernel)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """kv_cache[:, :, dst] = kv_cache[:, :, src] for each (src, dst) pair, queued on the
+        current stream (no dst is another pair's src: copies go to fresh blocks)."""
+        if self._copier is None:
+            for src, dst in pairs:
+                self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            return
+        n = len(pairs)
+        ids = torch.zeros(2, n + n % 2, dtype=torch.int64)   # (an even row: both rows 16-byte
+        ids[:, :n] = torch.tensor(pairs, dtype=torch.int64).T  # aligned, one compiled variant)
+        ids = ids.to(self.device, non_blocking=True)
+        self._copier(ids[0, :n], ids[1, :n])
 
     @_own_device
     def release(self) -> None:
@@ -298,8 +320,8 @@ class ModelRunner:
                              "does not have (swap_space_gb is 0)")
         # Copy-on-write copies first: a copy's source, given back by it, may be a block the
         # moves load into in this step (apply() orders the moves after them).
-        for src, dst in out.block_copies:
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if out.block_copies:
+            self._copy_blocks([(c.src, c.dst) for c in out.block_copies])
         if moves is not None:
             tier.apply(moves)   # beside this step's forward, which never reads its blocks
         if out.is_empty:

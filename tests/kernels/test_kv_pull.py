@@ -114,6 +114,30 @@ def test_within_one_pool_and_empty():
     assert torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("pairs", [[(0, 7)], [(0, 7), (3, 5)], [(3, 5), (3, 8), (1, 6)]])
+@pytest.mark.parametrize("pull", [True, False])
+def test_model_runner_copy_on_write(pairs, pull):
+    """ModelRunner._copy_blocks (copy-on-write): with the pull kernel, one launch for every
+    pair and layer (the ids padded to an even row); without it (CPU), pool indexing. Both equal
+    copying each block by hand."""
+    from types import SimpleNamespace
+
+    from pdserve.worker.model_runner import ModelRunner
+    pool = _pool(3, 9, 4, 2, 8, seed=5)
+    ref = pool.clone()
+    calls = []
+    copier = None
+    if pull:
+        prepared = kv_pull.KVPull(pool, pool)
+        copier = lambda sb, db: (calls.append((sb.tolist(), db.tolist())), prepared(sb, db))[1]  # noqa: E731
+    ModelRunner._copy_blocks(SimpleNamespace(kv_cache=pool, _copier=copier, device=pool.device),
+                             pairs)
+    for src, dst in pairs:
+        ref[:, :, dst] = ref[:, :, src]
+    assert torch.equal(pool, ref)
+    assert calls == ([([s for s, _ in pairs], [d for _, d in pairs])] if pull else [])
+
+
 @pytest.mark.parametrize("heads", [None, (slice(1, 3), slice(0, 2))])
 def test_prepared_pull_reused_across_requests(heads):
     """KVPull (checked once per pool pair, as the P/D connector uses it) gives the reference's
