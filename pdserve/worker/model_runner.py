@@ -230,9 +230,9 @@ class ModelRunner:
                 self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
             return
         n = len(pairs)
-        ids = torch.zeros(2, n + n % 2, dtype=torch.int64)   # (an even row: both rows 16-byte
-        ids[:, :n] = torch.tensor(pairs, dtype=torch.int64).T  # aligned, one compiled variant)
-        ids = ids.to(self.device, non_blocking=True)
+        pad = [0] * (n % 2)    # (rows of even length: both 16-byte aligned, one compiled variant)
+        ids = _to_device([s for s, _ in pairs] + pad + [d for _, d in pairs] + pad, self.device)
+        ids = ids.view(2, n + len(pad))
         self._copier(ids[0, :n], ids[1, :n])
 
     @_own_device
