@@ -387,7 +387,8 @@ def main(argv=None) -> None:
     ap.add_argument("--extend", action="store_true",
                     help="only prompt chunks over cached context as a mixed CUDA graph runs them, "
                          "per PREFILL_CONFIG variant")
-    ap.add_argument("--output", default=None, help="--skinny / --splits: write the rows as JSON")
+    ap.add_argument("--output", default=None,
+                    help="--skinny / --splits / --extend: write the rows as JSON")
     args = ap.parse_args(argv)
     if args.extend:
         import json
