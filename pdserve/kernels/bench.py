@@ -322,9 +322,13 @@ def bench_extend(chunk: int, context: int, H: int = 12, Hkv: int = 2, D: int = 1
     seq_lens = torch.tensor([context + chunk] + [0] * (B - 1), dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
 
+    cfg = dict(prefill_config or {})
+    only_prefill = bool(cfg.pop("only_prefill_kernel", False))   # (no decode launch at all)
+
     def step():
         pa._paged_attention(q, kv[0], kv[1], bt, seq_lens, qsl, D ** -0.5, max_query_len=T,
-                            max_seq_len=tier, out=out, prefill_config=prefill_config)
+                            max_seq_len=tier, out=out, prefill_config=cfg or None,
+                            only_prefill_kernel=only_prefill)
 
     ref = pa.paged_attention_ref(q[:chunk], kv[0], kv[1], bt[:1], seq_lens[:1], qsl[:2], D ** -0.5)
     stream = torch.cuda.Stream()
@@ -340,18 +344,20 @@ def bench_extend(chunk: int, context: int, H: int = 12, Hkv: int = 2, D: int = 1
     kv_bytes = 2 * (context + chunk) * Hkv * D * 2
     return dict(chunk=chunk, context=context, T=T, tier=tier, seqs=B, H=H, Hkv=Hkv, D=D,
                 graph_us=us, max_abs_err=err, kv_bytes=kv_bytes,
-                prefill_config={**pa.PREFILL_CONFIG, **(prefill_config or {})})
+                prefill_config={**pa.PREFILL_CONFIG, **cfg}, only_prefill_kernel=only_prefill)
 
 
 EXTEND_SHAPES = ((42, 2083), (42, 8000), (128, 2048), (512, 4096), (76, 2048), (2048, 0))
 EXTEND_VARIANTS = ({}, {"num_kv_splits": 1}, {"num_kv_splits": 2}, {"num_kv_splits": 4},
                    {"block_n": 64}, {"block_n": 64, "num_kv_splits": 4},
                    {"block_n": 64, "num_stages": 2}, {"num_warps": 8, "block_n": 64},
-                   {"block_m": 128, "num_warps": 8}, {"block_m": 128, "num_warps": 8, "block_n": 64})
+                   {"block_m": 128, "num_warps": 8}, {"block_m": 128, "num_warps": 8, "block_n": 64},
+                   {"only_prefill_kernel": True})
 
 
 def bench_extends(shapes=EXTEND_SHAPES, variants=EXTEND_VARIANTS) -> dict:
-    """bench_extend for each (chunk, context) shape and PREFILL_CONFIG variant."""
+    """bench_extend for each (chunk, context) shape and PREFILL_CONFIG variant ("only_prefill_kernel":
+    the decode launch and its reduce left out, every sequence through the query-tile launch)."""
     rows = []
     for chunk, ctx in shapes:
         for cfg in variants:
