@@ -23,6 +23,60 @@ from pdserve import LLM, SamplingParams
 from pdserve.bench.common import random_prompts
 
 
+def host_breakdown(llm, system, qs, call) -> dict[str, float]:
+    """Mean ms per warm call spent in each wrapped part of the engine: wall clock, inclusive (a
+    part's callees are inside it), timed during the warm calls only, no profiler."""
+    from pdserve.worker.model_runner import StepResult
+    eng = llm.llm_engine
+    runner = eng.runner
+    acc: dict[str, float] = {}
+    timing = [False]
+
+    def timed(fn, label):
+        def inner(*a, **k):
+            if not timing[0]:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+        return inner
+
+    parts = [(eng, "add_request", "engine.add_request"), (eng, "step", "engine.step"),
+             (eng.scheduler, "schedule", "scheduler.schedule"),
+             (runner, "execute_async", "runner.execute_async"),
+             (runner, "_copy_blocks", "runner._copy_blocks (copy-on-write)"),
+             (runner, "_forward", "runner._forward (staging + graph replay or eager forward)"),
+             (runner.inputs, "stage", "inputs.stage"),
+             (runner.model, "compute_logits", "model.compute_logits"),
+             (runner, "sampler", "sampler")]
+    if runner.graphs is not None:
+        parts.append((runner.graphs, "replay", "graphs.replay"))
+    saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in parts]
+    for obj, name, label in parts:
+        setattr(obj, name, timed(getattr(obj, name), label))
+    result = StepResult.result
+    StepResult.result = timed(result, "StepResult.result (waits for the device)")
+    walls = []
+    try:
+        for q in qs:
+            llm.reset_prefix_cache()
+            call(system)
+            timing[0] = True
+            walls.append(call(system + q))
+            timing[0] = False
+    finally:
+        StepResult.result = result
+        for obj, name, own in saved:   # (an instance attribute back, or the class's method again)
+            if own is not None:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)
+    n = len(qs)
+    return {"LLM.generate (wall)": sum(walls) / n, **{k: v / n for k, v in acc.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-1.5b")
@@ -87,6 +141,11 @@ def main() -> None:
         pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(35)
         lines.append(f"==== warm call, host (cProfile, 8 calls) by {order}")
         lines.append(buf.getvalue())
+    # the warm call's host time without a profiler: wall-clock timers around the engine's
+    # parts (inclusive; nested parts are inside their callers), mean ms per call
+    out["warm_host_breakdown_ms"] = host_breakdown(llm, system, qs, call)
+    lines.append("==== warm call, host parts (timers, no profiler; inclusive), ms per call")
+    lines += [f"{v:8.3f}  {k}" for k, v in out["warm_host_breakdown_ms"].items()]
     # one warm call's timeline, host and device (a Chrome trace): where the device waits
     llm.reset_prefix_cache()
     call(system)
