@@ -1,7 +1,10 @@
 """Where issue 16 case 1's warm TTFT goes (one-token LLM.generate of a 2,083-token system prompt,
 seen once, + a 30-50-token question), against the cold one: wall per call (median of 8), the
 device kernels of the warm and the cold call (torch.profiler, 8 calls each) and the device busy
-time per call. Writes prefix-warm-prof.txt (tables) and prefix-warm-prof.json (numbers) to --out.
+time per call; then the warm call's host side: its parts timed by wall-clock wrappers (no
+profiler), cProfile, and one call's timeline as a Chrome trace (prefix-warm-trace.json; the
+profilers inflate host times, the wrappers much less). Writes prefix-warm-prof.txt (tables) and
+prefix-warm-prof.json (numbers) to --out. --device cpu --model smollm2-135m: a CPU dry run.
 
     python scripts/profile_prefix_warm.py --model qwen2.5-1.5b --out /tmp/prof
 """
