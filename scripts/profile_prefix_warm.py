@@ -26,9 +26,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.bench.common import random_prompts
 
 
-def host_breakdown(llm, system, qs, call) -> dict[str, float]:
-    """Mean ms per warm call spent in each wrapped part of the engine: wall clock, inclusive (a
-    part's callees are inside it), timed during the warm calls only, no profiler."""
+def host_breakdown(llm, prompts, call, prepare) -> dict[str, float]:
+    """Mean ms per call(prompt) spent in each wrapped part of the engine: wall clock, inclusive
+    (a part's callees are inside it), timed during those calls only (prepare() runs untimed
+    before each), no profiler."""
     from pdserve.worker.model_runner import StepResult
     eng = llm.llm_engine
     runner = eng.runner
@@ -63,11 +64,10 @@ def host_breakdown(llm, system, qs, call) -> dict[str, float]:
     StepResult.result = timed(result, "StepResult.result (waits for the device)")
     walls = []
     try:
-        for q in qs:
-            llm.reset_prefix_cache()
-            call(system)
+        for prompt in prompts:
+            prepare()
             timing[0] = True
-            walls.append(call(system + q))
+            walls.append(call(prompt))
             timing[0] = False
     finally:
         StepResult.result = result
@@ -76,7 +76,7 @@ def host_breakdown(llm, system, qs, call) -> dict[str, float]:
                 setattr(obj, name, own)
             else:
                 delattr(obj, name)
-    n = len(qs)
+    n = len(prompts)
     return {"LLM.generate (wall)": sum(walls) / n, **{k: v / n for k, v in acc.items()}}
 
 
@@ -104,6 +104,10 @@ def main() -> None:
         sync()
         return (time.perf_counter() - t0) * 1e3
 
+    def seen_system() -> None:   # an empty cache, then the system prompt once: a warm start
+        llm.reset_prefix_cache()
+        call(system)
+
     call(random_prompts(1, 64, 64, vocab, 2)[0])
     activity = ProfilerActivity.CUDA if a.device == "cuda" else ProfilerActivity.CPU  # (a CPU dry run)
     out = {}
@@ -111,9 +115,7 @@ def main() -> None:
     for label in ("cold", "warm"):
         walls, kernels = [], {}
         for i, q in enumerate(qs * 2):        # the first 8: wall alone; the next 8: profiled
-            llm.reset_prefix_cache()
-            if label == "warm":
-                call(system)                  # the system prompt seen once
+            (seen_system if label == "warm" else llm.reset_prefix_cache)()
             if i < len(qs):
                 walls.append(call(system + q))
                 continue
@@ -134,8 +136,7 @@ def main() -> None:
     # prompt was seen once), by own time and by cumulative time
     prof = cProfile.Profile()
     for q in qs:
-        llm.reset_prefix_cache()
-        call(system)
+        seen_system()
         prof.enable()
         call(system + q)
         prof.disable()
@@ -146,12 +147,12 @@ def main() -> None:
         lines.append(buf.getvalue())
     # the warm call's host time without a profiler: wall-clock timers around the engine's
     # parts (inclusive; nested parts are inside their callers), mean ms per call
-    out["warm_host_breakdown_ms"] = host_breakdown(llm, system, qs, call)
+    out["warm_host_breakdown_ms"] = host_breakdown(llm, [system + q for q in qs], call,
+                                                   seen_system)
     lines.append("==== warm call, host parts (timers, no profiler; inclusive), ms per call")
     lines += [f"{v:8.3f}  {k}" for k, v in out["warm_host_breakdown_ms"].items()]
     # one warm call's timeline, host and device (a Chrome trace): where the device waits
-    llm.reset_prefix_cache()
-    call(system)
+    seen_system()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
     with profile(activities=acts, with_stack=False) as tl:
         call(system + qs[0])

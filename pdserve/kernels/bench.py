@@ -36,6 +36,20 @@ def _median_ms(fn, iters: int, warmup: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def _captured(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn(), run once first on a side stream (compiles and allocates outside
+    the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 50, warmup: int = 5,
                    device: str = "cuda") -> float:
     """GB/s of a device-to-device copy of nbytes, counting bytes read + bytes written."""
@@ -83,15 +97,7 @@ def bench_decode(batch: int, context: int, H: int, Hkv: int, D: int, BS: int,
     graph_ms, graph_error = None, None
     if cuda_graph:
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()  # compile/warm outside capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            graph_ms = _median_ms(graph.replay, iters, warmup)
+            graph_ms = _median_ms(_captured(step).replay, iters, warmup)
         except Exception as e:  # report, don't hide the eager number
             graph_error = f"{type(e).__name__}: {e}"
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -175,16 +181,10 @@ def skinny_shapes(preset: str) -> list[tuple[str, int, int, bool, bool]]:
 def _graph_us(fns, replays: int) -> float:
     """Median GPU time of one fn, timed as a CUDA graph of all of them in turn (no launch gaps
     from the host; every fn reads its own weight, so weights come from HBM as in a model)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def all_fns():
         for fn in fns:
             fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
+    graph = _captured(all_fns)
     ms = _median_ms(graph.replay, replays, 3)
     del graph
     return ms * 1e3 / len(fns)
@@ -331,15 +331,8 @@ def bench_extend(chunk: int, context: int, H: int = 12, Hkv: int = 2, D: int = 1
                             only_prefill_kernel=only_prefill)
 
     ref = pa.paged_attention_ref(q[:chunk], kv[0], kv[1], bt[:1], seq_lens[:1], qsl[:2], D ** -0.5)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _captured(step)   # (its first, uncaptured run fills out)
     err = (out[:chunk].float() - ref.float()).abs().max().item()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
     us = _median_ms(graph.replay, iters, warmup) * 1e3
     kv_bytes = 2 * (context + chunk) * Hkv * D * 2
     return dict(chunk=chunk, context=context, T=T, tier=tier, seqs=B, H=H, Hkv=Hkv, D=D,

@@ -593,10 +593,11 @@ class Simulator:
         arrival at the router (the API process's queue and admit cost, or the serving
         overhead); server_ttft_ms, from there to its first token's delivery; queue_ms and
         prefill_ms, the engine's (request_phases). None each without a finished request."""
-        rows = [(reach - tr.arrival, tr.first - reach, queue, prefill)
-                for tr in self._tracks.values()
-                if tr.phases is not None and tr.first is not None and not tr.error
-                for reach, queue, prefill in (tr.phases,)]
+        rows = []
+        for tr in self._tracks.values():
+            if tr.phases is not None and tr.first is not None and not tr.error:
+                reach, queue, prefill = tr.phases
+                rows.append((reach - tr.arrival, tr.first - reach, queue, prefill))
         names = ("admission_ms", "server_ttft_ms", "queue_ms", "prefill_ms")
         if not rows:
             return dict.fromkeys(names)

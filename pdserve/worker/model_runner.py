@@ -29,7 +29,7 @@ import functools
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -222,8 +222,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """kv_cache[:, :, dst] = kv_cache[:, :, src] for each (src, dst) pair, queued on the
+    def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """kv_cache[:, :, dst] = kv_cache[:, :, src] for each (src, dst) pair (BlockCopy), on the
         current stream (no dst is another pair's src: copies go to fresh blocks)."""
         if self._copier is None:
             for src, dst in pairs:
@@ -321,7 +321,7 @@ class ModelRunner:
         # Copy-on-write copies first: a copy's source, given back by it, may be a block the
         # moves load into in this step (apply() orders the moves after them).
         if out.block_copies:
-            self._copy_blocks([(c.src, c.dst) for c in out.block_copies])
+            self._copy_blocks(out.block_copies)
         if moves is not None:
             tier.apply(moves)   # beside this step's forward, which never reads its blocks
         if out.is_empty:
