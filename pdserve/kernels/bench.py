@@ -345,7 +345,10 @@ EXTEND_VARIANTS = ({}, {"num_kv_splits": 1}, {"num_kv_splits": 2}, {"num_kv_spli
                    {"block_n": 64}, {"block_n": 64, "num_kv_splits": 4},
                    {"block_n": 64, "num_stages": 2}, {"num_warps": 8, "block_n": 64},
                    {"block_m": 128, "num_warps": 8}, {"block_m": 128, "num_warps": 8, "block_n": 64},
-                   {"only_prefill_kernel": True})
+                   {"only_prefill_kernel": True}, {"num_kv_splits": 8}, {"num_kv_splits": 16},
+                   {"num_kv_splits": 16, "block_n": 64}, {"block_m": 32, "num_kv_splits": 8},
+                   {"block_m": 32, "num_kv_splits": 16},
+                   {"num_kv_splits": 16, "only_prefill_kernel": True})
 
 
 def bench_extends(shapes=EXTEND_SHAPES, variants=EXTEND_VARIANTS) -> dict:
