@@ -389,12 +389,30 @@ def main(argv=None) -> None:
     ap.add_argument("--extend", action="store_true",
                     help="only prompt chunks over cached context as a mixed CUDA graph runs them, "
                          "per PREFILL_CONFIG variant")
+    ap.add_argument("--shapes", default=None,
+                    help="--extend: CHUNKxCONTEXT,... instead of the default shapes")
+    ap.add_argument("--variants", default=None,
+                    help="--extend: a JSON list of PREFILL_CONFIG overrides ({} is the default) "
+                         "instead of the default variants")
     ap.add_argument("--output", default=None,
                     help="--skinny / --splits / --extend: write the rows as JSON")
     args = ap.parse_args(argv)
     if args.extend:
         import json
-        res = bench_extends()
+        shapes, variants = EXTEND_SHAPES, EXTEND_VARIANTS
+        try:
+            if args.shapes:
+                shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+                if any(len(s) != 2 or s[0] < 1 or s[1] < 0 for s in shapes):
+                    raise ValueError(args.shapes)
+            if args.variants:
+                variants = tuple(json.loads(args.variants))
+                if not all(isinstance(v, dict) for v in variants):
+                    raise ValueError(args.variants)
+        except ValueError as e:
+            ap.error(f"--shapes takes CHUNKxCONTEXT,... (chunk >= 1, context >= 0) and --variants "
+                     f"a JSON list of objects: {e}")
+        res = bench_extends(shapes, variants)
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(res, f, indent=1)
