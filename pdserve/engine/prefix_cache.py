@@ -85,16 +85,39 @@ class Match:
     host_nodes: tuple[Node, ...] = ()       # the host nodes matched past them, top down
 
 
+class _Past:
+    """Placed after the last token of a query slice: no token equals it, and a lexicographic
+    compare that reaches it returns it (its __lt__), which tells "every token before agreed"
+    without copying the other side (_agrees)."""
+    __slots__ = ()
+
+    def __lt__(self, other):
+        return self
+
+
+_PAST = _Past()
+
+
+def _agrees(a: list[int], a0: int, b: list[int], k: int) -> bool:
+    """a[a0:a0 + k] == b[:k], for k < len(b), copying only the query's k tokens: list < list
+    compares pairs until the first that differs and then returns that pair's own compare."""
+    s = a[a0:a0 + k]
+    s.append(_PAST)
+    return (s < b) is _PAST
+
+
 def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int:
     """Length of the common prefix of a[a0:] and b[b0:b0 + limit].
 
     Reading a token costs more than anything else here (each is an int object compared by
     value), so this reads each about once:
     - if the last tokens of the range agree, the whole range is compared at once (the common
-      case: a whole edge matches; the edge itself is not copied);
+      case: a whole edge matches); only the query's part is copied (where b0 = 0: a range
+      ending inside the edge is compared by _agrees);
     - otherwise single tokens are probed by bisection for where the two stop agreeing (after
       two token sequences part, their tokens at equal positions rarely agree again), and that
-      guess g is checked: a[:g] == b[:g], so g is the answer (a[g] != b[g] is known);
+      guess g is checked: a[:g] == b[:g] (_agrees where b0 = 0), so g is the answer (a[g] !=
+      b[g] is known);
     - if the check fails (they agreed again somewhere), the range before g is compared in
       slices growing 4x from 64 tokens, the one that differs is scanned 64 tokens at a time,
       and those 64 pairwise (in C)."""
@@ -102,7 +125,10 @@ def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int
     if n <= 0:
         return 0
     if a[a0 + n - 1] == b[b0 + n - 1]:
-        if a[a0:a0 + n] == (b if b0 == 0 and n == len(b) else b[b0:b0 + n]):
+        if b0 == 0:
+            if a[a0:a0 + n] == b if n == len(b) else _agrees(a, a0, b, n):
+                return n
+        elif a[a0:a0 + n] == b[b0:b0 + n]:
             return n
     else:
         lo, hi = -1, n - 1                     # a[hi] != b[hi]; a[lo] == b[lo] (or lo = -1)
@@ -112,7 +138,7 @@ def _common(a: list[int], a0: int, b: list[int], limit: int, b0: int = 0) -> int
                 lo = mid
             else:
                 hi = mid
-        if a[a0:a0 + hi] == b[b0:b0 + hi]:
+        if _agrees(a, a0, b, hi) if b0 == 0 else a[a0:a0 + hi] == b[b0:b0 + hi]:
             return hi
         n = hi                                 # a mismatch lies before the guess
     i, m = 0, 64
@@ -190,8 +216,8 @@ class PrefixCache:
             else:
                 # the child's blocks from the first index that is not already final in `blocks`
                 first = child.start // bs
-                del blocks[first:]
-                blocks.extend(child.blocks[: (pos + n - 1) // bs - first + 1])
+                k = (pos + n - 1) // bs - first + 1
+                blocks[first:] = child.blocks if k == len(child.blocks) else child.blocks[:k]
                 device_pos = pos + n
             child.last_use = self._clock
             if child.host_copy is not None:      # (its queued copy entry is stale now)
@@ -439,7 +465,7 @@ class PrefixCache:
                 heapq.heapify(self._host_lru)
         if node.on_host:
             return
-        if self._device_leaf(node):
+        if (not node.children and node.lock == 0) or self._device_leaf(node):   # (a leaf: at once)
             heapq.heappush(self._lru, (node.last_use, next(self._seq), node))
             if len(self._lru) > 4 * self._num_nodes + 64:   # mostly stale: rebuild
                 self._lru = [(n.last_use, next(self._seq), n) for n in self.evictable_leaves()]
