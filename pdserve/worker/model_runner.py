@@ -354,8 +354,10 @@ class ModelRunner:
             return Ready({})
         ids = list(rows)
         where = list(rows.values())
-        if where == list(range(len(where))):  # decode batches: rows already in place
-            picked = hidden[: len(where)]
+        first = where[0]
+        if where == list(range(first, first + len(where))):
+            # one run of rows (decode batches; a lone prompt's last row): a view, no upload
+            picked = hidden[first: first + len(where)]
         else:
             picked = hidden[_to_device(where, self.device)]
         logits = self.model.compute_logits(picked)

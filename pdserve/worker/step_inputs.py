@@ -1,4 +1,4 @@
-"""StepInputs: the input tensors of one forward, staged on the host and uploaded in two copies.
+"""StepInputs: the input tensors of one forward, staged on the host and uploaded asynchronously.
 
 Every forward reads its inputs from the same static device buffers, eager or a CUDA-graph replay
 (graphs capture these addresses), so there is one way to lay a batch out:
@@ -8,7 +8,8 @@ Every forward reads its inputs from the same static device buffers, eager or a C
                                    | block_tables [max_seqs, max_blocks] (row-major)
 
 A step fills a host twin with numpy (pinned on CUDA; on CPU the twin is the buffer itself) and
-uploads the first t_pad tokens and b_pad table rows asynchronously. Padding to a graph's shape:
+uploads the first t_pad tokens of each row and the meta up to the last real table row
+asynchronously (four copies, each of a contiguous pinned range). Padding to a graph's shape:
 
     tokens  | real tokens (T)               | pad: id 0, position 0, slot = scratch slot |  t_pad
     seqs    | real sequences (B)            | pad: q_len 0 (query_start_loc stays at T), seq_len 0 | b_pad
@@ -135,7 +136,10 @@ class StepInputs:
 
         if tw is not self.dev:
             d = self.dev
-            d.tokens[:, :t_pad].copy_(tw.tokens[:, :t_pad], non_blocking=True)
+            # one copy per row: each a contiguous pinned range (a [3, t_pad] slice is not, and
+            # torch would stage it through a pageable temporary and a strided device copy)
+            for r in range(3):
+                d.tokens[r, :t_pad].copy_(tw.tokens[r, :t_pad], non_blocking=True)
             end = tw.t_off + B * self.max_blocks   # (padding sequences read no table row)
             d.meta[:end].copy_(tw.meta[:end], non_blocking=True)
             tw.uploaded = torch.cuda.Event()
