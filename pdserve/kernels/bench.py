@@ -156,7 +156,7 @@ def bench_prefill(num_seqs: int, chunk: int, context: int, H: int, Hkv: int, D: 
     return dict(num_seqs=num_seqs, chunk=chunk, context=context, num_decodes=num_decodes,
                 H=H, Hkv=Hkv, D=D, BS=BS, dtype=str(dtype), time_us=ms * 1e3,
                 tflops=flops / (ms * 1e-3) / 1e12,
-                prefill_config={**pa.PREFILL_CONFIG, **(prefill_config or {})})
+                prefill_config={**pa.prefill_config_for(max(q_lens), dtype), **(prefill_config or {})})
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) variants the --skinny sweep times, beside
@@ -337,7 +337,8 @@ def bench_extend(chunk: int, context: int, H: int = 12, Hkv: int = 2, D: int = 1
     kv_bytes = 2 * (context + chunk) * Hkv * D * 2
     return dict(chunk=chunk, context=context, T=T, tier=tier, seqs=B, H=H, Hkv=Hkv, D=D,
                 graph_us=us, max_abs_err=err, kv_bytes=kv_bytes,
-                prefill_config={**pa.PREFILL_CONFIG, **cfg}, only_prefill_kernel=only_prefill)
+                prefill_config={**pa.prefill_config_for(T, dtype), **cfg},
+                only_prefill_kernel=only_prefill)
 
 
 EXTEND_SHAPES = ((42, 2083), (42, 8000), (128, 2048), (512, 4096), (76, 2048), (2048, 0))

@@ -50,7 +50,7 @@ Two launches of one stage-1 kernel, each sequence picked by exactly one of them 
 
     decode  (q_len <= TPT_d = 16 // G tokens, DECODE_CONFIG):
         grid = (B, Hkv, S_d)           one program per (sequence, kv head, key split)
-    prefill (q_len >  TPT_d, PREFILL_CONFIG; launched only when max_query_len > TPT_d):
+    prefill (q_len >  TPT_d, prefill_config_for; launched only when max_query_len > TPT_d):
         grid = (T // TPT_p + B, Hkv, S_p)   TPT_p = 64 // G query tokens per tile; grid row i
         belongs to the last sequence b with query_start_loc[b] // TPT_p + b <= i (binary search
         in the kernel): a static bound on sum_b ceil(q_len_b / TPT_p), from shapes only.
@@ -107,6 +107,14 @@ DECODE_CONFIG = {"block_m": 16, "block_n": None, "block_n_elems": 8192, "num_war
                  "num_stages": 3, "chunk_sqrt": 16}
 PREFILL_CONFIG = {"block_m": 64, "block_n": None, "block_n_elems": 4096, "num_warps": 4,
                   "num_stages": 3, "chunk_sqrt": 0}
+# Wider key tiles for the query-tile launch (64 keys at D = 128: ~115 KB of smem at 3 stages, one
+# program per SM) where an H100 measured them faster as mixed CUDA graphs run them (`python -m
+# pdserve.kernels.bench --extend`, bench/RESULTS.md, twelfth session): steps whose longest chunk
+# is >= 1,024 tokens (13-25% less time: long prompts) or <= 128 (3-18% less: a question after a
+# cached prefix). Chunks of 256-512 tokens over cached context took 8-14% more with them. Half
+# dtypes only (fp32 tiles of that width do not fit).
+PREFILL_WIDE_CONFIG = {"block_n_elems": 8192}
+PREFILL_WIDE_AT = (128, 1024)      # wide when max_query_len <= the first or >= the second
 SPLIT_TARGET_PROGRAMS_PER_SM = 4   # decode: aim for B * Hkv * splits >= this * num SMs ...
 MIN_KEYS_PER_SPLIT = 256           # ... with no split shorter than this many keys
 MAX_SPLITS = 64
@@ -406,6 +414,16 @@ def default_num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int = 13
     return max(1, min(want, max_seq_len // min_keys, max_splits))
 
 
+def prefill_config_for(max_query_len: int, dtype: torch.dtype) -> dict:
+    """The query-tile launch's default config for a step whose chunks are at most max_query_len
+    tokens (a host bound: under a CUDA graph, its token bucket): PREFILL_CONFIG, with
+    PREFILL_WIDE_CONFIG over it at the lengths PREFILL_WIDE_AT names, for half dtypes."""
+    lo, hi = PREFILL_WIDE_AT
+    if dtype in (torch.float16, torch.bfloat16) and (max_query_len <= lo or max_query_len >= hi):
+        return {**PREFILL_CONFIG, **PREFILL_WIDE_CONFIG}
+    return PREFILL_CONFIG
+
+
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_query_len,
            max_seq_len, num_kv_splits, sliding_window):
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
@@ -510,7 +528,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                      max_query_len, max_seq_len, out=None, num_kv_splits=None,
                      sliding_window=None, decode_config: dict | None = None,
                      prefill_config: dict | None = None, only_prefill_kernel: bool = False):
-    """paged_attention with overrides of DECODE_CONFIG / PREFILL_CONFIG entries (bench sweeps,
+    """paged_attention with overrides of DECODE_CONFIG / prefill_config_for entries (bench sweeps,
     tests on tiny shapes; prefill_config may also carry "num_kv_splits") and only_prefill_kernel
     (send every sequence, decodes included, through the query-tile launch, to test it alone)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, max_query_len,
@@ -519,7 +537,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     max_query_len, max_seq_len = operator.index(max_query_len), operator.index(max_seq_len)
     dec = {**DECODE_CONFIG, **(decode_config or {})}
-    pre = {**PREFILL_CONFIG, **(prefill_config or {})}
+    pre = {**prefill_config_for(max_query_len, q.dtype), **(prefill_config or {})}
     T, H, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]

@@ -245,6 +245,20 @@ def test_default_configs_and_loose_bounds():
     assert torch.allclose(loose[:n], tight[:n], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("max_query_len", [20, 128, 256, 1024])
+def test_prefill_tiles_by_chunk_bound(max_query_len):
+    """The query-tile launch's tiles follow the step's chunk bound (prefill_config_for: wide key
+    tiles for half dtypes at <= 128 and >= 1024 tokens); every bound gives the reference's
+    result, in fp16 (where the wide tiles apply) over a context of several of them."""
+    case = make_case([1, 20, 7], [300, 150, 0], 4, 2, D_CPU, BS_CPU, torch.float16, seed=3,
+                     pad_tokens=1)
+    wide = pa.prefill_config_for(max_query_len, torch.float16)
+    assert (wide["block_n_elems"] > pa.PREFILL_CONFIG["block_n_elems"]) == (
+        max_query_len in (20, 128, 1024))
+    assert pa.prefill_config_for(max_query_len, torch.float32) is pa.PREFILL_CONFIG
+    check(case, run(case, max_query_len=max_query_len, max_seq_len=1024), torch.float16)
+
+
 @pytest.fixture
 def poisoned_partials(monkeypatch):
     """Every float32 torch.empty (the split partials) comes back NaN-filled: a reduce that reads
@@ -533,7 +547,11 @@ def test_kernels_compile_for_sm90():
                 ("bf16", 6, 128, False, False, False, pa.PREFILL_CONFIG),
                 ("bf16", 7, 96, False, True, False, pa.PREFILL_CONFIG),
                 ("bf16", 4, 128, False, True, True, pa.PREFILL_CONFIG),
-                ("fp32", 2, 64, False, False, False, pa.PREFILL_CONFIG)]:
+                ("fp32", 2, 64, False, False, False, pa.PREFILL_CONFIG),
+                ("bf16", 6, 128, False, True, False,
+                 {**pa.PREFILL_CONFIG, **pa.PREFILL_WIDE_CONFIG}),
+                ("fp16", 4, 128, False, False, True,
+                 {**pa.PREFILL_CONFIG, **pa.PREFILL_WIDE_CONFIG})]:
             d_pad = 1 << (D - 1).bit_length()
             bm = max(cfg["block_m"], 1 << (G - 1).bit_length(), 16)
             bn = cfg["block_n"] or max(16, min(128, cfg["block_n_elems"] // d_pad))
@@ -544,9 +562,11 @@ def test_kernels_compile_for_sm90():
                          DOT_PREC="ieee" if dt == "fp32" else "tf32", MIN_CHUNK=4 * bn,
                          CHUNK_SQRT=cfg["chunk_sqrt"] if split else 0)
             k = build(pa._paged_attn_stage1, dt, const, cfg["num_warps"], cfg["num_stages"])
-            # default tiles must leave room for >= 2 programs per SM (228 KB of smem on sm_90)
-            assert k.metadata.shared <= 112 * 1024, (dt, G, D, one, split, sliding,
-                                                     k.metadata.shared)
+            # default tiles must leave room for >= 2 programs per SM (228 KB of smem on sm_90),
+            # the wide ones for one
+            room = 227 if cfg["block_n_elems"] > pa.PREFILL_CONFIG["block_n_elems"] else 112
+            assert k.metadata.shared <= room * 1024, (dt, G, D, one, split, sliding,
+                                                      k.metadata.shared)
             if split:
                 rconst = {n: const[n] for n in ("G", "D", "D_PAD", "BLOCK_M", "BLOCK_N", "TPT",
                                                 "ONE_TILE_PER_SEQ", "SLIDING", "MIN_CHUNK",
