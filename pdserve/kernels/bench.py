@@ -384,6 +384,10 @@ def main(argv=None) -> None:
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--skinny", action="store_true",
                     help="only the skinny_linear sweep (kernels/skinny_gemm.py) against cuBLAS")
+    ap.add_argument("--skinny-m", type=int, nargs="+", default=[1, 4, 8, 16],
+                    help="--skinny: the row counts (at most 64)")
+    ap.add_argument("--skinny-presets", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"],
+                    help="--skinny: the models whose layer shapes are timed")
     ap.add_argument("--splits", action="store_true",
                     help="only decode under a captured 32k bound, per split minimum")
     ap.add_argument("--old", default=None, help="--splits: an older paged_attention.py to compare")
@@ -427,7 +431,13 @@ def main(argv=None) -> None:
         return
     if args.skinny:
         import json
-        res = bench_skinny()
+        if not all(1 <= m <= 64 for m in args.skinny_m):
+            ap.error(f"--skinny-m takes row counts from 1 to 64, got {args.skinny_m}")
+        from ..models.presets import PRESETS
+        unknown = [p for p in args.skinny_presets if p not in PRESETS]
+        if unknown:
+            ap.error(f"--skinny-presets: unknown {unknown}; known: {sorted(PRESETS)}")
+        res = bench_skinny(tuple(args.skinny_presets), tuple(args.skinny_m))
         for r in res["summary"]:
             print(f"{r['model']:>13} {r['shape']:>8} M={r['M']:<3} cublas {r['cublas_us']:7.1f} us  "
                   f"best {r['best_us']:7.1f} us ({r['best_gbps']:5.0f} GB/s) x{r['speedup']:.2f} "

@@ -1,8 +1,9 @@
-"""Linear layers for a few rows: y = x @ w.T (+ bias), x [M, K] with M <= 16 (a decode step of a
-small batch), w [N, K] the nn.Linear weight. At such M the product is a weight stream: every byte
-of w is read once and the arithmetic is free, so what counts is keeping enough loads in flight on
-every SM. One program owns BLOCK_N output columns for all rows (padded to 16, the smallest tl.dot
-tile) over one split of K; x (a few KB) is re-read by every program from L2.
+"""Linear layers for a few rows: y = x @ w.T (+ bias), x [M, K] with M <= 64 (a decode step of a
+small batch, a short prompt chunk), w [N, K] the nn.Linear weight. At such M the product is a
+weight stream: every byte of w is read once and the arithmetic is nearly free, so what counts is
+keeping enough loads in flight on every SM. One program owns BLOCK_N output columns for all rows
+(padded to 16, 32 or 64: the smallest tl.dot tile that holds them) over one split of K; x (a few
+KB) is re-read by every program from L2.
 
 Long K is split across programs (split-K): each split leaves an fp32 partial sum in a workspace
 and the last split of a column tile to arrive adds the partials in split order, so results do not
@@ -84,8 +85,12 @@ def _skinny_kernel(
 
 
 # Launch configuration: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k).
-BLOCK_M = 16
-MAX_M = 16
+MAX_M = 64
+
+
+def block_m(m: int) -> int:
+    """Tile rows for m rows: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 # The shapes (N, K) where a configuration beat cuBLAS at every M in 1..16, by device name: the
 # best of `python -m pdserve.kernels.bench --skinny` (bench/results/skinny-sweep-h200.json).
@@ -107,7 +112,7 @@ _DEVICE_NAMES: dict[int, str] = {}
 
 
 def tuned_config(device: torch.device, n: int, k: int) -> tuple[int, int, int, int, int] | None:
-    """The measured-faster configuration for an [M <= MAX_M, k] x [k, n] product on `device`,
+    """The measured-faster configuration for an [M <= 16, k] x [k, n] product on `device`,
     or None (use cuBLAS)."""
     if device.type != "cuda":
         return None
@@ -180,7 +185,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
     split = triton.cdiv(k, k_per_split)          # (no empty split)
     if split > 1:
-        ws = torch.empty(split * tiles * BLOCK_M * block_n, dtype=torch.float32, device=x.device)
+        ws = torch.empty(split * tiles * block_m(m) * block_n, dtype=torch.float32,
+                         device=x.device)
         cnt = _counters(x.device, tiles)
     else:
         ws = cnt = out                            # unused pointers
@@ -189,7 +195,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         m, n, k, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, SPLIT=split > 1,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m(m), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
     )
     return out

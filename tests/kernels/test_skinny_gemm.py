@@ -35,7 +35,8 @@ def _data(m, n, k, dtype, device, *, bias=False, seed=0):
     return x, w, b
 
 
-CPU_CASES = [(1, 40, 70), (3, 64, 256), (8, 33, 300), (5, 16, 16), (2, 17, 129), (16, 20, 40)]
+CPU_CASES = [(1, 40, 70), (3, 64, 256), (8, 33, 300), (5, 16, 16), (2, 17, 129), (16, 20, 40),
+             (17, 24, 100), (32, 20, 40), (48, 40, 130), (64, 17, 64)]   # (32- and 64-row tiles)
 
 
 @pytest.mark.parametrize("cfg", [WHOLE, SPLIT, None], ids=["whole_k", "split_k", "default"])
@@ -97,7 +98,7 @@ def test_skinny_linear_empty():
     (dict(b=torch.randn(5, dtype=torch.float16)), "bias"),
     (dict(x=torch.randn(2, 8, 1, dtype=torch.float16)), "2-D"),
     (dict(out=torch.empty(2, 5, dtype=torch.float16)), "out"),
-    (dict(x=torch.randn(17, 8, dtype=torch.float16)), "rows"),
+    (dict(x=torch.randn(65, 8, dtype=torch.float16)), "rows"),
 ])
 def test_skinny_linear_bad_arguments(bad, match):
     args = dict(x=torch.randn(2, 8, dtype=torch.float16), w=torch.randn(4, 8, dtype=torch.float16),
@@ -115,7 +116,7 @@ GPU_SHAPES = [("qkv", 2048, 1536, True), ("down", 1536, 8960, False), ("gate_up"
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [None, (32, 128, 4, 4, 8)], ids=["tuned_or_default", "split8"])
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 33, 48, 64])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: s[0])
 def test_skinny_linear_gpu_bf16(shape, m, cfg):
     _, n, k, bias = shape
