@@ -11,7 +11,16 @@ and the same call straight after another (hot). Host wall time per call, median 
   tiny_kernel    x.add_(1) on a 1-element device tensor
   event_record   torch.cuda.Event().record()
 
-    python scripts/probe_first_call.py [--output probe.json]
+With --engine MODEL (a dummy-weight LLM), the engine's own pre-forward steps too, in its process
+(its allocators, graphs and pools), on its scratch block (nothing live is touched):
+
+  engine_cow     ModelRunner._copy_blocks of one pair (the copy-on-write a mid-block hit needs)
+  engine_stage   StepInputs.stage of a 42-token chunk over 2,083 cached tokens, padded to the
+                 48-token mixed graph (what case 1's warm step stages)
+  engine_replay  the replay of that graph (the host's cudaGraphLaunch; the device then runs
+                 the whole forward, untimed)
+
+    python scripts/probe_first_call.py [--engine qwen2.5-1.5b] [--output probe.json]
 """
 from __future__ import annotations
 
@@ -34,10 +43,29 @@ def busy(us: float) -> None:
         i += 1
 
 
+def engine_ops(model: str) -> dict:
+    """The engine's copy-on-write, staging and graph replay for case 1's warm step, as ops."""
+    from pdserve import LLM
+    from pdserve.engine.scheduler import ScheduledChunk
+    llm = LLM(model, device="cuda", load_format="dummy", skip_tokenizer_init=True)
+    runner = llm.llm_engine.runner
+    s, bs = runner.scratch_block, runner.inputs.block_size
+    chunk = ScheduledChunk("probe", [0] * 42, 2083, [s] * -(-2125 // bs), False)
+    plan = runner.graphs.plan(42, 1, 42, 2125)
+    assert plan is not None and plan.key[0] == "mixed", plan
+    ops = {"engine_cow": lambda: runner._copy_blocks([(s, s)]),
+           "engine_stage": lambda: runner.inputs.stage([chunk], plan.num_tokens, plan.num_seqs)}
+    ops["engine_stage"]()
+    ops["engine_replay"] = lambda: runner.graphs.replay(plan, 42)
+    engine_ops.llm = llm     # (kept alive)
+    return ops
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--busy-us", type=float, nargs="+", default=[0.0, 300.0, 900.0, 3000.0])
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--engine", help="also time the engine's pre-forward steps (a model preset)")
     p.add_argument("--output")
     a = p.parse_args(argv)
     dev = torch.device("cuda")
@@ -51,6 +79,8 @@ def main(argv=None) -> int:
         "tiny_kernel": lambda: x.add_(1),
         "event_record": lambda: torch.cuda.Event().record(),
     }
+    if a.engine:
+        ops.update(engine_ops(a.engine))
     for op in ops.values():      # warm every path once
         op()
     torch.cuda.synchronize()
