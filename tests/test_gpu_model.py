@@ -84,10 +84,12 @@ def test_fp32_greedy_matches_hf_mixed_batch(hf_dir, backend, eager):
     llm.llm_engine.check_integrity()
 
 
-def test_no_kernel_compiles_after_start_up(tmp_path):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_no_kernel_compiles_after_start_up(tmp_path, enforce_eager):
     """The start-up warm-up (ModelRunner.warm_up) and graph capture compile every Triton variant
     a serving mix selects: short and long prompts, chunked prefill over long contexts, decode
-    batches eager and graphed, mixed steps — none compiles another (each costs ~1 s of stall)."""
+    batches eager and graphed, mixed steps — none compiles another (each costs ~1 s of stall).
+    Eager (no graphs captured), the warm-up alone covers them."""
     from pdserve.config import EngineConfig
     from pdserve.worker.llm_engine import LLMEngine
     from pdserve.worker.worker import _triton_kernels, kernel_variants
@@ -97,7 +99,7 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
     engine = LLMEngine(EngineConfig(model=_folder(tmp_path, cfg), load_format="dummy",
                                     device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
                                     num_kv_blocks=2048, max_num_batched_tokens=512,
-                                    cuda_graph_max_batch=16))
+                                    cuda_graph_max_batch=16, enforce_eager=enforce_eager))
     kernels = _triton_kernels()
     before = kernel_variants(kernels)
     assert before["_paged_attn_stage1"] >= 4   # decode and prefill launch, split and not

@@ -207,17 +207,26 @@ class ModelRunner:
         step that needed one stalled every request in flight (1.3 s TTFT spikes under load).
         Two eager forwards that read and write only the scratch block cover both choices of
         each launch (the choice follows the batch's longest sequence): [short decode row + short
-        prefill] and [decode row + prefill chunk, both ending at the longest context served]."""
+        prefill] and [decode row + prefill chunk, both ending at the longest context served].
+        The prefill launch's tiles also follow the step's longest chunk (prefill_config_for in
+        kernels/paged_attention.py: wide key tiles up to 128 tokens, the default from 129 on),
+        so both forwards run with a chunk of each kind the step budget allows."""
         longest = min(max_model_len, 4096)   # splits begin at 512 (decode) / 2048 (prefill) keys
-        bs, q = self.block_size, max(2, min(64, longest // 2))
+        bs = self.block_size
+        qs = [max(2, min(64, longest // 2))]
+        wider = min(256, self.inputs.max_tokens - 1, longest // 2)
+        if wider > 128:
+            qs.append(wider)
 
         def chunk(n_tokens: int, start: int) -> ScheduledChunk:
             blocks = -(-(start + n_tokens) // bs)
             return ScheduledChunk("warm-up", [0] * n_tokens, start, [self.scratch_block] * blocks,
                                   False)
 
-        for batch in ([chunk(1, 3), chunk(q, 0)], [chunk(1, longest - 1), chunk(q, longest - q)]):
-            self._forward(batch)
+        for q in qs:
+            for batch in ([chunk(1, 3), chunk(q, 0)],
+                          [chunk(1, longest - 1), chunk(q, longest - q)]):
+                self._forward(batch)
         self._copy_blocks([(self.scratch_block, self.scratch_block)])   # (the copy-on-write kernel)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
