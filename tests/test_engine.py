@@ -242,3 +242,25 @@ def test_gpu_times_settle_in_order_without_waiting():
     assert runner.take_gpu_times() == {}
     slow.done = True
     assert runner.take_gpu_times() == {2: 2.0, 3: 1.0}
+
+
+@pytest.mark.parametrize("budget,max_model_len", [(512, 512), (200, 512), (128, 512), (512, 130)])
+def test_warm_up_runs_each_prefill_tile_kind_a_step_can_need(model_dir, budget, max_model_len,
+                                                              monkeypatch):
+    """ModelRunner.warm_up (run at start-up on CUDA) must compile every attention variant the
+    steps can select. The query-tile launch's tiles follow the step's longest chunk
+    (prefill_config_for), so for every chunk length a step can carry, some warm-up forward ran a
+    chunk that selects the same tiles."""
+    from pdserve.kernels.paged_attention import prefill_config_for
+    from pdserve.worker import model_runner as mr
+
+    llm = make_llm(model_dir, max_num_batched_tokens=budget, max_model_len=max_model_len)
+    runner = llm.llm_engine.runner
+    ran = []
+    forward = mr.ModelRunner._forward
+    monkeypatch.setattr(mr.ModelRunner, "_forward", lambda self, chunks, pending=None: (
+        ran.append(max(len(c.token_ids) for c in chunks)), forward(self, chunks, pending))[1])
+    runner.warm_up(max_model_len)
+    kinds = {tuple(sorted(prefill_config_for(n, torch.bfloat16).items())) for n in ran}
+    for n in range(2, min(budget, max_model_len) + 1):
+        assert tuple(sorted(prefill_config_for(n, torch.bfloat16).items())) in kinds, n

@@ -214,7 +214,7 @@ class ModelRunner:
         longest = min(max_model_len, 4096)   # splits begin at 512 (decode) / 2048 (prefill) keys
         bs = self.block_size
         qs = [max(2, min(64, longest // 2))]
-        wider = min(256, self.inputs.max_tokens - 1, longest // 2)
+        wider = min(256, self.inputs.max_tokens - 1, longest - 1)
         if wider > 128:
             qs.append(wider)
 
