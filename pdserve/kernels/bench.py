@@ -156,7 +156,8 @@ def bench_prefill(num_seqs: int, chunk: int, context: int, H: int, Hkv: int, D: 
     return dict(num_seqs=num_seqs, chunk=chunk, context=context, num_decodes=num_decodes,
                 H=H, Hkv=Hkv, D=D, BS=BS, dtype=str(dtype), time_us=ms * 1e3,
                 tflops=flops / (ms * 1e-3) / 1e12,
-                prefill_config={**pa.prefill_config_for(max(q_lens), dtype), **(prefill_config or {})})
+                prefill_config={**pa.prefill_config_for(max(q_lens), dtype),
+                                **(prefill_config or {})})
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) variants the --skinny sweep times, beside

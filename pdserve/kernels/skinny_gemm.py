@@ -84,7 +84,6 @@ def _skinny_kernel(
         tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# Launch configuration: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k).
 MAX_M = 64
 
 
@@ -92,6 +91,8 @@ def block_m(m: int) -> int:
     """Tile rows for m rows: 16, 32 or 64."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
+
+# Launch configuration: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k).
 # The shapes (N, K) where a configuration beat cuBLAS at every M in 1..16, by device name: the
 # best of `python -m pdserve.kernels.bench --skinny` (bench/results/skinny-sweep-h200.json).
 # Qwen2.5-1.5B and -7B: o_proj, gate_up_proj, down_proj, lm_head; their qkv_proj stays on

@@ -209,8 +209,9 @@ class ModelRunner:
         each launch (the choice follows the batch's longest sequence): [short decode row + short
         prefill] and [decode row + prefill chunk, both ending at the longest context served].
         The prefill launch's tiles also follow the step's longest chunk (prefill_config_for in
-        kernels/paged_attention.py: wide key tiles up to 128 tokens, the default from 129 on),
-        so both forwards run with a chunk of each kind the step budget allows."""
+        kernels/paged_attention.py: wide key tiles up to 128 tokens and from 1,024 on, the
+        default between), so both forwards run with a chunk of each kind that the step budget
+        and max_model_len allow (one of 129-256 tokens stands for the default)."""
         longest = min(max_model_len, 4096)   # splits begin at 512 (decode) / 2048 (prefill) keys
         bs = self.block_size
         qs = [max(2, min(64, longest // 2))]
