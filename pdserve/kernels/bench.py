@@ -379,6 +379,17 @@ def _row(r: dict) -> str:
             f"{r['kv_gbps']:8.0f} {r['copy_gbps']:8.0f} {100 * r['frac_of_copy']:6.1f}%")
 
 
+def _write(path: str, res: dict, argv) -> None:
+    """The rows, with the command, the commit (PDSERVE_GIT_COMMIT on the device) and the
+    hardware that produced them."""
+    import sys
+
+    from ..bench.common import git_info, hardware_info, write_result
+    args = sys.argv[1:] if argv is None else list(argv)
+    write_result(path, {"command": " ".join(["python -m pdserve.kernels.bench", *args]),
+                        **git_info(), "hardware": hardware_info(), **res})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tune", action="store_true", help="sweep tile / stage / warp variants")
@@ -420,18 +431,14 @@ def main(argv=None) -> None:
                      f"a JSON list of objects: {e}")
         res = bench_extends(shapes, variants)
         if args.output:
-            with open(args.output, "w") as f:
-                json.dump(res, f, indent=1)
+            _write(args.output, res, argv)
         return
     if args.splits:
-        import json
         res = bench_splits(args.old)
         if args.output:
-            with open(args.output, "w") as f:
-                json.dump(res, f, indent=1)
+            _write(args.output, res, argv)
         return
     if args.skinny:
-        import json
         if not all(1 <= m <= 64 for m in args.skinny_m):
             ap.error(f"--skinny-m takes row counts from 1 to 64, got {args.skinny_m}")
         from ..models.presets import PRESETS
@@ -444,8 +451,7 @@ def main(argv=None) -> None:
                   f"best {r['best_us']:7.1f} us ({r['best_gbps']:5.0f} GB/s) x{r['speedup']:.2f} "
                   f"{r['best_impl']}  auto {r['auto_us'] or float('nan'):7.1f} us", flush=True)
         if args.output:
-            with open(args.output, "w") as f:
-                json.dump(res, f, indent=1)
+            _write(args.output, res, argv)
         return
     head = (f"{'batch':>5} {'ctx':>6} {'H/Hkv':>6} {'D':>4} {'spl':>3} {'KV MB':>9} "
             f"{'eager us':>9} {'graph us':>9} {'KV GB/s':>8} {'copyGB/s':>8} {'%copy':>7}")
