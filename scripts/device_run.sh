@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root: bash scripts/device_run.sh STAGE...
 # Stages: wheels (first, when .whl is carried), splits, kernel-tests, latency-bound, ray-stash / ray-install / ray-tests (scripts/device_ray_wheel.sh), info, tests, latency-quick, latency, step, offline,
-# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), profile-tier (py-spy on the host-tier server's worker during the multi-turn run), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd (two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
+# skinny-sweep, skinny-ab, latency-peer, prefix, serve-prefix, serve-adaptive, tp-tests, tp, pd-tests, pull-profile, launch-profile (one GPU), pd, pd-verify (two GPUs), profile-serve (the profile that serve's sweep is simulated with), serve (pdserve serve + bench serve sweep), profile-api (py-spy on the API process and the worker at rate inf), profile-tier (py-spy on the host-tier server's worker during the multi-turn run), serve-loops (asyncio + h11 against uvloop + httptools), serve-pd, serve-x2, serve-x2-prefix (issue 20; two GPUs), kv-tier, preempt, serve-kv-tier. Logs and JSON go to $OUT.
 # Results' git_commit: the device's copy of the repo reports the commit its session started at,
 # whatever was committed since (seen 2026-12-06: a4d4b7f's and 224fc1a's profiles read c825257).
 # Name the commit that runs in the call: PDSERVE_GIT_COMMIT=$(git rev-parse HEAD, here) bash ...
@@ -376,6 +376,72 @@ from pdserve.bench.latency import main; main(sys.argv[2:])" $side --models qwen2
                --request-rate ${MIXED_RATES:-4 8 16 32} --goodput ttft:500 tpot:$slo \
                --disable-tqdm --result-file "$OUT/serve-mixed-$name.json" 2>&1 | tail -8
              curl -s localhost:8000/metrics | grep -E "^pdserve:(requests_by_path|routing_decisions|cost_model|output_length)"
+             kill -TERM $pid; wait $pid
+           done;;
+    serve-x2) # issue 20 item 3, two GPUs: the profile of the two-GPU deployment (its transfer term
+           # over NVLink: `pdserve profile` puts the two workers on two GPUs when there are two),
+           # then the mixed workload (short chat turns + long documents, Poisson) at the same rates
+           # through 2 collocated workers, 1P1D always split, and 1P1D under the adaptive policy at a
+           # tight (5 ms) and a loose (50 ms) TPOT SLO. The static runs' goodput at the other SLO
+           # comes from their per-request times afterwards; the adaptive policy routes by its SLO, so
+           # it runs once per SLO. CPU dry run: X2_COMMON="--device cpu" X2_GPUS= PROFILE_ARGS=--quick
+           # MIXED_VOCAB=49152 MIXED_PROMPTS=8 MIXED_RATES=inf
+           common=${X2_COMMON:-"--model qwen2.5-1.5b --load-format dummy --device cuda --gpu-memory-utilization 0.8"}
+           gpus=${X2_GPUS-2}
+           prof="$OUT/profile-x2.json"
+           if [ -n "${PROFILE_FILE:-}" ]; then cp "$PROFILE_FILE" "$prof"
+           else python3 -m pdserve profile $common ${PROFILE_ARGS:-} --output "$prof" 2>&1 | grep -v Warn | tail -24
+           fi
+           for run in ${X2_RUNS:-2col 1p1d-split 1p1d-adaptive5 1p1d-adaptive50}; do
+             slo=50
+             case $run in
+               2col) flags="--collocated 2";;
+               1p1d-split) flags="--prefill 1 --decode 1 --routing-policy disagg";;
+               1p1d-adaptive*) slo=${run#1p1d-adaptive}
+                               flags="--prefill 1 --decode 1 --routing-policy adaptive --cost-model $prof --slo-tpot-ms $slo";;
+               *) echo "unknown run $run"; continue;;
+             esac
+             python3 -m pdserve serve $common --skip-tokenizer-init --port 8000 ${gpus:+--num-gpus $gpus} \
+               ${X2_SERVER_ARGS:---no-enable-prefix-caching} $flags > "$OUT/serve-x2-$run.log" 2>&1 &
+             pid=$!
+             wait_up $pid || { tail -5 "$OUT/serve-x2-$run.log"; continue; }
+             python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --dataset-name mixed \
+               --num-prompts ${MIXED_PROMPTS:-300} --random-range-ratio 0.5 --vocab-size ${MIXED_VOCAB:-151936} \
+               --request-rate ${MIXED_RATES:-4 8 16 32} --goodput ttft:500 tpot:$slo \
+               --disable-tqdm --result-file "$OUT/serve-x2-$run.json" 2>&1 | tail -8
+             curl -s localhost:8000/metrics | grep -E "^pdserve:(requests_by_path|routing_decisions|kv_transfer)[a-z_]*_total"
+             kill -TERM $pid; wait $pid
+           done;;
+    serve-x2-prefix) # issue 20 item 4, two GPUs: multi-turn chats through 1P1D with the prefix cache on
+           # and off (the cache reset before each rate); the decode worker pulls only the blocks its own
+           # tree lacks, so KV bytes pulled per request fall with the cache on (the server's
+           # kv_transfer counters, read before and after each rate). Needs .qwen-text (as serve-prefix;
+           # X2_PREFIX_MODEL= : the embedded model). CPU dry run: X2_PREFIX_MODEL= X2_GPUS=
+           # X2_PREFIX_COMMON="--device cpu" MT_CONVERSATIONS=2 MT_RATES=inf
+           mdir=${X2_PREFIX_MODEL-.qwen-text}; model=""
+           if [ -n "$mdir" ]; then
+             [ -d $mdir ] || { echo "no $mdir: make it with scripts/make_dummy_model_dir.py and carry it"; continue; }
+             model="--model $mdir --load-format dummy"
+           fi
+           pcommon=${X2_PREFIX_COMMON:-"--device cuda --gpu-memory-utilization 0.8"}
+           gpus=${X2_GPUS-2}
+           for cache in ${PREFIX_SIDES:-on off}; do
+             flag=--enable-prefix-caching; [ $cache = off ] && flag=--no-enable-prefix-caching
+             python3 -m pdserve serve $model $pcommon --port 8000 \
+               ${gpus:+--num-gpus $gpus} --prefill 1 --decode 1 $flag > "$OUT/serve-x2-prefix-$cache.log" 2>&1 &
+             pid=$!
+             wait_up $pid || { tail -5 "$OUT/serve-x2-prefix-$cache.log"; continue; }
+             for rate in ${MT_RATES:-8 inf}; do
+               curl -s -X POST localhost:8000/reset_prefix_cache > /dev/null
+               before=$(curl -s localhost:8000/metrics | grep -E "^pdserve:kv_transfer(s|_bytes)_total")
+               python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --dataset-name multi-turn \
+                 --multi-turn-conversations ${MT_CONVERSATIONS:-64} --multi-turn-turns 6 --multi-turn-user-len 128 \
+                 --multi-turn-output-len 128 --request-rate $rate --goodput ttft:${MT_TTFT:-200} \
+                 --disable-tqdm --result-file "$OUT/serve-x2-mt-$cache-$rate.json" 2>&1 | tail -3
+               echo "kv_transfer before: $before" | tr '\n' ' '; echo
+               echo "kv_transfer after: $(curl -s localhost:8000/metrics | grep -E "^pdserve:kv_transfer(s|_bytes)_total")" | tr '\n' ' '; echo
+             done
+             curl -s localhost:8000/metrics | grep -E "^pdserve:prefix_cache" | grep -v _created
              kill -TERM $pid; wait $pid
            done;;
     *) echo "unknown stage $stage";;
