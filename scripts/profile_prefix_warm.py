@@ -2,7 +2,7 @@
 seen once, + a 30-50-token question), against the cold one: wall per call (median of 8), the
 device kernels of the warm and the cold call (torch.profiler, 8 calls each) and the device busy
 time per call; then the warm call's host side: its parts timed by wall-clock wrappers (no
-profiler), cProfile, and one call's timeline as a Chrome trace (prefix-warm-trace.json; the
+profiler; timed first, before any profiler session), cProfile, and one call's timeline as a Chrome trace (prefix-warm-trace.json; the
 profilers inflate host times, the wrappers much less). Writes prefix-warm-prof.txt (tables) and
 prefix-warm-prof.json (numbers) to --out. --device cpu --model smollm2-135m: a CPU dry run.
 
@@ -109,6 +109,10 @@ def main() -> None:
         call(system)
 
     call(random_prompts(1, 64, 64, vocab, 2)[0])
+    # the warm call's host time without a profiler, first: a torch.profiler session may leave
+    # CUDA instrumentation attached for the rest of the process (the replay timed 0.21-0.35 ms
+    # after one, 33-39 us alone in an engine's process: bench/RESULTS.md, twelfth session)
+    breakdown = host_breakdown(llm, [system + q for q in qs], call, seen_system)
     activity = ProfilerActivity.CUDA if a.device == "cuda" else ProfilerActivity.CPU  # (a CPU dry run)
     out = {}
     lines = []
@@ -145,11 +149,11 @@ def main() -> None:
         pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(35)
         lines.append(f"==== warm call, host (cProfile, 8 calls) by {order}")
         lines.append(buf.getvalue())
-    # the warm call's host time without a profiler: wall-clock timers around the engine's
-    # parts (inclusive; nested parts are inside their callers), mean ms per call
-    out["warm_host_breakdown_ms"] = host_breakdown(llm, [system + q for q in qs], call,
-                                                   seen_system)
-    lines.append("==== warm call, host parts (timers, no profiler; inclusive), ms per call")
+    # the warm call's host time without a profiler (timed first, above): wall-clock timers
+    # around the engine's parts (inclusive; nested parts are inside their callers), mean ms per call
+    out["warm_host_breakdown_ms"] = breakdown
+    lines.append("==== warm call, host parts (timers, no profiler, before any profiler ran; "
+                 "inclusive), ms per call")
     lines += [f"{v:8.3f}  {k}" for k, v in out["warm_host_breakdown_ms"].items()]
     # one warm call's timeline, host and device (a Chrome trace): where the device waits
     seen_system()

@@ -256,10 +256,13 @@ def test_warm_up_runs_each_prefill_tile_kind_a_step_can_need(model_dir, budget, 
 
     llm = make_llm(model_dir, max_num_batched_tokens=budget, max_model_len=max_model_len)
     runner = llm.llm_engine.runner
-    ran = []
+    ran = []   # each warm-up forward's longest chunk
     forward = mr.ModelRunner._forward
-    monkeypatch.setattr(mr.ModelRunner, "_forward", lambda self, chunks, pending=None: (
-        ran.append(max(len(c.token_ids) for c in chunks)), forward(self, chunks, pending))[1])
+
+    def recorded(self, chunks, pending=None):
+        ran.append(max(len(c.token_ids) for c in chunks))
+        return forward(self, chunks, pending)
+    monkeypatch.setattr(mr.ModelRunner, "_forward", recorded)
     runner.warm_up(max_model_len)
     kinds = {tuple(sorted(prefill_config_for(n, torch.bfloat16).items())) for n in ran}
     for n in range(2, min(budget, max_model_len) + 1):

@@ -107,11 +107,12 @@ def test_warm_up_touches_only_the_scratch_block(tmp_path, backend):
     """ModelRunner.warm_up (run at start-up on GPUs: compiles the attention variants) runs a
     short and a long-context mixed batch that read and write the scratch block only: every
     pool block is as it was, and the engine then serves normally (here on CPU, the Triton
-    backend under the interpreter)."""
+    backend under the interpreter). A 144-token step budget keeps the warm-up's wider chunk
+    (the default attention tiles' stand-in) at 143 tokens: the interpreter is slow."""
     (tmp_path / "config.json").write_text(json.dumps(dict(CFG, max_position_embeddings=600)))
     engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy",
                                     skip_tokenizer_init=True, num_kv_blocks=64, block_size=16,
-                                    attention_backend=backend))
+                                    max_num_batched_tokens=144, attention_backend=backend))
     runner = engine.runner
     engine.add_request("a", {"prompt_token_ids": list(range(3, 40))},
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
