@@ -20,7 +20,9 @@ as a parsed request would be):
 
 Beside each timed sample, the floor: one == of the prompt against a fresh copy of itself (every
 token read once; no Python matcher reads fewer). This machine's speed drifts by up to 2x within
-minutes, so each case also reports the median of sample / floor, which does not.
+minutes, so each case also reports the median of sample / floor, which does not, and the whole set
+runs --rounds times (medians over the rounds, each round's median, and how many rounds met the
+target).
 
 The issue's target: <= 50 us per request for a 4k-token prompt in a 100k-token tree.
 
@@ -188,6 +190,19 @@ def bench_manager(args, profile: cProfile.Profile | None) -> dict:
             "matched_tokens": statistics.median(matched), **summary(times, floor)}
 
 
+def over_rounds(per_round: list[dict], target_us: float) -> dict:
+    """One case over the rounds: the first round's fields, the medians over the rounds of its
+    median, p90, floor and ratio, each round's median, and how many rounds met the target."""
+    med = lambda key: round(statistics.median(r[key] for r in per_round), 2)   # noqa: E731
+    out = dict(per_round[0])
+    out.update(median_us=med("median_us"), p90_us=med("p90_us"),
+               floor_median_us=med("floor_median_us"), over_floor=med("over_floor"),
+               round_medians_us=[r["median_us"] for r in per_round],
+               round_floors_us=[r["floor_median_us"] for r in per_round],
+               rounds_within_target=sum(r["median_us"] <= target_us for r in per_round))
+    return out
+
+
 def floor_us(args) -> dict:
     """What one pass over the prompt costs in Python here: == of two lists of equal, distinct
     int objects, and a list copy (a walk with list edges does at least one of each)."""
@@ -221,26 +236,42 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-us", type=float, default=50.0)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="repeat every case this many times (fresh trees); results are the "
+                        "medians over the rounds, with each round's median")
+    p.add_argument("--round-pause", type=float, default=0.0,
+                   help="seconds between rounds (this machine's speed drifts over minutes)")
     p.add_argument("--output", help="write the results here as JSON")
     p.add_argument("--profile", choices=["hit", "partial", "miss", "diverge", "manager"],
                    help="cProfile that case's timed calls and print the top functions")
     args = p.parse_args(argv)
     if not 0 < args.system_tokens < args.diverge_at < args.cached_tokens < args.prompt_tokens:
         p.error("need 0 < --system-tokens < --diverge-at < --cached-tokens < --prompt-tokens")
-    for name in ("conversations", "conv_tokens", "systems", "block_size", "iterations"):
+    for name in ("conversations", "conv_tokens", "systems", "block_size", "iterations", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
-    results = []
     prof = cProfile.Profile() if args.profile else None
-    for case in ("hit", "partial", "miss", "diverge"):
-        results.append(bench_tree(args, case, prof if case == args.profile else None))
-    results.append(bench_manager(args, prof if args.profile == "manager" else None))
+    rounds = []          # per round, one summary per case
+    for k in range(args.rounds):
+        if k:
+            time.sleep(args.round_pause)
+        res = [bench_tree(args, case, prof if case == args.profile and not k else None)
+               for case in ("hit", "partial", "miss", "diverge")]
+        res.append(bench_manager(args, prof if args.profile == "manager" and not k else None))
+        if args.rounds > 1:
+            print(f"round {k + 1}: " + "  ".join(
+                f"{r['case'].split()[0]} {r['median_us']:.1f}" for r in res)
+                + f"  (floor {statistics.median(r['floor_median_us'] for r in res):.1f} us)")
+        rounds.append(res)
+    results = [over_rounds([res[i] for res in rounds], args.target_us)
+               for i in range(len(rounds[0]))]
     for r in results:
         ok = "ok" if r["median_us"] <= args.target_us else f"over the {args.target_us:g} us target"
         print(f"{r['case']:<58} tree {r['tree_tokens']:>6} tok  matched {r['matched_tokens']:>6.0f}  "
               f"median {r['median_us']:>7.1f} us  p90 {r['p90_us']:>7.1f} us  "
-              f"{r['over_floor']:.2f}x floor ({r['floor_median_us']:.1f} us)  ({ok})")
+              f"{r['over_floor']:.2f}x floor ({r['floor_median_us']:.1f} us)  ({ok}; "
+              f"{r['rounds_within_target']} of {len(rounds)} rounds)")
     floor = floor_us(args)
     print(f"for scale: {args.prompt_tokens}-token list == list {floor['list_eq_median_us']:.1f} us, "
           f"list copy {floor['list_copy_median_us']:.1f} us (median)")
