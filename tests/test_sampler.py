@@ -601,3 +601,26 @@ def test_top_p_boundary_per_row_in_a_mixed_batch():
     kept = _apply_top_k_top_p(rows.clone(), None, top_p)
     got = [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in kept]
     assert got == [{0, 1}, {3}, {7, 4, 5, 6}, {1, 3}]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_build_does_not_wait_for_queued_device_work():
+    """The runner builds a step's sampling batch right after queueing its forward: building one
+    with every upload kind (temperatures, penalties, logit_bias, min_tokens bans) must not wait
+    for the device. A long spin is queued first; when build returns, it is still running
+    (a pageable upload would have waited for it)."""
+    V, B = 1000, 4
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.2,
+                             frequency_penalty=0.5, min_tokens=3, stop_token_ids=[7],
+                             logit_bias={5: 2.0}) for _ in range(B)]
+    args = (params, [[1, 2, 3]] * B, [[4]] * B, [None] * B, V, "cuda")
+    SamplingBatch.build(*args, eos_token_ids=[2])     # (the pinned allocator's first blocks)
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(500_000_000)                    # a few hundred ms of device work
+    batch = SamplingBatch.build(*args, eos_token_ids=[2])
+    still_busy = not stream.query()
+    torch.cuda.synchronize()
+    assert still_busy, "SamplingBatch.build waited for the device"
+    assert batch.banned_mask[0, 7] and batch.banned_mask[0, 2] and batch.bias_index is not None

@@ -156,10 +156,11 @@ class SamplingBatch:
         rep = [p.repetition_penalty for p in params]
 
         # One host->device copy for all the float rows, one for the int rows.
-        floats = torch.tensor([temps, top_ps, min_ps, pres, freq, rep],
-                              dtype=torch.float32).reshape(6, B).to(device, non_blocking=True)
-        ints = torch.tensor([top_ks, [int(g) for g in greedy]],
-                            dtype=torch.int64).reshape(2, B).to(device, non_blocking=True)
+        pin = device.type == "cuda"
+        floats = torch.tensor([temps, top_ps, min_ps, pres, freq, rep], dtype=torch.float32,
+                              pin_memory=pin).reshape(6, B).to(device, non_blocking=True)
+        ints = torch.tensor([top_ks, [int(g) for g in greedy]], dtype=torch.int64,
+                            pin_memory=pin).reshape(2, B).to(device, non_blocking=True)
         temperature, top_p, min_p, presence, frequency, repetition = floats.unbind(0)
         top_k, greedy_i = ints.unbind(0)
 
@@ -175,7 +176,7 @@ class SamplingBatch:
             idx = _flat_index([o if on else () for o, on in zip(output_token_ids, pen_rows)], V)
             output_counts = torch.zeros(B * V, dtype=torch.float32, device=device)
             if idx.numel():
-                idx = idx.to(device, non_blocking=True)
+                idx = _upload(idx, device)
                 output_counts.index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32,
                                                             device=device))
             output_counts = output_counts.view(B, V)
@@ -195,10 +196,10 @@ class SamplingBatch:
         if biased:
             flat = [(i * V + t, b) for i, bias in biased for t, b in bias.items() if 0 <= t < V]
             if flat:
-                bias_index = torch.tensor([f for f, _ in flat], dtype=torch.int64).to(
-                    device, non_blocking=True)
-                bias_values = torch.tensor([b for _, b in flat], dtype=torch.float32).to(
-                    device, non_blocking=True)
+                bias_index = _upload(torch.tensor([f for f, _ in flat], dtype=torch.int64),
+                                     device)
+                bias_values = _upload(torch.tensor([b for _, b in flat], dtype=torch.float32),
+                                      device)
 
         enabled_ks = [k for k in top_ks if k < V]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -224,6 +225,14 @@ class SamplingBatch:
         )
 
 
+def _upload(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on device without waiting for the work queued there: through pinned memory
+    on CUDA (a pageable upload waits for the step in flight, whose forward was just queued)."""
+    if device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _flat_index(rows: Sequence[Sequence[int]], V: int) -> Tensor:
     """CPU int64 tensor of ``row * V + token`` for every in-range token of every row."""
     lengths = [len(r) for r in rows]
@@ -243,7 +252,7 @@ def _mask_from_ids(rows: Sequence[Sequence[int]], B: int, V: int, device) -> Ten
     mask = torch.zeros(B * V, dtype=torch.bool, device=device)
     idx = _flat_index(rows, V)
     if idx.numel():
-        mask[idx.to(device, non_blocking=True)] = True
+        mask[_upload(idx, device)] = True
     return mask.view(B, V)
 
 

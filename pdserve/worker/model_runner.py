@@ -483,7 +483,7 @@ class ModelRunner:
             if not self.is_driver:
                 continue  # the gather inside compute_logits needs every rank; sampling does not
             lp = torch.log_softmax(logits, dim=-1)
-            target = torch.tensor(st.prompt_token_ids[a + 1:b + 1], device=lp.device)
+            target = _to_device(st.prompt_token_ids[a + 1:b + 1], lp.device)
             chosen = lp.gather(1, target[:, None])[:, 0].tolist()
             if k:
                 top_lp, top_ids = lp.topk(k, dim=-1)
