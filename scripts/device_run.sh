@@ -55,6 +55,7 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py tests/test_hf_sliding_window.py tests/test_gpu_connectors.py tests/test_gpu_structured.py tests/test_model_hf_qwen3.py tests/test_gpu_server.py tests/test_kv_host_tier.py tests/test_gpu_bench_step.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
     serve-compare) # the same sweep on this tree's server and on an older one's (carried as old/),
            # then a kill -9 of the hardened server's worker: how long until it serves again
+           # (SERVE_BENCH_ARGS: more bench flags, e.g. "--temperature 1.0" for sampled requests)
            for side in ${SIDES:-old new}; do
              # (python -m puts the working directory first on sys.path: the old side runs from old/)
              dir=.; [ $side = old ] && dir=old
@@ -65,7 +66,7 @@ for stage in "$@"; do
              python3 -m pdserve bench serve --ignore-eos --base-url http://127.0.0.1:8000 --num-prompts ${SERVE_PROMPTS:-150} \
                --random-input-len 1280 --random-output-len 320 --random-range-ratio 0.6 \
                --vocab-size 151936 --request-rate ${SERVE_RATES:-16 32 inf} --goodput ttft:500 tpot:50 \
-               --disable-tqdm --result-file "$OUT/serve-compare-$side${SERVE_TAG:-}.json" 2>&1 | tail -6
+               --disable-tqdm ${SERVE_BENCH_ARGS:-} --result-file "$OUT/serve-compare-$side${SERVE_TAG:-}.json" 2>&1 | tail -6
              [ $side = new ] && [ -z "${NO_RESTART:-}" ] && python3 scripts/measure_restart.py 2>&1 | tee "$OUT/restart.log"
              kill -TERM $pid; wait $pid
            done;;
