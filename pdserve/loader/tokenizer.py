@@ -26,6 +26,7 @@ from .gguf_kv import GGUFMetadata, gguf_get
 from .gguf_vocab import (BYTE_TOKEN_RE, SPIECE_SPACE, TT_CONTROL, TT_NORMAL, TT_UNKNOWN,
                          build_gguf_bpe, build_gguf_spm, byte_level_bytes)
 from .pretokenizers import ADD_BOS_PRE
+from .segment_cache import MIN_CHARS, SegmentEncoder
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -33,6 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Tokenizer"]
 
 logger = logging.getLogger(__name__)
+
+
+_UNSET = object()
 
 
 def _opt_int(value: Any) -> int | None:
@@ -101,6 +105,7 @@ class Tokenizer:
         self._piece_bytes = list(piece_bytes) if piece_bytes is not None else None
         self._strip_leading_space = strip_leading_space
         self._token_bytes: list[bytes] | None = None
+        self._segments: SegmentEncoder | None | object = _UNSET
         self.source = source
 
     def __repr__(self) -> str:
@@ -123,14 +128,25 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         try:
-            # the batch call releases the GIL (a single encode holds it for the whole text:
-            # seconds for megabytes, during which no other thread of the process runs)
-            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+            pieces = self.segment_encoder() if len(text) >= MIN_CHARS else None
+            if pieces is not None:     # cut at its added tokens, pieces through a cache
+                ids = pieces.encode(text)
+            else:
+                # the batch call releases the GIL (a single encode holds it for the whole text:
+                # seconds for megabytes, during which no other thread of the process runs)
+                ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:  # what the backend raises for a str that is not valid Unicode
             raise ValueError(_not_unicode(text)) from None
         if add_special_tokens and self.add_bos_token:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def segment_encoder(self) -> SegmentEncoder | None:
+        """The encoder of long texts by pieces between added tokens, through a cache (made at
+        the first long text; None where pieces could encode differently: segment_cache.py)."""
+        if self._segments is _UNSET:
+            self._segments = SegmentEncoder.for_backend(self._backend)
+        return self._segments
 
     def _check_id(self, token_id: int) -> int:
         token_id = int(token_id)
