@@ -42,6 +42,7 @@ class FakeEngine:
         from pdserve.protocol import WorkerStats  # noqa: F401 (the real type exists)
         self.step_s = step_s
         self.reqs: dict[str, list] = {}
+        self.answers: dict[str, str | None] = {}
         self.next_step = time.monotonic()
         self.tokenizer = None
         self.eos_token_ids = ()
@@ -57,6 +58,17 @@ class FakeEngine:
             ids = r.prompt["prompt_token_ids"] if isinstance(r.prompt, dict) else r.prompt
             self.reqs[r.request_id] = [r, list(ids), [], r.params.max_tokens or 16]
         return [None] * len(requests)
+
+    def submit(self, requests):
+        """The router's add without waiting (the server's way): every request admitted; the
+        answers come from take_answers()."""
+        self.add_requests(requests)
+        self.answers.update((r.request_id, None) for r in requests)
+        return [None] * len(requests)
+
+    def take_answers(self):
+        out, self.answers = self.answers, {}
+        return out
 
     def abort_request(self, request_id):
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -1,5 +1,6 @@
-"""RequestStream.ready(): true exactly when the next read returns or raises without waiting
-(the streamed body reads such a stream in place, without a task and a keepalive timer)."""
+"""RequestStream's reads: what arrived since the last read in one batch, the end and errors in
+order, and nudge() (the streamed body reads a stream in place, without a task and a keepalive
+timer, and a keep-alive task nudges it when it is quiet)."""
 import asyncio
 
 import pytest
@@ -43,48 +44,75 @@ async def _returns_at_once(st):
         return True, e
 
 
-def test_ready_matches_whether_a_read_waits():
+def test_reads_batch_what_arrived_and_know_the_end_at_once():
     async def main():
         eng, st = _stream()
-        assert not st.ready()
         assert (await _returns_at_once(st))[0] is False      # nothing queued: it waits
         a, b = _out(), _out()
         st._queue.put_nowait(a)
         st._queue.put_nowait(b)
-        assert st.ready()
         done, batch = await _returns_at_once(st)
         assert done and batch == [a, b]                       # both, in order, in one read
-        assert not st.ready()
+        assert (await _returns_at_once(st))[0] is False
         fin = _out(finished=True)
         st._queue.put_nowait(fin)
-        assert st.ready()
         assert (await _returns_at_once(st)) == (True, [fin])
-        assert st.ready() and st.finished                     # the end is known at once
+        assert st.finished                                    # the end is known at once
         done, e = await _returns_at_once(st)
         assert done and isinstance(e, StopAsyncIteration)
         assert "r" not in eng._streams
     asyncio.run(main())
 
 
-def test_ready_after_an_error_and_after_close():
+def test_reads_after_an_error_and_after_close():
     async def main():
         eng, st = _stream()
         before = _out()
         st._queue.put_nowait(before)
         st._queue.put_nowait(EngineDeadError("gone"))
-        assert st.ready()
         assert (await _returns_at_once(st)) == (True, [before])
-        assert st.ready()                                     # the held error is next
-        done, e = await _returns_at_once(st)
+        done, e = await _returns_at_once(st)                  # the held error is next
         assert done and isinstance(e, EngineDeadError)
 
         eng2, st2 = _stream()
-        assert not st2.ready()
         await st2.aclose()
-        assert st2.ready() and eng2.commands == [("abort", "r")]
+        assert eng2.commands == [("abort", "r")]
         with pytest.raises(StopAsyncIteration):
             await st2.__anext__()
     asyncio.run(main())
+
+
+def test_a_nudge_ends_a_wait_with_an_empty_batch_unless_something_came():
+    """The streamed body's keep-alive: a nudge alone ends the wait (already waiting, or the
+    next one) with []; with outputs or an error around it, it is dropped and they come as
+    without it."""
+    async def main():
+        eng, st = _stream()
+        waiting = asyncio.ensure_future(st.__anext__())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        st.nudge()
+        assert await waiting == []
+        st.nudge()
+        assert (await _returns_at_once(st)) == (True, [])
+        a, b = _out(), _out()
+        for item in (a, _NUDGE_OF(st), b):
+            st._queue.put_nowait(item)
+        assert (await _returns_at_once(st)) == (True, [a, b])
+        st.nudge()
+        st.nudge()
+        assert (await _returns_at_once(st)) == (True, [])       # (two nudges: one wake)
+        st.nudge()
+        st._queue.put_nowait(EngineDeadError("gone"))
+        done, e = await _returns_at_once(st)
+        assert done and isinstance(e, EngineDeadError)
+    asyncio.run(main())
+
+
+def _NUDGE_OF(st):
+    """What nudge() queues (to place one between outputs)."""
+    st.nudge()
+    return st._queue.get_nowait()
 
 
 class _Unanswering:

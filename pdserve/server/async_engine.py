@@ -32,12 +32,16 @@ if TYPE_CHECKING:
     from ..routing import Router   # (submit / take_answers: the router's, not EngineProtocol's)
 
 
+_NUDGE = object()   # (RequestStream.nudge: a keep-alive asked for, no output)
+
+
 class RequestStream:
     """An admitted request's outputs, in batches: each item is every output that arrived since
     the consumer last asked (one or more engine steps, oldest first), so a consumer that fell
     behind catches up with one write. Raises EngineDeadError when the deployment ends the
     request (its worker died, the server shuts down). aclose() before the final output aborts
-    the request (whether iteration started or not)."""
+    the request (whether iteration started or not). After nudge(), a wait ends with an empty
+    batch if no output came meanwhile (a streamed body's keep-alive, without a timer per wait)."""
 
     def __init__(self, engine: "AsyncEngine", request_id: str, queue_: asyncio.Queue,
                  added: float | None = None):
@@ -61,6 +65,13 @@ class RequestStream:
         batch = [await self._queue.get()]
         while not self._queue.empty():
             batch.append(self._queue.get_nowait())
+        if len(batch) == 1:
+            if batch[0] is _NUDGE:
+                return []
+        elif any(item is _NUDGE for item in batch):
+            batch = [item for item in batch if item is not _NUDGE]
+            if not batch:
+                return []
         for i, item in enumerate(batch):
             if isinstance(item, BaseException):
                 # what came before the error is delivered first, the error on the next call
@@ -79,10 +90,10 @@ class RequestStream:
                 break
         return batch
 
-    def ready(self) -> bool:
-        """Whether the next __anext__ returns (or raises) without waiting for the engine."""
-        return (self._error is not None or self.finished or self._closed
-                or not self._queue.empty())
+    def nudge(self) -> None:
+        """Wake the reader: its wait (or next one) ends with an empty batch unless an output or
+        an error comes first (then the nudge is dropped)."""
+        self._queue.put_nowait(_NUDGE)
 
     def _end(self) -> None:
         self._engine._streams.pop(self.request_id, None)

@@ -129,6 +129,10 @@ class OpenAIServing:
         self.pool = ThreadPoolExecutor(options.tokenizer_threads,
                                        thread_name_prefix="pdserve-tokenize")
         self.waiting: set[RequestStream] = set()  # admitted, no output yet
+        # streamed bodies of one request, each with the time of its last write: one task
+        # nudges those quiet for keepalive_s (a keep-alive comment), instead of a timer per wait
+        self._quiet: dict[RequestStream, list[float]] = {}
+        self._keepalive_task: asyncio.Task | None = None
         self.draining = False   # a shutdown has begun
         self.tool_parser: ToolParser = get_tool_parser(
             options.tool_call_parser or parser_for_template(
@@ -216,7 +220,8 @@ class OpenAIServing:
         timer = RequestTimer(self.metrics, stream.added)
         try:
             async for batch in stream:
-                self.waiting.discard(stream)
+                if batch:        # (empty: a keep-alive nudge)
+                    self.waiting.discard(stream)
                 for out in batch:
                     timer.on_output(out)
                 # (the workers' gauges are refreshed where they are read, by /metrics; once per
@@ -586,15 +591,16 @@ class OpenAIServing:
             finals = {}
             it = self.merged([self.outputs(st) for st in streams]).__aiter__()
             nxt: asyncio.Future | None = None
-            # A lone stream whose outputs have arrived is read in place, without the task and
-            # the timer that a wait with a keepalive needs (~10% of the API's CPU per streamed
-            # token under load: scripts/bench_api.py).
+            # A lone stream is read in place, without the task and the timer that a wait with
+            # a keepalive needs (half of the API's CPU per streamed token under load:
+            # scripts/bench_api.py); the keep-alive task nudges it when it is quiet.
             lone = streams[0] if len(streams) == 1 else None
+            last = self._watch_quiet(lone) if lone is not None else None
             try:
                 yield b": admitted\n\n" + b"".join(sse(ch) for ch in first or ())
                 while True:
                     try:
-                        if lone is not None and lone.ready():
+                        if lone is not None:
                             i, batch = await it.__anext__()
                         else:
                             nxt = asyncio.ensure_future(it.__anext__())
@@ -603,6 +609,11 @@ class OpenAIServing:
                             i, batch = nxt.result()
                     except StopAsyncIteration:
                         break
+                    if not batch:                # the keep-alive task's nudge
+                        yield b": keep-alive\n\n"
+                        continue
+                    if last is not None:
+                        last[0] = time.monotonic()
                     if batch[-1].finished:
                         finals[i] = batch[-1]
                     data = b"".join(sse(ch) for out in batch for ch in to_chunks(i, out))
@@ -621,6 +632,8 @@ class OpenAIServing:
             except Exception as e:  # noqa: BLE001 - a stream always ends with a terminal event
                 yield error_event(f"internal error: {type(e).__name__}: {e}", 500)
             finally:
+                if lone is not None:
+                    self._quiet.pop(lone, None)
                 if nxt is not None and not nxt.done():
                     nxt.cancel()
                 await it.aclose()
@@ -629,6 +642,29 @@ class OpenAIServing:
         # (the background task also runs when the client left before the body started)
         return StreamingResponse(body(), media_type="text/event-stream",
                                  background=BackgroundTask(self.close, streams))
+
+    def _watch_quiet(self, stream: RequestStream) -> list[float]:
+        """Keep-alives for a streamed body read in place: the body sets [0] to the time of each
+        write; the keep-alive task nudges the stream when keepalive_s passed without one."""
+        last = [time.monotonic()]
+        self._quiet[stream] = last
+        if self._keepalive_task is None:
+            self._keepalive_task = asyncio.create_task(self._keep_alive())
+        return last
+
+    async def _keep_alive(self) -> None:
+        """While streamed bodies are open: every keepalive_s / 4, nudge those without a write
+        for keepalive_s (each then writes a keep-alive comment and counts as written). Ends when
+        none is left (the next body starts it again: no await between the check and the end)."""
+        period = self.options.keepalive_s
+        while self._quiet:
+            await asyncio.sleep(period / 4)
+            now = time.monotonic()
+            for stream, last in list(self._quiet.items()):
+                if now - last[0] >= period:
+                    last[0] = now
+                    stream.nudge()
+        self._keepalive_task = None
 
     # ---- shutdown ------------------------------------------------------------------------------
     def begin_shutdown(self) -> None:
