@@ -52,7 +52,7 @@ for stage in "$@"; do
   case $stage in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
-    tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py tests/test_hf_sliding_window.py tests/test_gpu_connectors.py tests/test_gpu_structured.py tests/test_model_hf_qwen3.py tests/test_gpu_server.py tests/test_kv_host_tier.py tests/test_gpu_bench_step.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
+    tests) python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_model.py tests/test_hf_sliding_window.py tests/test_gpu_connectors.py tests/test_gpu_structured.py tests/test_model_hf_qwen3.py tests/test_gpu_server.py tests/test_kv_host_tier.py tests/test_gpu_bench_step.py tests/test_sampler.py --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40;;
     serve-compare) # the same sweep on this tree's server and on an older one's (carried as old/),
            # then a kill -9 of the hardened server's worker: how long until it serves again
            # (SERVE_BENCH_ARGS: more bench flags, e.g. "--temperature 1.0" for sampled requests)
