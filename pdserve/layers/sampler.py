@@ -252,7 +252,8 @@ def _mask_from_ids(rows: Sequence[Sequence[int]], B: int, V: int, device) -> Ten
     mask = torch.zeros(B * V, dtype=torch.bool, device=device)
     idx = _flat_index(rows, V)
     if idx.numel():
-        # (index_fill_: the value is a kernel argument, not a host scalar to copy up)
+        # (index_fill_ passes the value to its kernel; `mask[idx] = True` copies it up as a 0-dim
+        # tensor by a blocking copy, which waits for the forward in flight: pytorch/pytorch#186486)
         mask.index_fill_(0, _upload(idx, device), True)
     return mask.view(B, V)
 
