@@ -168,3 +168,52 @@ def test_an_add_still_waiting_for_its_answer_at_shutdown_gets_engine_dead():
             await asyncio.wait_for(add, 5)
 
     asyncio.run(main())
+
+
+def test_a_streamed_body_of_two_requests_gets_keep_alives_until_both_finish():
+    """OpenAIServing.stream over two streams (n = 2), keepalive 0.05 s: quiet, the body writes
+    keep-alive comments; after the first stream's final output, still (for the second); after
+    both, the events and [DONE], and no stream is left for the keep-alive task."""
+    from types import SimpleNamespace
+
+    from pdserve.server.http import ServeOptions
+    from pdserve.server.serving import OpenAIServing
+
+    async def main():
+        eng = _Engine()
+        eng.tokenizer = None
+        srv = OpenAIServing(eng, "m", ServeOptions(keepalive_s=0.05))
+        streams = []
+        for rid in ("a", "b"):
+            st = RequestStream(eng, rid, asyncio.Queue())
+            eng._streams[rid] = st
+            streams.append(st)
+        resp = srv.stream(streams, lambda i, out: [{"choice": i}], "c", "x",
+                          SimpleNamespace(stream_options=None))
+        body = resp.body_iterator
+
+        async def until(pred):
+            got = []
+            while not pred(got):
+                got.append(await asyncio.wait_for(body.__anext__(), 2))
+            return got
+
+        assert (await body.__anext__()).startswith(b": admitted")
+        assert await until(lambda g: len(g) == 2) == [b": keep-alive\n\n"] * 2
+        streams[0]._queue.put_nowait(RequestOutput("a", None, [1], [], True))
+        got = await until(lambda g: b'"choice":0' in b"".join(g))
+        assert streams[0] not in srv._quiet and streams[1] in srv._quiet
+        assert (await until(lambda g: len(g) == 2)) == [b": keep-alive\n\n"] * 2
+        streams[1]._queue.put_nowait(RequestOutput("b", None, [1], [], True))
+        got = await until(lambda g: g and g[-1].endswith(b"data: [DONE]\n\n"))
+        assert b'"choice":1' in b"".join(got)
+        with pytest.raises(StopAsyncIteration):
+            await body.__anext__()
+        assert not srv._quiet and eng.commands == []          # both finished: no abort
+        for _ in range(200):                                  # nothing left to watch: it ends
+            if srv._keepalive_task is None:
+                break
+            await asyncio.sleep(0.01)
+        assert srv._keepalive_task is None
+        srv.pool.shutdown()
+    asyncio.run(main())

@@ -129,8 +129,8 @@ class OpenAIServing:
         self.pool = ThreadPoolExecutor(options.tokenizer_threads,
                                        thread_name_prefix="pdserve-tokenize")
         self.waiting: set[RequestStream] = set()  # admitted, no output yet
-        # streamed bodies of one request, each with the time of its last write: one task
-        # nudges those quiet for keepalive_s (a keep-alive comment), instead of a timer per wait
+        # the streams of open streamed bodies, each with its body's time of last write: one task
+        # nudges a body quiet for keepalive_s (a keep-alive comment), instead of a timer per wait
         self._quiet: dict[RequestStream, list[float]] = {}
         self._keepalive_task: asyncio.Task | None = None
         self.draining = False   # a shutdown has begun
@@ -582,40 +582,27 @@ class OpenAIServing:
         after every keepalive_s without an event, and a terminal event whatever happens (the
         outputs' end, an error event + [DONE] when the deployment ends the requests)."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        keepalive = self.options.keepalive_s
 
         async def body():
             # One write per batch of outputs (every event of every step that arrived since the
             # last write), each event encoded by msgspec: per-event cost is what caps a stream
             # server's tokens/s.
             finals = {}
-            it = self.merged([self.outputs(st) for st in streams]).__aiter__()
-            nxt: asyncio.Future | None = None
-            # A lone stream is read in place, without the task and the timer that a wait with
-            # a keepalive needs (half of the API's CPU per streamed token under load:
-            # scripts/bench_api.py); the keep-alive task nudges it when it is quiet.
-            lone = streams[0] if len(streams) == 1 else None
-            last = self._watch_quiet(lone) if lone is not None else None
+            it = self.merged([self.outputs(st) for st in streams])
+            # Read in place, without a task and a timer per wait (half of the API's CPU per
+            # streamed token under load: scripts/bench_api.py): the keep-alive task nudges a
+            # stream of this body when none was written for keepalive_s (an empty batch).
+            last = self._watch_quiet(streams)
             try:
                 yield b": admitted\n\n" + b"".join(sse(ch) for ch in first or ())
-                while True:
-                    try:
-                        if lone is not None:
-                            i, batch = await it.__anext__()
-                        else:
-                            nxt = asyncio.ensure_future(it.__anext__())
-                            while not (await asyncio.wait({nxt}, timeout=keepalive))[0]:
-                                yield b": keep-alive\n\n"
-                            i, batch = nxt.result()
-                    except StopAsyncIteration:
-                        break
+                async for i, batch in it:
                     if not batch:                # the keep-alive task's nudge
                         yield b": keep-alive\n\n"
                         continue
-                    if last is not None:
-                        last[0] = time.monotonic()
+                    last[0] = time.monotonic()
                     if batch[-1].finished:
                         finals[i] = batch[-1]
+                        self._quiet.pop(streams[i], None)   # (a nudge to it would wake no one)
                     data = b"".join(sse(ch) for out in batch for ch in to_chunks(i, out))
                     if data:
                         yield data
@@ -632,10 +619,8 @@ class OpenAIServing:
             except Exception as e:  # noqa: BLE001 - a stream always ends with a terminal event
                 yield error_event(f"internal error: {type(e).__name__}: {e}", 500)
             finally:
-                if lone is not None:
-                    self._quiet.pop(lone, None)
-                if nxt is not None and not nxt.done():
-                    nxt.cancel()
+                for st in streams:
+                    self._quiet.pop(st, None)
                 await it.aclose()
                 await self.close(streams)
 
@@ -643,19 +628,22 @@ class OpenAIServing:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  background=BackgroundTask(self.close, streams))
 
-    def _watch_quiet(self, stream: RequestStream) -> list[float]:
-        """Keep-alives for a streamed body read in place: the body sets [0] to the time of each
-        write; the keep-alive task nudges the stream when keepalive_s passed without one."""
+    def _watch_quiet(self, streams: list[RequestStream]) -> list[float]:
+        """Keep-alives for a streamed body: the body sets [0] to the time of each write (one
+        list for all its streams); the keep-alive task nudges one of them when keepalive_s
+        passed without a write. The body unregisters a stream when it finishes."""
         last = [time.monotonic()]
-        self._quiet[stream] = last
-        if self._keepalive_task is None:
+        for st in streams:
+            self._quiet[st] = last
+        if self._keepalive_task is None or self._keepalive_task.done():
             self._keepalive_task = asyncio.create_task(self._keep_alive())
         return last
 
     async def _keep_alive(self) -> None:
-        """While streamed bodies are open: every keepalive_s / 4, nudge those without a write
-        for keepalive_s (each then writes a keep-alive comment and counts as written). Ends when
-        none is left (the next body starts it again: no await between the check and the end)."""
+        """While streamed bodies are open: every keepalive_s / 4, nudge a stream of each body
+        without a write for keepalive_s (the body then writes a keep-alive comment; its time
+        counts as a write, so its other streams are passed over). Ends when none is left (the
+        next body starts it again: no await between the check and the end)."""
         period = self.options.keepalive_s
         while self._quiet:
             await asyncio.sleep(period / 4)
