@@ -1,7 +1,9 @@
-"""Which part of SamplingBatch.build waits for the device (GPU only): each upload kind is built
-alone and all together, (1) behind a long queued kernel, reporting whether build returned while
-it still ran, and (2) under torch.cuda.set_sync_debug_mode("error"), reporting the first
-synchronizing call's traceback tail. JSON to --output.
+"""Which part of SamplingBatch.build waits for the device (GPU only). Each device op that build
+uses (one at a time), then build with each sampling kind alone and all together, runs (1)
+behind a long queued kernel, reporting whether it returned while that still ran, and (2) under
+torch.cuda.set_sync_debug_mode("error"), reporting the first synchronizing call's traceback
+tail. `index_put_scalar` (`mask[idx] = True`) is the known waiting op: a control that the probe
+sees one. JSON to --output.
 
     python scripts/probe_sampler_sync.py --output /tmp/sampler-sync.json
 """
